@@ -1,0 +1,73 @@
+"""Fit the predictor's physical parameters (the `calibration:` block of the catalog) to the
+measured A100 iterations of ../shared/data.
+
+Usage: python benchmarks/calibrate.py [--iterations N]
+Prints the fitted values as YAML to paste into src/hethub/data/catalog.yaml. The objective is the
+mean of the per-file MAPEs, so that the 41 multi-node rows weigh as much as the 1,440 single-node
+ones. Needs SciPy (`pip install scipy`); the predictor itself does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vtrain_rows import load_rows  # noqa: E402
+
+from hethub.predictor import Calibration, default_calibration, predict  # noqa: E402
+from hethub.predictor.compute import embedding_cost, head_cost, layer_cost  # noqa: E402
+
+FRACTIONS = {"matmul_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency"}
+
+
+def per_file_mape(cal: Calibration, rows) -> dict[str, float]:
+    errors = defaultdict(list)
+    for row in rows:
+        predicted = predict(row.plan, row.cluster, row.model, calibration=cal).iteration_time_s
+        errors[row.file].append(abs(predicted - row.measured_s) / row.measured_s)
+    return {name: 100 * sum(e) / len(e) for name, e in errors.items()}
+
+
+def main() -> int:
+    from scipy.optimize import minimize
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=1500)
+    args = parser.parse_args()
+    rows = load_rows()
+    start = default_calibration()
+    names = [f.name for f in dataclasses.fields(Calibration)]
+
+    def to_cal(x) -> Calibration:
+        values = {}
+        for name, v in zip(names, x):
+            values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
+        return Calibration(**values)
+
+    def objective(x) -> float:
+        for cached in (layer_cost, embedding_cost, head_cost):
+            cached.cache_clear()
+        mapes = per_file_mape(to_cal(x), rows)
+        return sum(mapes.values()) / len(mapes)
+
+    x0 = [math.log(v / (1 - v)) if n in FRACTIONS else math.log(v) for n, v in
+          ((n, getattr(start, n)) for n in names)]
+    print(f"start: {per_file_mape(start, rows)}", file=sys.stderr)
+    result = minimize(objective, x0, method="Nelder-Mead",
+                      options={"maxiter": args.iterations, "xatol": 1e-3, "fatol": 1e-3})
+    fitted = to_cal(result.x)
+    print(f"fitted: {per_file_mape(fitted, rows)}", file=sys.stderr)
+    print("calibration:")
+    for name in names:
+        print(f"  {name}: {getattr(fitted, name):.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

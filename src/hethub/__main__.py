@@ -1,0 +1,3 @@
+from hethub.cli import main
+
+raise SystemExit(main())

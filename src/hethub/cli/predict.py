@@ -1,0 +1,115 @@
+"""`hethub predict`: iteration time, throughput and memory of a plan on a cluster, before a GPU is spent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hethub.errors import HethubError
+from hethub.predictor import Prediction, predict
+from hethub.report.table import render_table
+from hethub.report.trace import write_trace
+from hethub.spec import ClusterSpec, ModelSpec, Plan, check_plan, load_cluster, load_model, load_plan
+from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
+
+SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "predict", help="predict iteration time, throughput and memory of a plan",
+        description="Predict one optimizer step of a plan on a cluster. Give a plan file, or for a "
+                    "cluster of one group the shorthand --tp --pp --dp --micro-batch --global-batch.")
+    parser.add_argument("--cluster", required=True, help="cluster YAML file")
+    parser.add_argument("--model", help="preset name or model YAML (overrides the plan's model)")
+    parser.add_argument("--plan", help="plan YAML file")
+    for flag in SHORTHAND:
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int,
+                            help=f"shorthand plan: {flag.replace('_', ' ')}")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = load_cluster(args.cluster)
+    plan, model, source = resolve_plan(args, cluster)
+    prediction = predict(plan, cluster, model, timeline=bool(args.trace))
+    if args.trace:
+        write_trace(Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}")
+    if args.json:
+        print(json.dumps(prediction.to_json(), indent=2))
+    else:
+        print(describe(prediction, plan, cluster, model, source))
+    return 0
+
+
+def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, ModelSpec, str]:
+    """The plan from --plan or the shorthand flags, checked against the cluster and the model."""
+    given = [flag for flag in SHORTHAND if getattr(args, flag) is not None]
+    if args.plan:
+        if given:
+            raise HethubError(f"--{given[0].replace('_', '-')}: the shorthand flags and --plan exclude each other")
+        plan = load_plan(args.plan)
+        model = load_model(args.model or plan.model, relative_to=None if args.model else Path(args.plan).parent,
+                           source=args.plan if not args.model else "--model")
+        check_plan(plan, cluster, model, args.plan)
+        return plan, model, args.plan
+    missing = [flag for flag in ("micro_batch", "global_batch") if getattr(args, flag) is None]
+    if missing or not args.model:
+        need = ["--model"] * (not args.model) + [f"--{m.replace('_', '-')}" for m in missing]
+        raise HethubError(f"give --plan FILE, or the shorthand plan with {', '.join(need)} "
+                          f"(and --tp/--pp/--dp, default 1)")
+    if len(cluster.groups) != 1:
+        raise HethubError(f"{args.cluster}: the shorthand plan needs a cluster of one group "
+                          f"(it has {len(cluster.groups)}: {', '.join(cluster.group_names)}); write a plan file")
+    model = load_model(args.model, source="--model")
+    for flag in SHORTHAND:
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
+    tp, pp, dp = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp"))
+    if pp > model.layers:
+        raise HethubError(f"--pp = {pp}: at most one stage per layer (the model has {model.layers} layers)")
+    if args.global_batch % (dp * args.micro_batch):
+        raise HethubError(f"--global-batch = {args.global_batch}: must be a multiple of --dp x --micro-batch "
+                          f"({dp} x {args.micro_batch} = {dp * args.micro_batch})")
+    plan = uniform_plan(model=args.model, group=cluster.groups[0].name, tp=tp, pp=pp, dp=dp,
+                        micro_batch=args.micro_batch, global_batch=args.global_batch,
+                        recompute=args.recompute, schedule=args.schedule, layers=model.layers)
+    check_plan(plan, cluster, model, "command line")
+    return plan, model, "command line"
+
+
+def describe(prediction: Prediction, plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str) -> str:
+    """A readable summary: one row per stage, then the step as a whole."""
+    header = ["pipeline", "stage", "group", "accelerator", "tp", "layers", "micro-batches",
+              "fwd ms", "bwd ms", "compute s", "grad sync ms", "memory GB"]
+    rows = []
+    for s in prediction.stages:
+        layout = plan.pipelines[s.pipeline]
+        capacity = cluster.group(s.group).accelerator.memory_gb
+        flag = "" if s.memory.total_gb <= capacity else "  OVER"
+        rows.append([f"{s.pipeline} (x{layout.count})", str(s.position), s.group, s.accelerator, str(s.tp),
+                     str(s.layers), str(layout.micro_batches), f"{s.forward_s * 1e3:.2f}",
+                     f"{s.backward_s * 1e3:.2f}", f"{s.compute_s:.3f}", f"{s.grad_sync_s * 1e3:.1f}",
+                     f"{s.memory.total_gb:.1f} / {capacity:g}{flag}"])
+    p = prediction
+    lines = [
+        f"model {model.name} ({model.parameter_count() / 1e9:.2f}B parameters), plan {source}: "
+        f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
+        f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices",
+        "",
+        render_table(header, rows),
+        "",
+        f"iteration time       {p.iteration_time_s:.4f} s",
+        f"throughput           {p.tokens_per_s:,.0f} tokens/s",
+        f"model TFLOP/s/device {p.model_tflops_per_device:.1f}",
+        f"pipeline bubble      {100 * p.bubble_fraction:.1f}%",
+        f"peak memory          {p.peak_memory_gb:.1f} GB per device",
+        f"fits in memory       {'yes' if p.fits else 'NO: a stage needs more memory than its device has'}",
+    ]
+    return "\n".join(lines)

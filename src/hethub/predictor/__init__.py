@@ -1,0 +1,6 @@
+"""The performance predictor: pure Python, no torch, fast enough for a planner's inner loop."""
+
+from hethub.predictor.calibration import Calibration, default_calibration
+from hethub.predictor.iteration import Prediction, StagePrediction, predict
+
+__all__ = ["Calibration", "Prediction", "StagePrediction", "default_calibration", "predict"]

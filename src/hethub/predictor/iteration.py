@@ -1,0 +1,264 @@
+"""predict(plan, cluster, model) -> Prediction: one optimizer step of a hybrid plan, simulated.
+
+A step: every pipeline layout runs its schedule (simulated event by event); then each stage
+all-reduces its gradients with the stages that hold the same layers (natively inside a group,
+over the host-staged bridge across vendors), steps the optimizer, and the step ends when the
+last device is done.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from hethub.predictor import comm
+from hethub.predictor.calibration import Calibration, default_calibration
+from hethub.predictor.compute import BYTES_PER_ELEMENT, embedding_cost, head_cost, layer_cost, layer_gemms
+from hethub.predictor.memory import GRAD_BYTES, StageMemory, stage_memory, stage_params
+from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import PipelineLayout, Plan
+
+# Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
+# weight (8) and both moments (16), write the bf16 weight (2).
+OPTIMIZER_BYTES_MOVED = 30
+OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrediction:
+    """One stage of one pipeline layout (the same for each of its ``count`` replicas)."""
+
+    pipeline: int
+    position: int
+    group: str
+    accelerator: str
+    tp: int
+    layers: int
+    forward_s: float
+    """One micro-batch forward, TP communication included."""
+    backward_s: float
+    """One micro-batch backward, recomputation and TP communication included."""
+    compute_s: float
+    """All micro-batches of the step: forward plus backward."""
+    send_s: float
+    """One activation send to the next stage (0 for the last stage)."""
+    grad_sync_s: float
+    optimizer_s: float
+    end_s: float
+    """When the stage finishes its last backward."""
+    memory: StageMemory
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    iteration_time_s: float
+    tokens_per_s: float
+    model_tflops_per_device: float
+    peak_memory_gb: float
+    fits: bool
+    devices: int
+    bubble_fraction: float
+    """Device-weighted share of the pipeline time that stages sit idle."""
+    pipeline_time_s: tuple[float, ...]
+    """Per pipeline layout: from the first forward to the last backward."""
+    stages: tuple[StagePrediction, ...]
+    timeline: list[dict] | None = field(default=None, compare=False)
+    """With predict(..., timeline=True): every simulated operation and communication."""
+
+    def to_json(self) -> dict:
+        """The object ``hethub predict --json`` prints."""
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_device": self.model_tflops_per_device,
+            "peak_memory_gb": self.peak_memory_gb,
+            "fits": self.fits,
+            "devices": self.devices,
+            "bubble_fraction": self.bubble_fraction,
+            "pipeline_time_s": list(self.pipeline_time_s),
+            "stages": [
+                {"pipeline": s.pipeline, "stage": s.position, "group": s.group,
+                 "accelerator": s.accelerator, "tp": s.tp, "layers": s.layers,
+                 "forward_s": s.forward_s, "backward_s": s.backward_s, "compute_s": s.compute_s,
+                 "send_s": s.send_s, "grad_sync_s": s.grad_sync_s, "optimizer_s": s.optimizer_s,
+                 "memory_gb": s.memory.total_gb,
+                 "memory_breakdown_gb": {"weights": s.memory.weights_gb, "grads": s.memory.grads_gb,
+                                         "optimizer": s.memory.optimizer_gb,
+                                         "activations": s.memory.activations_gb}}
+                for s in self.stages
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _LayoutRun:
+    """One pipeline layout's simulated schedule."""
+
+    pipeline: PipelineLayout
+    groups: tuple[DeviceGroup, ...]
+    forward_s: list[float]
+    backward_s: list[float]
+    send_s: list[float]
+    stage_end_s: list[float]
+    time_s: float
+
+
+def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: Calibration | None = None,
+            timeline: bool = False) -> Prediction:
+    """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on ``cluster``."""
+    cal = calibration or default_calibration()
+    recompute = plan.recompute == "full"
+    runs, orders = [], []
+    offsets: dict[str, int] = {}  # devices of each group handed out so far
+    for pipeline in plan.pipelines:
+        bases = []
+        for stage in pipeline.stages:  # stage-major: all replicas of a stage side by side
+            bases.append(offsets.get(stage.group, 0))
+            offsets[stage.group] = bases[-1] + pipeline.count * stage.tp
+        run, order = _run_layout(pipeline, bases, plan, cluster, model, cal, recompute, timeline)
+        runs.append(run)
+        orders.append(order)
+
+    slowest = max(run.time_s for run in runs)
+    leaders = tuple(run.groups[0] for run in runs)
+    stages: list[StagePrediction] = []
+    step_events: list[dict] = []
+    iteration = busy = span = 0.0
+    for index, run in enumerate(runs):
+        p, m = len(run.groups), run.pipeline.micro_batches
+        for s, (stage, group) in enumerate(zip(run.pipeline.stages, run.groups)):
+            params, sync, optimizer = _stage_state(model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1,
+                                                   p == 1, run.pipeline.count)
+            start = run.stage_end_s[s]
+            if len(runs) > 1:  # a layer's gradient is the mean over every layout's replicas
+                sync += _cross_layout_sync_s(params, group, leaders, cluster, cal)
+                start = slowest
+            compute = m * (run.forward_s[s] + run.backward_s[s])
+            stages.append(StagePrediction(
+                pipeline=index, position=s, group=group.name, accelerator=group.accelerator.name, tp=stage.tp,
+                layers=stage.layers, forward_s=run.forward_s[s], backward_s=run.backward_s[s], compute_s=compute,
+                send_s=run.send_s[s] if s < p - 1 else 0.0, grad_sync_s=sync, optimizer_s=optimizer,
+                end_s=run.stage_end_s[s],
+                memory=stage_memory(model, layers=stage.layers, tp=stage.tp, position=s, stages=p, micro_batches=m,
+                                    micro_batch=plan.micro_batch, recompute=recompute, schedule=plan.schedule)))
+            iteration = max(iteration, start + sync + optimizer)
+            devices = run.pipeline.count * stage.tp
+            busy += devices * compute
+            span += devices * run.time_s
+            if timeline:
+                base = {"pipeline": index, "stage": s, "group": group.name}
+                step_events += [{**base, "kind": "grad_sync", "start_s": start, "end_s": start + sync},
+                                {**base, "kind": "optimizer", "start_s": start + sync,
+                                 "end_s": start + sync + optimizer}]
+    iteration += cal.step_overhead_ms * 1e-3
+
+    devices = sum(p.count * p.devices for p in plan.pipelines)
+    return Prediction(
+        iteration_time_s=iteration,
+        tokens_per_s=plan.global_batch * model.seq_len / iteration,
+        model_tflops_per_device=_model_flops(model) * plan.global_batch / iteration / devices / 1e12,
+        peak_memory_gb=max(s.memory.total_gb for s in stages),
+        fits=all(s.memory.total_gb <= cluster.group(s.group).accelerator.memory_gb for s in stages),
+        devices=devices,
+        bubble_fraction=1.0 - busy / span,
+        pipeline_time_s=tuple(run.time_s for run in runs),
+        stages=tuple(stages),
+        timeline=_timeline(runs, orders) + step_events if timeline else None,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _model_flops(model: ModelSpec) -> float:
+    """Model FLOPs of one sequence, forward and backward (recomputation not counted)."""
+    forward = model.layers * sum(flops for flops, _ in layer_gemms(model, 1, 1))
+    forward += 2 * model.seq_len * model.hidden * model.vocab
+    return 3 * forward
+
+
+def _run_layout(pipeline: PipelineLayout, bases: list[int], plan: Plan, cluster: ClusterSpec, model: ModelSpec,
+                cal: Calibration, recompute: bool, every_op: bool):
+    """Per-stage costs of one layout and the simulation of its schedule."""
+    p, b = len(pipeline.stages), plan.micro_batch
+    groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
+    forward, backward, sends = [], [], []
+    for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
+        f, bw = _stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+        forward.append(f)
+        backward.append(bw)
+        if s < p - 1:
+            activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
+            sends.append(_send_time(activation_bytes / stage.tp, pipeline, s, bases, groups, cluster, cal))
+    order = schedule_order(plan.schedule, p, pipeline.micro_batches)
+    end = simulate(order, forward, backward, sends, sends, every_op=every_op)
+    stage_end = [end[i] for i in order.last_op]
+    return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), (order, end)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, micro_batch: int,
+                recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+    """Forward and backward seconds of one micro-batch through a stage."""
+    acc = group.accelerator
+    tp_allreduce = comm.group_allreduce_time(micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT,
+                                             tp, group, cal)
+    layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce)
+    forward, backward = layers * layer.forward_s, layers * layer.backward_s
+    if first:  # vocabulary-parallel embedding: a lookup and one all-reduce
+        embed = embedding_cost(model, acc, cal, tp, micro_batch)
+        forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
+    if last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
+        head = head_cost(model, acc, cal, tp, micro_batch)
+        loss_sync = 3 * comm.group_allreduce_time(micro_batch * model.seq_len * 4, tp, group, cal)
+        forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_state(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, first: bool,
+                 last: bool, single_stage: bool, replicas: int) -> tuple[float, float, float]:
+    """(parameters per device, gradient all-reduce among the layout's replicas, optimizer step) of a stage."""
+    params = stage_params(model, layers, first, last, single_stage) / tp
+    replicas_per_node = max(1, group.devices_per_node // tp)  # stage-major: a stage's replicas share nodes
+    sync = comm.group_allreduce_time(params * GRAD_BYTES, replicas, group, cal, replicas_per_node)
+    optimizer = max(params * OPTIMIZER_BYTES_MOVED / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
+                    OPTIMIZER_OPS * cal.launch_us * 1e-6)
+    return params, sync, optimizer
+
+
+def _send_time(nbytes: float, pipeline: PipelineLayout, s: int, bases: list[int], groups: tuple[DeviceGroup, ...],
+               cluster: ClusterSpec, cal: Calibration) -> float:
+    """Activations from stage s to s+1 (each TP rank sends its share in parallel)."""
+    a, b = groups[s], groups[s + 1]
+    if a.name != b.name:
+        return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, a, b, cal), cal)
+    first = bases[s]
+    last = bases[s + 1] + pipeline.count * pipeline.stages[s + 1].tp - 1
+    if first // a.devices_per_node == last // a.devices_per_node:
+        return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
+    return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
+
+
+def _cross_layout_sync_s(params: float, group: DeviceGroup, leaders: tuple[DeviceGroup, ...], cluster: ClusterSpec,
+                         cal: Calibration) -> float:
+    """All-reduce of a stage's gradient shard among the layouts' leaders (bridged across vendors)."""
+    bandwidth = min(comm.cross_group_bw(cluster, group, other, cal) for other in set(leaders))
+    return comm.ring_allreduce_time(params * GRAD_BYTES, len(leaders), bandwidth, cal)
+
+
+def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
+    """Every simulated operation and activation/gradient send, as trace events."""
+    events = []
+    for index, (run, (order, end)) in enumerate(zip(runs, orders)):
+        p = len(run.groups)
+        for (s, kind, j), finish in zip(order.ops, end):
+            duration = run.backward_s[s] if kind == BACKWARD else run.forward_s[s]
+            base = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
+            events.append({**base, "kind": "backward" if kind == BACKWARD else "forward",
+                           "start_s": finish - duration, "end_s": finish})
+            if kind == FORWARD and s < p - 1:
+                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]})
+            if kind == BACKWARD and s > 0:
+                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s - 1]})
+    return events

@@ -1,0 +1,85 @@
+"""Memory of one device of a pipeline stage at the peak of a step.
+
+Mixed precision with Adam (Megatron-LM's layout, no sharded optimizer): bf16 weights (2 bytes per
+parameter), fp32 gradients (4), fp32 master weights (4) and two fp32 Adam moments (8).
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), for the micro-batches a stage holds at once under its schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from hethub.predictor.compute import BYTES_PER_ELEMENT, LOSS_BYTES_PER_ELEMENT
+from hethub.spec.model import ModelSpec
+
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """GB on one device of a stage."""
+
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        return self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_params(model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool) -> int:
+    """Parameters of a stage (all TP ranks together)."""
+    params = layers * model.layer_params()
+    if first:
+        params += model.embedding_params()
+    if last:
+        params += model.head_params()
+        if model.arch == "gpt" and not single_stage:
+            params += model.vocab * model.hidden  # the tied head keeps its own copy of the embedding
+    return params
+
+
+def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
+    """Activations one layer keeps for its backward, one micro-batch, no recomputation."""
+    b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
+    tokens = b * s
+    if model.arch == "gpt":  # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism
+        return tokens * h * (10 + 24 / tp + 5 * model.heads * s / (h * tp))
+    # llama with flash attention: norm inputs and outputs (replicated), Q/K/V and the attention
+    # output (sharded), gate, up and SwiGLU output (sharded), all bf16.
+    replicated = 4 * tokens * h
+    sharded = tokens * (h + 2 * model.kv_hidden + h + 3 * f) / tp
+    return (replicated + sharded) * BYTES_PER_ELEMENT
+
+
+def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once: 1F1B keeps stages - position."""
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - position, micro_batches)
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_memory(model: ModelSpec, *, layers: int, tp: int, position: int, stages: int,
+                 micro_batches: int, micro_batch: int, recompute: bool, schedule: str) -> StageMemory:
+    """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
+    first, last = position == 0, position == stages - 1
+    params = stage_params(model, layers, first, last, stages == 1) / tp
+    in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
+    per_layer = layer_activation_bytes(model, tp, micro_batch)
+    if recompute:
+        # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
+        layer_input = micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT
+        activations = in_flight * layers * layer_input + per_layer
+    else:
+        activations = in_flight * layers * per_layer
+    if last:  # fp32 logits and their gradient, one micro-batch at a time
+        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+    return StageMemory(params * WEIGHT_BYTES / GB, params * GRAD_BYTES / GB,
+                       params * OPTIMIZER_BYTES / GB, activations / GB)

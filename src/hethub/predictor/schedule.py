@@ -1,0 +1,144 @@
+"""Event simulation of a pipeline schedule (1F1B or GPipe) over non-uniform stages.
+
+Each stage runs its operations (forward or backward of one micro-batch) in the schedule's fixed
+order; an operation starts when the stage's previous one has ended and its input has arrived
+(the forward from the stage before, the backward from the stage after, each after its send).
+The order of operations is structure that depends only on (stages, micro-batches, schedule), so
+it is built once and cached; simulating is then one pass over a flat list.
+
+Every stage runs exactly one operation per position (its index in the stage's sequence), and an
+operation waits only for operations at its own or the previous position. In the steady part of a
+schedule the dependencies repeat with a short period, so once the end times of one position equal
+those one period earlier plus a constant shift, every later position of that part repeats them
+with the same shift (the step is a max-plus linear map, which commutes with adding a constant).
+The simulation then jumps to the end of the steady part: exact, and a planner's inner loop no
+longer pays for every micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOrder:
+    """The operations of all stages, in an order where every dependency comes first."""
+
+    stages: int
+    micro_batches: int
+    ops: tuple[tuple[int, int, int], ...]
+    """(stage, FORWARD|BACKWARD, micro-batch) of each operation."""
+    steps: tuple[tuple[int, int, int, int], ...]
+    """Per operation: (index of the stage's previous op, index of the op it waits for,
+    index of the send it waits for, index of its duration); -1 means none."""
+    last_op: tuple[int, ...]
+    """Index of each stage's last operation."""
+    periodic: tuple[tuple[int, int, int], ...]
+    """(first, last, period): positions first..last whose dependencies repeat every ``period``."""
+
+
+def stage_sequence(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[int, int]]:
+    """The (kind, micro-batch) operations one stage runs, in order."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [(FORWARD, j) for j in range(m)] + [(BACKWARD, j) for j in range(m)]
+    warmup = min(stages - stage - 1, m)
+    sequence = [(FORWARD, j) for j in range(warmup)]
+    for j in range(m - warmup):  # steady state: one forward, one backward
+        sequence += [(FORWARD, warmup + j), (BACKWARD, j)]
+    sequence += [(BACKWARD, j) for j in range(m - warmup, m)]  # cool-down
+    return sequence
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_order(schedule: str, stages: int, micro_batches: int) -> ScheduleOrder:
+    """Build the dependency structure of a schedule once.
+
+    Ordering key: stages * position + (stage for forwards, stages - 1 - stage for backwards).
+    A forward waits for the previous stage's forward at the same or an earlier position, a
+    backward for the next stage's backward at the same or an earlier position, so the key puts
+    every dependency first.
+    """
+    keyed = []
+    for s in range(stages):
+        for pos, (kind, j) in enumerate(stage_sequence(schedule, s, stages, micro_batches)):
+            tie = s if kind == FORWARD else stages - 1 - s
+            keyed.append((stages * pos + tie, s, kind, j, pos))
+    keyed.sort()
+    index = {(s, kind, j): i for i, (_, s, kind, j, _) in enumerate(keyed)}
+    previous: dict[int, int] = {}
+    steps = []
+    for i, (_, s, kind, j, _) in enumerate(keyed):
+        prev = previous.get(s, -1)
+        previous[s] = i
+        if kind == FORWARD and s > 0:
+            dep, send = index[(s - 1, FORWARD, j)], s - 1  # activation sent over boundary s-1
+        elif kind == BACKWARD and s < stages - 1:
+            dep, send = index[(s + 1, BACKWARD, j)], (stages - 1) + s  # gradient over boundary s
+        else:
+            dep, send = -1, -1
+        steps.append((prev, dep, send, 2 * s + kind))
+    last_op = tuple(previous[s] for s in range(stages))
+    m, p = micro_batches, stages
+    if schedule == "gpipe":  # all forwards, then all backwards: each a run of identical positions
+        periodic = ((1, m - 1, 1), (m + 1, 2 * m - 1, 1))
+    else:  # 1F1B: every stage alternates forward and backward from position p-1 to 2m-p
+        periodic = ((p - 1, 2 * m - p, 2),)
+    return ScheduleOrder(stages, micro_batches, tuple((s, k, j) for _, s, k, j, _ in keyed),
+                         tuple(steps), last_op, periodic)
+
+
+# Two positions repeat when their end times differ by the same shift to this relative precision.
+_REPEAT_TOLERANCE = 1e-12
+
+
+def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[float],
+             send_forward_s: list[float], send_backward_s: list[float], *, every_op: bool = False) -> list[float]:
+    """End time of the operations of ``order`` (indexed like ``order.steps``).
+
+    forward_s / backward_s: per stage, one micro-batch; send_*_s: per boundary between stage b and
+    b+1 (activations forward, gradients backward). The end times of each stage's last operation
+    are always exact; those of operations inside a skipped steady run are left at 0 unless
+    ``every_op`` asks for all of them (a timeline needs them).
+    """
+    p = order.stages
+    durations = [0.0] * (2 * p)
+    durations[0::2] = forward_s
+    durations[1::2] = backward_s
+    sends = [*send_forward_s, *send_backward_s, 0.0]  # index -1: no send
+    steps = order.steps
+    end = [0.0] * (len(steps) + 1)  # index -1: nothing to wait for, ends at 0
+    jumps = {} if every_op else {first: (last, period) for first, last, period in order.periodic if last > first}
+    position, positions = 0, len(steps) // p
+    while position < positions:
+        for i in range(position * p, (position + 1) * p):
+            prev, dep, send, duration = steps[i]
+            start = end[prev]
+            ready = end[dep] + sends[send]
+            if ready > start:
+                start = ready
+            end[i] = start + durations[duration]
+        position = _jump(end, position, p, jumps) + 1
+    end.pop()
+    return end
+
+
+def _jump(end: list[float], position: int, p: int, jumps: dict[int, tuple[int, int]]) -> int:
+    """If ``position`` repeats the one a period earlier plus a shift, copy it to the last position of
+    its steady run that is a whole number of periods ahead, and return that position."""
+    for first, (last, period) in jumps.items():
+        if not first + period - 1 <= position < last or position - period < 0:
+            continue
+        now = end[position * p:(position + 1) * p]
+        before = end[(position - period) * p:(position - period + 1) * p]
+        shifts = [a - b for a, b in zip(now, before)]
+        if max(shifts) - min(shifts) > _REPEAT_TOLERANCE * max(now):
+            return position
+        periods = (last - position) // period
+        target = position + periods * period
+        end[target * p:(target + 1) * p] = [t + periods * shift for t, shift in zip(now, shifts)]
+        return target
+    return position

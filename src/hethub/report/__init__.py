@@ -1,0 +1,1 @@
+"""Output for people: tables for the terminal and Chrome traces for Perfetto."""

@@ -1,0 +1,89 @@
+"""Accelerators: the catalog of real devices and inline ones given in a cluster file."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from hethub.errors import SpecError
+from hethub.spec.fields import Fields, suggestion
+
+VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AcceleratorSpec:
+    """One kind of device, with the figures the predictor needs."""
+
+    name: str
+    """Catalog name (lower case) or the name an inline accelerator gives itself."""
+    vendor: str
+    """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the bridge."""
+    bf16_tflops: float
+    """Dense bf16 tensor TFLOP/s (fp16 where the device has no bf16)."""
+    memory_gb: float
+    """Device memory, GB."""
+    memory_bw_gb_s: float
+    """Device memory bandwidth, GB/s."""
+    intra_node_gb_s: float
+    """Device-to-device link inside a node, GB/s per device per direction."""
+    host_link_gb_s: float
+    """Device-to-host link, GB/s per direction (the host-staged bridge crosses it)."""
+    network_gbps: float
+    """The usual node's scale-out network, Gbit/s per node."""
+    source: str = ""
+    """The public document the figures come from."""
+
+
+@functools.cache
+def _catalog_data() -> dict[str, Any]:
+    text = resources.files("hethub.data").joinpath("catalog.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def catalog() -> dict[str, AcceleratorSpec]:
+    """All catalog accelerators by lower-case name."""
+    return {name: AcceleratorSpec(name=name, **fields) for name, fields in _catalog_data()["accelerators"].items()}
+
+
+def calibration_data() -> dict[str, float]:
+    """The predictor's fitted physical parameters, as stored in the catalog file."""
+    return dict(_catalog_data()["calibration"])
+
+
+def lookup(name: str, source: str = "", field: str = "accelerator") -> AcceleratorSpec:
+    """The catalog accelerator called ``name`` (case-insensitive); a near miss gets a suggestion."""
+    known = catalog()
+    key = str(name).strip().lower()
+    if key not in known:
+        raise SpecError(source, field, name,
+                        f"unknown accelerator{suggestion(key, known)}; known: {', '.join(known)}")
+    return known[key]
+
+
+_INLINE_FIELDS = ("name", "vendor", "bf16_tflops", "memory_gb", "memory_bw_gb_s", "intra_node_gb_s",
+                  "host_link_gb_s", "network_gbps", "source")
+
+
+def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
+    """A catalog name, or an inline mapping whose omitted figures come from its vendor's defaults."""
+    if isinstance(value, str):
+        return lookup(value, source, field)
+    f = Fields(value, source, field, allowed=_INLINE_FIELDS)
+    vendor = f.choice("vendor", VENDORS)
+    defaults = _catalog_data()["vendor_defaults"][vendor]
+    return AcceleratorSpec(
+        name=f.string("name"),
+        vendor=vendor,
+        bf16_tflops=f.positive_number("bf16_tflops"),
+        memory_gb=f.positive_number("memory_gb"),
+        memory_bw_gb_s=f.positive_number("memory_bw_gb_s", defaults["memory_bw_gb_s"]),
+        intra_node_gb_s=f.positive_number("intra_node_gb_s", defaults["intra_node_gb_s"]),
+        host_link_gb_s=f.positive_number("host_link_gb_s", defaults["host_link_gb_s"]),
+        network_gbps=f.positive_number("network_gbps", defaults["network_gbps"]),
+        source=str(f.raw("source", "inline in the cluster file")),
+    )

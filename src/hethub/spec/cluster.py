@@ -1,0 +1,94 @@
+"""The cluster file: device groups, each one kind of accelerator on identical nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hethub.spec.accelerator import AcceleratorSpec, parse_accelerator
+from hethub.spec.fields import Fields, load_yaml
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceGroup:
+    """Identical nodes of one accelerator kind."""
+
+    name: str
+    """The name a plan's stages refer to."""
+    accelerator: AcceleratorSpec
+    nodes: int
+    devices_per_node: int
+    network_gbps: float
+    """Scale-out network per node, Gbit/s."""
+    speed: float | None = None
+    """Emulated speed relative to this machine, for local runs only (None: real hardware)."""
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def network_gb_s_per_device(self) -> float:
+        """Each device's share of its node's network, GB/s."""
+        return self.network_gbps / 8.0 / self.devices_per_node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """A possibly heterogeneous cluster: named device groups and the network between them."""
+
+    groups: tuple[DeviceGroup, ...]
+    cross_group_gbps: float | None = None
+    """Per node pair between groups, Gbit/s; None: the smaller network_gbps of the two groups."""
+    source: str = ""
+
+    def group(self, name: str) -> DeviceGroup:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise KeyError(name)
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.groups)
+
+    @property
+    def devices(self) -> int:
+        return sum(g.devices for g in self.groups)
+
+    def cross_gbps(self, a: DeviceGroup, b: DeviceGroup) -> float:
+        """Network between a node of group a and a node of group b, Gbit/s."""
+        if self.cross_group_gbps is not None:
+            return self.cross_group_gbps
+        return min(a.network_gbps, b.network_gbps)
+
+
+_GROUP_FIELDS = ("name", "accelerator", "nodes", "devices_per_node", "network_gbps", "speed")
+
+
+def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
+    """Validate a parsed cluster file."""
+    top = Fields(data, source, allowed=("groups", "cross_group_gbps", "name", "description"))
+    groups: list[DeviceGroup] = []
+    for i, raw in enumerate(top.mapping_list("groups")):
+        f = Fields(raw, source, f"groups[{i}]", allowed=_GROUP_FIELDS)
+        name = f.string("name")
+        if any(g.name == name for g in groups):
+            raise f.error("name", name, "group names must be unique")
+        accelerator = parse_accelerator(f.raw("accelerator"), source, f.path("accelerator"))
+        groups.append(DeviceGroup(
+            name=name,
+            accelerator=accelerator,
+            nodes=f.positive_int("nodes", 1),
+            devices_per_node=f.positive_int("devices_per_node"),
+            network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
+            speed=f.positive_number("speed") if f.has("speed") else None,
+        ))
+    cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
+    return ClusterSpec(groups=tuple(groups), cross_group_gbps=cross, source=source)
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster file."""
+    return parse_cluster(load_yaml(path, "cluster"), str(path))

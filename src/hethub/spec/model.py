@@ -1,0 +1,122 @@
+"""The model: a GPT (Megatron-LM) or Llama transformer, from a preset name or a YAML file."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hethub.errors import SpecError
+from hethub.spec.fields import Fields, load_yaml, suggestion
+
+ARCHS = ("gpt", "llama")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Transformer dimensions.
+
+    gpt: learned positions, LayerNorm, GELU MLP of ffn_hidden (4*hidden), biases, tied embedding.
+    llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, untied output head.
+    """
+
+    name: str
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    """Key/value heads; < heads means grouped-query attention (always = heads for gpt)."""
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of the K (and of the V) projection."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for SwiGLU."""
+        return 3 if self.arch == "llama" else 2
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer."""
+        h, kv, f = self.hidden, self.kv_hidden, self.ffn_hidden
+        attention = 2 * h * h + 2 * h * kv
+        mlp = self.mlp_matrices * h * f
+        if self.arch == "gpt":  # biases and two LayerNorms (weight and bias)
+            return attention + mlp + (h + 2 * kv + h) + (f + h) + 4 * h
+        return attention + mlp + 2 * h  # two RMSNorm weights
+
+    def embedding_params(self) -> int:
+        """Token embedding (and learned positions for gpt), on the first stage."""
+        positions = self.seq_len * self.hidden if self.arch == "gpt" else 0
+        return self.vocab * self.hidden + positions
+
+    def head_params(self) -> int:
+        """Final norm and output head, on the last stage (gpt ties the head to the embedding)."""
+        if self.arch == "gpt":
+            return 2 * self.hidden
+        return self.hidden + self.vocab * self.hidden
+
+    def parameter_count(self) -> int:
+        """All parameters of the model."""
+        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+
+
+def llama_ffn_hidden(hidden: int) -> int:
+    """The Llama rule: 2/3 of 4*hidden, rounded up to a multiple of 256."""
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("hethub.data").joinpath("models")
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def parse_model(data: Any, source: str, name: str) -> ModelSpec:
+    """Validate a parsed model file."""
+    f = Fields(data, source, allowed=("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
+                                      "vocab", "seq_len", "name"))
+    arch = f.choice("arch", ARCHS)
+    hidden, heads = f.positive_int("hidden"), f.positive_int("heads")
+    if hidden % heads:
+        raise f.error("heads", heads, f"must divide hidden ({hidden})")
+    kv_heads = f.positive_int("kv_heads", heads)
+    if arch == "gpt" and kv_heads != heads:
+        raise f.error("kv_heads", kv_heads, "gpt has no grouped-query attention: leave it out or set it to heads")
+    if heads % kv_heads:
+        raise f.error("kv_heads", kv_heads, f"must divide heads ({heads})")
+    default_ffn = 4 * hidden if arch == "gpt" else llama_ffn_hidden(hidden)
+    return ModelSpec(
+        name=str(f.raw("name", name)), arch=arch, hidden=hidden, layers=f.positive_int("layers"),
+        heads=heads, kv_heads=kv_heads, ffn_hidden=f.positive_int("ffn_hidden", default_ffn),
+        vocab=f.positive_int("vocab"), seq_len=f.positive_int("seq_len"),
+    )
+
+
+def load_model(ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model") -> ModelSpec:
+    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if given)."""
+    text = str(ref)
+    if text.lower() in preset_names():
+        name = text.lower()
+        data = yaml.safe_load(resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text())
+        return parse_model(data, f"preset {name}", name)
+    path = Path(text)
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
+    if text.endswith((".yaml", ".yml")) or path.exists():
+        return parse_model(load_yaml(path, "model"), str(path), path.stem)
+    raise SpecError(source, field, text,
+                    f"not a preset{suggestion(text, preset_names())} nor an existing model file; "
+                    f"presets: {', '.join(preset_names())}")

@@ -1,0 +1,177 @@
+"""The plan file: the one artifact between the planner and the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hethub.errors import SpecError
+from hethub.spec.cluster import ClusterSpec
+from hethub.spec.fields import Fields, load_yaml, suggestion
+from hethub.spec.model import ModelSpec
+
+RECOMPUTE = ("none", "full")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSpec:
+    """One pipeline stage: ``tp`` devices of one group holding ``layers`` consecutive layers."""
+
+    group: str
+    tp: int
+    layers: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineLayout:
+    """``count`` identical data-parallel replicas, each a pipeline of ``stages``."""
+
+    count: int
+    micro_batches: int
+    """Micro-batches each replica runs per optimizer step (replicas may differ: an uneven split)."""
+    stages: tuple[StageSpec, ...]
+
+    @property
+    def devices(self) -> int:
+        """Devices of one replica."""
+        return sum(stage.tp for stage in self.stages)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A hybrid data x tensor x pipeline plan, possibly heterogeneous."""
+
+    model: str
+    """Preset name or path of a model YAML (relative to the plan file)."""
+    global_batch: int
+    micro_batch: int
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    pipelines: tuple[PipelineLayout, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file's content."""
+        return {
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "recompute": self.recompute,
+            "schedule": self.schedule,
+            "pipelines": [
+                {"count": p.count, "micro_batches": p.micro_batches,
+                 "stages": [{"group": s.group, "tp": s.tp, "layers": s.layers} for s in p.stages]}
+                for p in self.pipelines
+            ],
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def parse_plan(data: Any, source: str = "") -> Plan:
+    """Validate a parsed plan file on its own (see check_plan for the cluster and the model)."""
+    top = Fields(data, source, allowed=("model", "global_batch", "micro_batch", "recompute", "schedule",
+                                        "pipelines"))
+    model = top.string("model")
+    global_batch = top.positive_int("global_batch")
+    micro_batch = top.positive_int("micro_batch", 1)
+    raw_pipelines = top.mapping_list("pipelines")
+    counts = []
+    for i, raw in enumerate(raw_pipelines):
+        counts.append(Fields(raw, source, f"pipelines[{i}]").positive_int("count", 1))
+    pipelines = []
+    for i, raw in enumerate(raw_pipelines):
+        f = Fields(raw, source, f"pipelines[{i}]", allowed=("count", "micro_batches", "stages"))
+        if f.has("micro_batches"):
+            micro_batches = f.positive_int("micro_batches")
+        else:
+            micro_batches = _even_split(global_batch, micro_batch, sum(counts), top)
+        stages = []
+        for j, raw_stage in enumerate(f.mapping_list("stages")):
+            s = Fields(raw_stage, source, f"pipelines[{i}].stages[{j}]", allowed=("group", "tp", "layers"))
+            stages.append(StageSpec(group=s.string("group"), tp=s.positive_int("tp", 1),
+                                    layers=s.positive_int("layers")))
+        pipelines.append(PipelineLayout(count=counts[i], micro_batches=micro_batches, stages=tuple(stages)))
+    plan = Plan(model=model, global_batch=global_batch, micro_batch=micro_batch,
+                recompute=top.choice("recompute", RECOMPUTE, "none"),
+                schedule=top.choice("schedule", SCHEDULES, "1f1b"), pipelines=tuple(pipelines))
+    sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
+    if sequences != global_batch:
+        detail = " + ".join(f"{p.count}x{p.micro_batches}" for p in plan.pipelines)
+        raise top.error("global_batch", global_batch,
+                        f"must equal the sum of count x micro_batches x micro_batch over pipelines "
+                        f"(({detail}) x {micro_batch} = {sequences})")
+    return plan
+
+
+def _even_split(global_batch: int, micro_batch: int, replicas: int, top: Fields) -> int:
+    if global_batch % (micro_batch * replicas):
+        raise top.error("global_batch", global_batch,
+                        f"must divide evenly into {replicas} replica(s) x micro_batch {micro_batch} "
+                        f"when micro_batches is left out")
+    return global_batch // (micro_batch * replicas)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file (on its own; see check_plan)."""
+    return parse_plan(load_yaml(path, "plan"), str(path))
+
+
+def check_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str = "", *,
+               tp_within_node: bool = True) -> None:
+    """Raise SpecError unless the plan fits the model and the cluster's groups and device counts.
+
+    ``tp_within_node=False`` lets a stage's TP span whole nodes: the predictor prices that (on the
+    network) for measured reference runs, but hethub's planner and runtime never do it.
+    """
+    used: dict[str, int] = {}
+    for i, pipeline in enumerate(plan.pipelines):
+        layers = sum(stage.layers for stage in pipeline.stages)
+        if layers != model.layers:
+            split = "+".join(str(s.layers) for s in pipeline.stages)
+            raise SpecError(source, f"pipelines[{i}].stages[*].layers", split,
+                            f"must sum to the model's {model.layers} layers (they sum to {layers})")
+        for j, stage in enumerate(pipeline.stages):
+            field = f"pipelines[{i}].stages[{j}]"
+            if stage.group not in cluster.group_names:
+                raise SpecError(source, f"{field}.group", stage.group,
+                                f"no such group in the cluster{suggestion(stage.group, cluster.group_names)}; "
+                                f"groups: {', '.join(cluster.group_names)}")
+            group = cluster.group(stage.group)
+            spans_nodes = not tp_within_node and stage.tp % group.devices_per_node == 0
+            if not spans_nodes and (stage.tp > group.devices_per_node or group.devices_per_node % stage.tp):
+                raise SpecError(source, f"{field}.tp", stage.tp,
+                                f"tensor parallelism stays inside a node: must divide devices_per_node "
+                                f"({group.devices_per_node}) of group {group.name!r}")
+            if model.heads % stage.tp or model.kv_heads % stage.tp:
+                raise SpecError(source, f"{field}.tp", stage.tp,
+                                f"must divide the model's heads ({model.heads}) and kv_heads ({model.kv_heads})")
+            used[stage.group] = used.get(stage.group, 0) + pipeline.count * stage.tp
+    for name, devices in used.items():
+        group = cluster.group(name)
+        if devices > group.devices:
+            raise SpecError(source, "pipelines", f"{devices} devices of group {name!r}",
+                            f"a plan may use at most the group's {group.devices} devices "
+                            f"({group.nodes} nodes x {group.devices_per_node})")
+
+
+def uniform_layers(layers: int, stages: int) -> list[int]:
+    """Megatron's even split; when it does not divide, the earlier stages take one layer more."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def uniform_plan(*, model: str, group: str, tp: int, pp: int, dp: int, micro_batch: int,
+                 global_batch: int, recompute: str = "none", schedule: str = "1f1b",
+                 layers: int) -> Plan:
+    """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of ``group``."""
+    split = uniform_layers(layers, pp)
+    return parse_plan({
+        "model": model, "global_batch": global_batch, "micro_batch": micro_batch,
+        "recompute": recompute, "schedule": schedule,
+        "pipelines": [{"count": dp, "stages": [{"group": group, "tp": tp, "layers": n} for n in split]}],
+    }, "command line")
