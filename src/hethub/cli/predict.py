@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     plan, model, source = resolve_plan(args, cluster)
     prediction = predict(plan, cluster, model, timeline=bool(args.trace))
     if args.trace:
-        write_trace(Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}")
+        try:
+            write_trace(Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}")
+        except OSError as error:
+            raise HethubError(f"--trace = {args.trace!r}: cannot write the trace file ({error.strerror})") from None
     if args.json:
         print(json.dumps(prediction.to_json(), indent=2))
     else:

@@ -122,7 +122,10 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
         orders.append(order)
 
     slowest = max(run.time_s for run in runs)
-    leaders = tuple(run.groups[0] for run in runs)
+    leaders = {run.groups[0] for run in runs}
+    # Across layouts a gradient shard crosses the slowest path between its group and any leader.
+    cross_bw = {group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
+                for group in {g for run in runs for g in run.groups}} if len(runs) > 1 else {}
     stages: list[StagePrediction] = []
     step_events: list[dict] = []
     iteration = busy = span = 0.0
@@ -133,7 +136,7 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
                                                    p == 1, run.pipeline.count)
             start = run.stage_end_s[s]
             if len(runs) > 1:  # a layer's gradient is the mean over every layout's replicas
-                sync += _cross_layout_sync_s(params, group, leaders, cluster, cal)
+                sync += comm.ring_allreduce_time(params * GRAD_BYTES, len(runs), cross_bw[group.name], cal)
                 start = slowest
             compute = m * (run.forward_s[s] + run.backward_s[s])
             stages.append(StagePrediction(
@@ -238,13 +241,6 @@ def _send_time(nbytes: float, pipeline: PipelineLayout, s: int, bases: list[int]
     if first // a.devices_per_node == last // a.devices_per_node:
         return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
     return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
-
-
-def _cross_layout_sync_s(params: float, group: DeviceGroup, leaders: tuple[DeviceGroup, ...], cluster: ClusterSpec,
-                         cal: Calibration) -> float:
-    """All-reduce of a stage's gradient shard among the layouts' leaders (bridged across vendors)."""
-    bandwidth = min(comm.cross_group_bw(cluster, group, other, cal) for other in set(leaders))
-    return comm.ring_allreduce_time(params * GRAD_BYTES, len(leaders), bandwidth, cal)
 
 
 def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
