@@ -1,0 +1,28 @@
+"""The calibrated predictor stays within the accuracy target on the measured A100 iterations.
+
+The figures are produced by benchmarks/predictor_accuracy.py; this guards them against a change
+to the predictor that silently breaks its accuracy. The data lies in ../shared/data beside the repo.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from vtrain_rows import load_rows  # noqa: E402
+
+from hethub.predictor import predict  # noqa: E402
+
+
+def test_mape_on_each_measured_file_is_at_most_8_percent():
+    errors = defaultdict(list)
+    for row in load_rows():
+        predicted = predict(row.plan, row.cluster, row.model).iteration_time_s
+        errors[row.file].append(abs(predicted - row.measured_s) / row.measured_s)
+    assert set(errors) == {"vtrain_a100_single_node.csv", "vtrain_a100_multi_node.csv"}
+    for name, values in errors.items():
+        assert 100 * sum(values) / len(values) <= 8.0, name
