@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vtrain_rows import load_rows  # noqa: E402
+from vtrain_rows import load_rows
 
-from hethub.predictor import Calibration, default_calibration, predict  # noqa: E402
-from hethub.predictor.compute import embedding_cost, head_cost, layer_cost  # noqa: E402
+from hethub.predictor import Calibration, default_calibration, predict
+from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
 
 FRACTIONS = {"matmul_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency"}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vtrain_rows import load_rows  # noqa: E402
+from vtrain_rows import load_rows
 
-from hethub.predictor import predict  # noqa: E402
+from hethub.predictor import predict
 
 
 def main() -> int:

@@ -12,7 +12,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hethub.spec import ClusterSpec, ModelSpec, Plan, check_plan, parse_cluster, parse_model, parse_plan
+from hethub.spec import (
+    ClusterSpec,
+    ModelSpec,
+    Plan,
+    check_plan,
+    parse_cluster,
+    parse_model,
+    parse_plan,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FILES = ("vtrain_a100_single_node.csv", "vtrain_a100_multi_node.csv")

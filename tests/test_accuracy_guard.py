@@ -13,9 +13,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from vtrain_rows import load_rows  # noqa: E402
+from vtrain_rows import load_rows
 
-from hethub.predictor import predict  # noqa: E402
+from hethub.predictor import predict
 
 
 def test_mape_on_each_measured_file_is_at_most_8_percent():

@@ -10,7 +10,15 @@ from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.report.table import render_table
 from hethub.report.trace import write_trace
-from hethub.spec import ClusterSpec, ModelSpec, Plan, check_plan, load_cluster, load_model, load_plan
+from hethub.spec import (
+    ClusterSpec,
+    ModelSpec,
+    Plan,
+    check_plan,
+    load_cluster,
+    load_model,
+    load_plan,
+)
 from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
@@ -102,9 +110,9 @@ def describe(prediction: Prediction, plan: Plan, cluster: ClusterSpec, model: Mo
                      f"{s.memory.total_gb:.1f} / {capacity:g}{flag}"])
     p = prediction
     lines = [
-        f"model {model.name} ({model.parameter_count() / 1e9:.2f}B parameters), plan {source}: "
-        f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
-        f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices",
+        (f"model {model.name} ({model.parameter_count() / 1e9:.2f}B parameters), plan {source}: "
+         f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
+         f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices"),
         "",
         render_table(header, rows),
         "",

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from hethub.predictor import comm
 from hethub.predictor.calibration import Calibration, default_calibration
-from hethub.predictor.compute import BYTES_PER_ELEMENT, embedding_cost, head_cost, layer_cost, layer_gemms
+from hethub.predictor.compute import (
+    BYTES_PER_ELEMENT,
+    embedding_cost,
+    head_cost,
+    layer_cost,
+    layer_gemms,
+)
 from hethub.predictor.memory import GRAD_BYTES, StageMemory, stage_memory, stage_params
 from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate
 from hethub.spec.cluster import ClusterSpec, DeviceGroup

@@ -118,8 +118,7 @@ def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[floa
             prev, dep, send, duration = steps[i]
             start = end[prev]
             ready = end[dep] + sends[send]
-            if ready > start:
-                start = ready
+            start = max(start, ready)
             end[i] = start + durations[duration]
         position = _jump(end, position, p, jumps) + 1
     end.pop()
