@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_sequence
+from hethub.predictor.schedule import (BACKWARD, FORWARD, schedule_order, simulate, stage_end_times,
+                                       stage_sequence)
 
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 
@@ -72,3 +73,15 @@ def test_bottleneck_stage_sets_the_steady_state():
     assert total >= m * 9.0  # the slow stage is busy for m x (3 + 6)
     assert total <= m * 9.0 + sum(f) + sum(b)  # plus at most one pass through the others
     assert BACKWARD == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), p=st.integers(1, 6), m=st.integers(1, 120), schedule=st.sampled_from(["1f1b", "gpipe"]))
+def test_stage_end_times_of_a_long_schedule_equal_the_full_simulation(data, p, m, schedule):
+    f = data.draw(st.lists(durations, min_size=p, max_size=p))
+    b = data.draw(st.lists(durations, min_size=p, max_size=p))
+    sends = data.draw(st.lists(st.floats(0, 1), min_size=p - 1, max_size=p - 1))
+    order = schedule_order(schedule, p, m)
+    full = simulate(order, f, b, sends, sends, every_op=True)
+    expected = [full[i] for i in order.last_op]
+    assert stage_end_times(schedule, f, b, sends, sends, m) == pytest.approx(expected, rel=1e-9)

@@ -21,7 +21,7 @@ from hethub.predictor.compute import (
     layer_gemms,
 )
 from hethub.predictor.memory import GRAD_BYTES, StageMemory, stage_memory, stage_params
-from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate
+from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan
@@ -127,22 +127,29 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
         runs.append(run)
         orders.append(order)
 
+    # Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
+    # one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
+    # each stage's shard between them, over the bridge where the vendors differ.
+    classes: dict[tuple, list[int]] = {}
+    for index, run in enumerate(runs):
+        classes.setdefault(run.pipeline.stages, []).append(index)
     slowest = max(run.time_s for run in runs)
-    leaders = {run.groups[0] for run in runs}
-    # Across layouts a gradient shard crosses the slowest path between its group and any leader.
+    leaders = {runs[members[0]].groups[0] for members in classes.values()}
     cross_bw = {group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
-                for group in {g for run in runs for g in run.groups}} if len(runs) > 1 else {}
+                for group in {g for run in runs for g in run.groups}} if len(classes) > 1 else {}
     stages: list[StagePrediction] = []
     step_events: list[dict] = []
     iteration = busy = span = 0.0
     for index, run in enumerate(runs):
         p, m = len(run.groups), run.pipeline.micro_batches
+        members = classes[run.pipeline.stages]
+        replicas = sum(runs[i].pipeline.count for i in members)
         for s, (stage, group) in enumerate(zip(run.pipeline.stages, run.groups)):
-            params, sync, optimizer = _stage_state(model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1,
-                                                   p == 1, run.pipeline.count)
-            start = run.stage_end_s[s]
-            if len(runs) > 1:  # a layer's gradient is the mean over every layout's replicas
-                sync += comm.ring_allreduce_time(params * GRAD_BYTES, len(runs), cross_bw[group.name], cal)
+            params, sync, optimizer = stage_state(model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1,
+                                                   p == 1, replicas)
+            start = max(runs[i].stage_end_s[s] for i in members) if len(members) > 1 else run.stage_end_s[s]
+            if len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
+                sync += comm.ring_allreduce_time(params * GRAD_BYTES, len(classes), cross_bw[group.name], cal)
                 start = slowest
             compute = m * (run.forward_s[s] + run.backward_s[s])
             stages.append(StagePrediction(
@@ -150,8 +157,8 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
                 layers=stage.layers, forward_s=run.forward_s[s], backward_s=run.backward_s[s], compute_s=compute,
                 send_s=run.send_s[s] if s < p - 1 else 0.0, grad_sync_s=sync, optimizer_s=optimizer,
                 end_s=run.stage_end_s[s],
-                memory=stage_memory(model, layers=stage.layers, tp=stage.tp, position=s, stages=p, micro_batches=m,
-                                    micro_batch=plan.micro_batch, recompute=recompute, schedule=plan.schedule)))
+                memory=stage_memory(model, stage.layers, stage.tp, s, p, m, plan.micro_batch, recompute,
+                                    plan.schedule)))
             iteration = max(iteration, start + sync + optimizer)
             devices = run.pipeline.count * stage.tp
             busy += devices * compute
@@ -193,20 +200,23 @@ def _run_layout(pipeline: PipelineLayout, bases: list[int], plan: Plan, cluster:
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends = [], [], []
     for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
-        f, bw = _stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+        f, bw = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
         forward.append(f)
         backward.append(bw)
         if s < p - 1:
             activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
             sends.append(_send_time(activation_bytes / stage.tp, pipeline, s, bases, groups, cluster, cal))
-    order = schedule_order(plan.schedule, p, pipeline.micro_batches)
-    end = simulate(order, forward, backward, sends, sends, every_op=every_op)
-    stage_end = [end[i] for i in order.last_op]
-    return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), (order, end)
+    if every_op:  # a timeline needs every operation of the full schedule
+        order = schedule_order(plan.schedule, p, pipeline.micro_batches)
+        end = simulate(order, forward, backward, sends, sends, every_op=True)
+        stage_end = [end[i] for i in order.last_op]
+        return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), (order, end)
+    stage_end = stage_end_times(plan.schedule, forward, backward, sends, sends, pipeline.micro_batches)
+    return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), None
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, micro_batch: int,
+def stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, micro_batch: int,
                 recompute: bool, first: bool, last: bool) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch through a stage."""
     acc = group.accelerator
@@ -225,7 +235,7 @@ def _stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int,
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_state(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, first: bool,
+def stage_state(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, first: bool,
                  last: bool, single_stage: bool, replicas: int) -> tuple[float, float, float]:
     """(parameters per device, gradient all-reduce among the layout's replicas, optimizer step) of a stage."""
     params = stage_params(model, layers, first, last, single_stage) / tp

@@ -66,7 +66,7 @@ def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_bat
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_memory(model: ModelSpec, *, layers: int, tp: int, position: int, stages: int,
+def stage_memory(model: ModelSpec, layers: int, tp: int, position: int, stages: int,
                  micro_batches: int, micro_batch: int, recompute: bool, schedule: str) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     first, last = position == 0, position == stages - 1

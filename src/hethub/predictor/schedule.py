@@ -18,6 +18,7 @@ longer pays for every micro-batch.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 FORWARD, BACKWARD = 0, 1
@@ -91,8 +92,8 @@ def schedule_order(schedule: str, stages: int, micro_batches: int) -> ScheduleOr
                          tuple(steps), last_op, periodic)
 
 
-# Two positions repeat when their end times differ by the same shift to this relative precision.
-_REPEAT_TOLERANCE = 1e-12
+# Two positions repeat when their end times, less their first, agree to this share of one pass.
+_REPEAT_TOLERANCE = 1e-9
 
 
 def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[float],
@@ -109,35 +110,89 @@ def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[floa
     durations[0::2] = forward_s
     durations[1::2] = backward_s
     sends = [*send_forward_s, *send_backward_s, 0.0]  # index -1: no send
+    end, _ = _run(order, durations, sends, every_op)
+    return end
+
+
+def stage_end_times(schedule: str, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
+                    send_backward_s: list[float], micro_batches: int) -> list[float]:
+    """When each stage finishes its last operation: simulate() of the whole schedule, exactly.
+
+    Once the steady state repeats, every cycle of c further micro-batches adds the same time to
+    every stage. So a long schedule is simulated at a shorter length where its steady state shows,
+    chosen so that the micro-batches left out are whole cycles, which are then added as time. If
+    the steady state does not show, the full schedule is simulated.
+    """
+    p = len(forward_s)
+    durations = [0.0] * (2 * p)
+    durations[0::2] = forward_s
+    durations[1::2] = backward_s
+    sends = [*send_forward_s, *send_backward_s, 0.0]
+    simulated = 2 * p + _STEADY_PROBE
+    # A first probe finds the cycle lengths, a second is cut so that whole cycles are left out.
+    for _ in range(2 if micro_batches > 2 * simulated else 0):
+        order = schedule_order(schedule, p, simulated)
+        end, cycles = _run(order, durations, sends, False)
+        left_out = micro_batches - simulated
+        if len(cycles) == len(order.periodic) and all(left_out % length == 0 for _, length in cycles):
+            extra = sum(left_out // length * shift for shift, length in cycles)
+            return [end[i] + extra for i in order.last_op]
+        if len(cycles) != len(order.periodic):
+            break
+        simulated += left_out % math.lcm(*(length for _, length in cycles))
+    order = schedule_order(schedule, p, micro_batches)
+    end, _ = _run(order, durations, sends, False)
+    return [end[i] for i in order.last_op]
+
+
+# Micro-batches beyond twice the stages that a shortened simulation keeps to find the steady state.
+_STEADY_PROBE = 24
+
+
+def _run(order: ScheduleOrder, durations: list[float], sends: list[float], every_op: bool):
+    """The simulation proper: end times, and (shift, micro-batches) of each steady cycle it jumped over."""
+    p = order.stages
     steps = order.steps
     end = [0.0] * (len(steps) + 1)  # index -1: nothing to wait for, ends at 0
-    jumps = {} if every_op else {first: (last, period) for first, last, period in order.periodic if last > first}
+    runs = [] if every_op else [(first, last, period, {}) for first, last, period in order.periodic if last > first]
+    cycles: list[tuple[float, int]] = []
+    grid = _REPEAT_TOLERANCE * (sum(durations) + sum(sends)) or 1.0
     position, positions = 0, len(steps) // p
+    check_from = min((first for first, *_ in runs), default=positions)
     while position < positions:
         for i in range(position * p, (position + 1) * p):
             prev, dep, send, duration = steps[i]
             start = end[prev]
             ready = end[dep] + sends[send]
-            start = max(start, ready)
+            if ready > start:  # noqa: PLR1730 - a call to max() costs a third of this hot loop
+                start = ready
             end[i] = start + durations[duration]
-        position = _jump(end, position, p, jumps) + 1
+        if position >= check_from and runs:
+            position = _jump(end, position, p, runs, cycles, grid)
+        position += 1
     end.pop()
-    return end
+    return end, cycles
 
 
-def _jump(end: list[float], position: int, p: int, jumps: dict[int, tuple[int, int]]) -> int:
-    """If ``position`` repeats the one a period earlier plus a shift, copy it to the last position of
-    its steady run that is a whole number of periods ahead, and return that position."""
-    for first, (last, period) in jumps.items():
-        if not first + period - 1 <= position < last or position - period < 0:
+def _jump(end: list[float], position: int, p: int, runs: list, cycles: list[tuple[float, int]], grid: float) -> int:
+    """If the end times at ``position`` repeat those at an earlier position of the same steady run
+    up to one shift (compared on a grid far coarser than rounding noise and far finer than any
+    duration), jump ahead by as many whole cycles as the run still holds."""
+    for index, (first, last, period, seen) in enumerate(runs):
+        if not first <= position < last or (position - first) % period:  # cycles span whole periods
             continue
         now = end[position * p:(position + 1) * p]
-        before = end[(position - period) * p:(position - period + 1) * p]
-        shifts = [a - b for a, b in zip(now, before)]
-        if max(shifts) - min(shifts) > _REPEAT_TOLERANCE * max(now):
+        base = now[0]
+        key = tuple(map(round, [(t - base) / grid for t in now]))
+        earlier = seen.setdefault(key, position)
+        if earlier == position:
             return position
-        periods = (last - position) // period
-        target = position + periods * period
-        end[target * p:(target + 1) * p] = [t + periods * shift for t, shift in zip(now, shifts)]
+        span = position - earlier
+        cycles_left = (last - position) // span
+        target = position + cycles_left * span
+        shift = base - end[earlier * p]
+        end[target * p:(target + 1) * p] = [t + cycles_left * shift for t in now]
+        del runs[index]  # each steady run is jumped over once
+        cycles.append((shift, span // period))
         return target
     return position

@@ -1,0 +1,107 @@
+"""The structures the planner tries: which devices of which groups form the stages of each layout.
+
+A structure fixes, for each layout, its replica count and its stages' groups and TP degrees; the
+layers per stage and the micro-batches per replica are chosen later for each structure.
+
+- homogeneous: replicas of one group, ``pp`` stages of TP ``tp`` (each group alone; also the
+  fastest-group-alone baseline);
+- combinations: one homogeneous layout per group (or none: a group may stay idle), replicas of
+  unlike layouts side by side;
+- mixed: identical replicas that cross kinds, ``k_g`` stages of TP ``tp_g`` on each group in turn
+  (the HETHUB pipeline), optionally with each group's leftover devices as replicas of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from hethub.planner.costs import StageSlot
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """``count`` identical replicas whose stages are ``slots``."""
+
+    count: int
+    slots: tuple[StageSlot, ...]
+
+
+Structure = tuple[Layout, ...]
+
+
+def tp_degrees(group: DeviceGroup, model: ModelSpec) -> list[int]:
+    """TP degrees a stage of the group may use: inside a node, dividing the heads and KV heads."""
+    return [t for t in range(1, group.devices_per_node + 1)
+            if group.devices_per_node % t == 0 and model.heads % t == 0 and model.kv_heads % t == 0]
+
+
+def homogeneous(group: DeviceGroup, model: ModelSpec, max_stages: int) -> list[Layout]:
+    """Every (tp, pp) layout of the group alone, as many replicas as its devices allow."""
+    layouts = []
+    for tp in tp_degrees(group, model):
+        for pp in range(1, min(model.layers, max_stages, group.devices // tp) + 1):
+            layouts.append(Layout(group.devices // (tp * pp), (StageSlot(group.name, tp),) * pp))
+    return layouts
+
+
+def combinations(choices: dict[str, list[Layout]]) -> list[Structure]:
+    """One layout (or none) per group, at least two groups used."""
+    names = list(choices)
+    out = []
+    for picks in itertools.product(*[[None, *choices[name]] for name in names]):
+        used = tuple(layout for layout in picks if layout is not None)
+        if len(used) >= 2:
+            out.append(used)
+    return out
+
+
+def mixed(cluster: ClusterSpec, model: ModelSpec, tps: dict[str, list[int]], max_stages: int,
+          leftovers: dict[str, list[Layout]]) -> list[Structure]:
+    """Replicas that cross kinds: for every order of the groups, every replica count and TP choice,
+    each group gives ``devices // (count * tp)`` stages to every replica; each group's leftover
+    devices may form replicas of the group's own best layouts that fit in them."""
+    groups = cluster.groups
+    out: list[Structure] = []
+    for tp_choice in itertools.product(*[tps[g.name] for g in groups]):
+        tp_of = {g.name: t for g, t in zip(groups, tp_choice)}
+        counts = _replica_counts(groups, tp_of, max_stages)
+        for count in counts:
+            stages_of = {g.name: g.devices // (count * tp_of[g.name]) for g in groups}
+            used = [g for g in groups if stages_of[g.name] > 0]
+            total = sum(stages_of[g.name] for g in used)
+            if len(used) < 2 or total > min(model.layers, max_stages):
+                continue
+            rest = {g.name: g.devices - count * stages_of[g.name] * tp_of[g.name] for g in used}
+            for order in itertools.permutations(used):
+                slots = tuple(StageSlot(g.name, tp_of[g.name]) for g in order for _ in range(stages_of[g.name]))
+                main = Layout(count, slots)
+                out.append((main,))
+                extra = tuple(_fit_leftover(leftovers.get(name, []), devices) for name, devices in rest.items())
+                extra = tuple(layout for layout in extra if layout is not None)
+                if extra:
+                    out.append((main, *extra))
+    return out
+
+
+def _replica_counts(groups: tuple[DeviceGroup, ...], tp_of: dict[str, int], max_stages: int) -> list[int]:
+    """Replica counts at which some group's stages per replica change (the only ones worth trying)."""
+    counts = set()
+    for g in groups:
+        per_tp = g.devices // tp_of[g.name]
+        for stages in range(1, max_stages + 1):
+            if per_tp // stages >= 1:
+                counts.add(per_tp // stages)
+    smallest = min(g.devices // tp_of[g.name] for g in groups)
+    return sorted(c for c in counts if c <= smallest)
+
+
+def _fit_leftover(best: list[Layout], devices: int) -> Layout | None:
+    """The first of a group's best layouts that fits in ``devices`` devices, with as many replicas as fit."""
+    for layout in best:
+        per_replica = sum(slot.tp for slot in layout.slots)
+        if devices >= per_replica:
+            return Layout(devices // per_replica, layout.slots)
+    return None

@@ -1,0 +1,62 @@
+"""What the planner needs to know of a stage before it has layers: time per layer, the embedding's
+and the head's extra time, and how many layers fit in memory, all from the predictor's models."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from hethub.predictor.calibration import Calibration
+from hethub.predictor.iteration import stage_work
+from hethub.predictor.memory import stage_memory
+from hethub.spec.cluster import DeviceGroup
+from hethub.spec.model import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageSlot:
+    """A pipeline stage before its layers are chosen: ``tp`` devices of one group."""
+
+    group: str
+    tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """The plan-wide choices a candidate is costed under."""
+
+    model: ModelSpec
+    calibration: Calibration
+    micro_batch: int
+    recompute: bool
+    schedule: str = "1f1b"
+
+
+@functools.lru_cache(maxsize=65536)
+def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
+    """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of ``group``."""
+    forward, backward = stage_work(setting.model, group, setting.calibration, tp, 1, setting.micro_batch,
+                                   setting.recompute, False, False)
+    return forward + backward
+
+
+@functools.lru_cache(maxsize=65536)
+def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool) -> float:
+    """Forward plus backward of the embedding (first stage) and the head (last stage)."""
+    forward, backward = stage_work(setting.model, group, setting.calibration, tp, 0, setting.micro_batch,
+                                   setting.recompute, first, last)
+    return forward + backward
+
+
+@functools.lru_cache(maxsize=65536)
+def layer_cap(setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int) -> int:
+    """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
+    def gb(layers: int) -> float:
+        return stage_memory(setting.model, layers=layers, tp=tp, position=position, stages=stages,
+                            micro_batches=micro_batches, micro_batch=setting.micro_batch,
+                            recompute=setting.recompute, schedule=setting.schedule).total_gb
+    fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
+    room = group.accelerator.memory_gb - fixed
+    if room < per_layer:
+        return 0
+    return min(setting.model.layers, int(room / per_layer + 1e-9))

@@ -1,0 +1,67 @@
+"""Layers per pipeline stage: an exact solver for non-uniform stages.
+
+A stage with n layers takes w = n * per_layer + extra per micro-batch (forward plus backward; the
+extra is the embedding on the first stage and the head on the last). 1F1B over m micro-batches
+takes about sum(w) + (m - 1) * max(w), so the split minimises that, with 1 <= n <= cap per stage
+(cap: the most layers that fit in the stage's memory at its position).
+
+For a bound B on max(w), the least sum(w) puts every layer beyond each stage's first on the
+cheapest stages still under B (a unit-item knapsack, where greedy is exact). The optimum's max(w)
+is one of the values w_s(n), so trying each of them, cheapest first, and stopping once
+(m - 1) * B alone exceeds the best found, gives the exact optimum.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def stage_times(split: list[int], per_layer: list[float], extra: list[float]) -> list[float]:
+    return [n * c + e for n, c, e in zip(split, per_layer, extra)]
+
+
+def pipeline_cost(split: list[int], per_layer: list[float], extra: list[float], micro_batches: int) -> float:
+    """sum(w) + (m - 1) * max(w): the 1F1B time without communication."""
+    times = stage_times(split, per_layer, extra)
+    return sum(times) + (micro_batches - 1) * max(times)
+
+
+def partition_layers(layers: int, per_layer: list[float], extra: list[float], cap: list[int],
+                     micro_batches: int) -> list[int] | None:
+    """The split of ``layers`` over the stages minimising pipeline_cost, or None if none fits the caps."""
+    p = len(per_layer)
+    caps = [min(c, layers - p + 1) for c in cap]
+    if p > layers or min(caps) < 1 or sum(caps) < layers:
+        return None
+    cheapest = sorted(range(p), key=lambda s: per_layer[s])
+    bounds = sorted({n * per_layer[s] + extra[s] for s in range(p) for n in range(1, caps[s] + 1)})
+    floor_sum = _least_sum(layers, per_layer, extra, caps, cheapest)
+    best, best_cost = None, math.inf
+    for bound in bounds:
+        if (micro_batches - 1) * bound + floor_sum >= best_cost:
+            break
+        limits = [min(caps[s], math.floor((bound - extra[s]) / per_layer[s] + 1e-9)) if per_layer[s] > 0 else caps[s]
+                  for s in range(p)]
+        if min(limits) < 1 or sum(limits) < layers:
+            continue
+        split = _fill(layers, limits, cheapest)
+        cost = pipeline_cost(split, per_layer, extra, micro_batches)
+        if cost < best_cost:
+            best, best_cost = split, cost
+    return best
+
+
+def _fill(layers: int, limits: list[int], cheapest: list[int]) -> list[int]:
+    """One layer per stage, the rest on the cheapest stages up to their limits."""
+    split = [1] * len(limits)
+    left = layers - len(limits)
+    for s in cheapest:
+        take = min(left, limits[s] - 1)
+        split[s] += take
+        left -= take
+    return split
+
+
+def _least_sum(layers: int, per_layer: list[float], extra: list[float], caps: list[int], cheapest: list[int]) -> float:
+    """The least sum(w) under the caps alone: a lower bound for every bound B."""
+    return sum(stage_times(_fill(layers, caps, cheapest), per_layer, extra))
