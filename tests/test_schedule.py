@@ -6,8 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hethub.predictor.schedule import (BACKWARD, FORWARD, schedule_order, simulate, stage_end_times,
-                                       stage_sequence)
+from hethub.predictor.schedule import (
+    BACKWARD,
+    FORWARD,
+    schedule_order,
+    simulate,
+    stage_end_times,
+    stage_sequence,
+)
 
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hethub.planner.candidates import Layout, Structure, combinations, homogeneous, mixed, tp_degrees
+from hethub.planner.candidates import (
+    Layout,
+    Structure,
+    combinations,
+    homogeneous,
+    mixed,
+    tp_degrees,
+)
 from hethub.planner.costs import Setting, end_time, layer_cap, layer_time
 from hethub.planner.partition import partition_layers, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
