@@ -42,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     rows = load_rows()
     start = default_calibration()
-    names = [f.name for f in dataclasses.fields(Calibration)]
+    names = [f.name for f in dataclasses.fields(Calibration) if f.init]
 
     def to_cal(x) -> Calibration:
         values = {}

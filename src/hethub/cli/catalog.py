@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from hethub.report.table import render_table
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     accelerators = catalog()
     if args.json:
-        print(json.dumps({name: {k: getattr(a, k) for k in a.__slots__ if k != "name"}
+        print(json.dumps({name: {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.init and f.name != "name"}
                           for name, a in accelerators.items()}, indent=2))
         return 0
     header = ["name", "vendor", "bf16 TFLOP/s", "memory GB", "memory GB/s", "intra-node GB/s",

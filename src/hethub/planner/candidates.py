@@ -64,26 +64,41 @@ def mixed(cluster: ClusterSpec, model: ModelSpec, tps: dict[str, list[int]], max
     each group gives ``devices // (count * tp)`` stages to every replica; each group's leftover
     devices may form replicas of the group's own best layouts that fit in them."""
     groups = cluster.groups
+    # Fewer stages than a group's devices allow can balance integer layers better; the devices
+    # left over may form replicas of their own.
+    cut_patterns = [tuple(0 for _ in groups)] + [tuple(cut if i == j else 0 for i in range(len(groups)))
+                                                 for j in range(len(groups)) for cut in (1, 2)]
     out: list[Structure] = []
     for tp_choice in itertools.product(*[tps[g.name] for g in groups]):
         tp_of = {g.name: t for g, t in zip(groups, tp_choice)}
-        counts = _replica_counts(groups, tp_of, max_stages)
-        for count in counts:
-            stages_of = {g.name: g.devices // (count * tp_of[g.name]) for g in groups}
-            used = [g for g in groups if stages_of[g.name] > 0]
-            total = sum(stages_of[g.name] for g in used)
-            if len(used) < 2 or total > min(model.layers, max_stages):
-                continue
-            rest = {g.name: g.devices - count * stages_of[g.name] * tp_of[g.name] for g in used}
-            for order in itertools.permutations(used):
-                slots = tuple(StageSlot(g.name, tp_of[g.name]) for g in order for _ in range(stages_of[g.name]))
-                main = Layout(count, slots)
-                out.append((main,))
-                extra = tuple(_fit_leftover(leftovers.get(name, []), devices) for name, devices in rest.items())
-                extra = tuple(layout for layout in extra if layout is not None)
-                if extra:
-                    out.append((main, *extra))
+        for count in _replica_counts(groups, tp_of, max_stages):
+            most = {g.name: g.devices // (count * tp_of[g.name]) for g in groups}
+            for cuts in cut_patterns:
+                stages_of = {g.name: most[g.name] - cut for g, cut in zip(groups, cuts)}
+                if any(cut and stages_of[g.name] <= 0 for g, cut in zip(groups, cuts)):
+                    continue  # cutting a group to nothing repeats a structure without it
+                used = [g for g in groups if stages_of[g.name] > 0]
+                if len(used) < 2 or sum(stages_of[g.name] for g in used) > min(model.layers, max_stages):
+                    continue
+                rest = {g.name: g.devices - count * stages_of[g.name] * tp_of[g.name] for g in groups}
+                extra = tuple(layout for layout in (_fit_leftover(leftovers.get(name, []), devices)
+                                                    for name, devices in rest.items()) if layout is not None)
+                for order in _orders(used):
+                    slots = tuple(StageSlot(g.name, tp_of[g.name]) for g in order for _ in range(stages_of[g.name]))
+                    out.append((Layout(count, slots),))
+                    if extra:
+                        out.append((Layout(count, slots), *extra))
     return out
+
+
+def _orders(groups: list[DeviceGroup]) -> list[tuple[DeviceGroup, ...]]:
+    """Orders of the groups along a pipeline: every order of two or three groups; beyond that, the
+    orders by device memory (the first stage holds the most activations) and by speed, both ways."""
+    if len(groups) <= 3:
+        return list(itertools.permutations(groups))
+    by_memory = tuple(sorted(groups, key=lambda g: (g.accelerator.memory_gb, g.name)))
+    by_speed = tuple(sorted(groups, key=lambda g: (g.accelerator.bf16_tflops, g.name)))
+    return list(dict.fromkeys([by_memory, by_memory[::-1], by_speed, by_speed[::-1]]))
 
 
 def _replica_counts(groups: tuple[DeviceGroup, ...], tp_of: dict[str, int], max_stages: int) -> list[int]:

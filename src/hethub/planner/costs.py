@@ -4,11 +4,11 @@ and the head's extra time, and how many layers fit in memory, all from the predi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import stage_work
-from hethub.predictor.memory import stage_memory
+from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.model import ModelSpec
 
@@ -31,6 +31,14 @@ class Setting:
     recompute: bool
     schedule: str = "1f1b"
 
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
+        object.__setattr__(self, "_hash", hash((self.model, self.calibration, self.micro_batch, self.recompute, self.schedule)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
@@ -48,13 +56,18 @@ def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: b
     return forward + backward
 
 
-@functools.lru_cache(maxsize=65536)
 def layer_cap(setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int) -> int:
     """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
+    in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
+    return _layer_cap(setting, group, tp, position == 0, position == stages - 1, stages == 1, in_flight)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_cap(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool, single: bool,
+               in_flight: int) -> int:
     def gb(layers: int) -> float:
-        return stage_memory(setting.model, layers=layers, tp=tp, position=position, stages=stages,
-                            micro_batches=micro_batches, micro_batch=setting.micro_batch,
-                            recompute=setting.recompute, schedule=setting.schedule).total_gb
+        return stage_memory_at(setting.model, layers, tp, first, last, single, in_flight, setting.micro_batch,
+                               setting.recompute).total_gb
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed
     if room < per_layer:

@@ -13,6 +13,7 @@ is one of the values w_s(n), so trying each of them, cheapest first, and stoppin
 
 from __future__ import annotations
 
+import heapq
 import math
 
 
@@ -34,16 +35,26 @@ def partition_layers(layers: int, per_layer: list[float], extra: list[float], ca
     if p > layers or min(caps) < 1 or sum(caps) < layers:
         return None
     cheapest = sorted(range(p), key=lambda s: per_layer[s])
-    bounds = sorted({n * per_layer[s] + extra[s] for s in range(p) for n in range(1, caps[s] + 1)})
     floor_sum = _least_sum(layers, per_layer, extra, caps, cheapest)
+    # Candidate bounds in increasing order: a merge of every stage's w_s(1), w_s(2), ...
+    limits = [0] * p
+    heap = [(per_layer[s] + extra[s], s) for s in range(p)]
+    heapq.heapify(heap)
+    allowed, empty = 0, p
     best, best_cost = None, math.inf
-    for bound in bounds:
+    while heap:
+        bound, s = heapq.heappop(heap)
+        limits[s] += 1
+        allowed += 1
+        empty -= limits[s] == 1
+        if limits[s] < caps[s]:
+            heapq.heappush(heap, ((limits[s] + 1) * per_layer[s] + extra[s], s))
+        if heap and heap[0][0] == bound:
+            continue  # take every stage that reaches this bound before trying it
+        if empty or allowed < layers:
+            continue
         if (micro_batches - 1) * bound + floor_sum >= best_cost:
             break
-        limits = [min(caps[s], math.floor((bound - extra[s]) / per_layer[s] + 1e-9)) if per_layer[s] > 0 else caps[s]
-                  for s in range(p)]
-        if min(limits) < 1 or sum(limits) < layers:
-            continue
         split = _fill(layers, limits, cheapest)
         cost = pipeline_cost(split, per_layer, extra, micro_batches)
         if cost < best_cost:

@@ -10,6 +10,7 @@ that does not fit in memory is never kept.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
 KEEP_PER_GROUP = 3  # per group and setting, the best layouts phase 2 combines
+UNPLACEABLE_PRICED = 200  # when no plan fits, how many unplaceable structures to price for the error
 
 Progress = Callable[[str, int, int], None]
 
@@ -84,6 +86,11 @@ class _Search:
     timed_out: bool = False
     ranked: list[Ranked] = field(default_factory=list)
     closest: Overflow | None = None
+    best_time: float = float("inf")
+    """The fastest fitting step predicted so far in this phase: the bar a candidate must beat."""
+    calibration: Calibration | None = None
+    unplaceable: list[tuple[Setting, Structure]] = field(default_factory=list)
+    """Structures whose layers fit no split in memory (for the error when no plan fits)."""
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.perf_counter() > self.deadline
@@ -97,34 +104,105 @@ def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_r
     started = time.perf_counter()
     cal = calibration or default_calibration()
     state = _Search(cluster, model, model_ref, global_batch,
-                    started + time_limit_s if time_limit_s else float("inf"), progress)
+                    started + time_limit_s if time_limit_s else float("inf"), progress, calibration=cal)
     settings = [Setting(model=model, calibration=cal, micro_batch=b, recompute=r)
                 for b in MICRO_BATCH_SIZES if global_batch % b == 0 for r in (False, True)]
 
     group_best: dict[str, Ranked | None] = {}
     seeds: dict[Setting, dict[str, list[Layout]]] = {s: {} for s in settings}
     for group in cluster.groups:
+        # Each group is searched exactly as a cluster of that group alone would be: the same jobs,
+        # the same bar, so its best here is the upper bound's term for it.
+        state.best_time = float("inf")
         jobs = [(setting, (layout,)) for setting in settings for layout in homogeneous(group, model, MAX_STAGES)]
         results = _evaluate(state, jobs, f"group {group.name} alone")
         fitting = [(r, job) for r, job in zip(results, jobs) if r is not None]
-        group_best[group.name] = max((r for r, _ in fitting), key=_speed, default=None)
+        group_best[group.name] = _refine(state, [r for r, _ in fitting])
         for setting in settings:
             mine = sorted(((r, job[1][0]) for r, job in fitting if job[0] == setting), key=lambda x: -_speed(x[0]))
             seeds[setting][group.name] = [layout for _, layout in mine[:KEEP_PER_GROUP]]
 
     if len(cluster.groups) > 1:
+        state.best_time = min((r.prediction.iteration_time_s for r in group_best.values() if r), default=float("inf"))
         jobs = []
         for setting in settings:
             choices = {name: layouts for name, layouts in seeds[setting].items() if layouts}
-            tps = {g.name: sorted({l.slots[0].tp for l in choices.get(g.name, [])}) or tp_degrees(g, model)[-1:]
-                   for g in cluster.groups}
+            tps = _mixed_tps(cluster, model, choices)
             for structure in combinations(choices) + mixed(cluster, model, tps, MAX_STAGES, choices):
                 jobs.append((setting, structure))
-        _evaluate(state, jobs, "heterogeneous plans")
+        _refine(state, [r for r in _evaluate(state, jobs, "heterogeneous plans") if r is not None])
 
+    if not state.ranked and state.closest is None:
+        _closest_unplaceable(state)
     state.ranked.sort(key=lambda r: -_speed(r))
     return SearchResult(state.ranked, group_best, state.evaluated, time.perf_counter() - started,
                         state.closest, state.timed_out)
+
+
+def _mixed_tps(cluster: ClusterSpec, model: ModelSpec, choices: dict[str, list[Layout]]) -> dict[str, list[int]]:
+    """TP degrees per group for pipelines that cross kinds: every degree for two groups; for three,
+    those of the group's best layouts alone and its widest (fewest stages); beyond, only its best
+    (the mixes multiply past any budget otherwise)."""
+    out = {}
+    for g in cluster.groups:
+        every, best = tp_degrees(g, model), [layout.slots[0].tp for layout in choices.get(g.name, [])]
+        if len(cluster.groups) <= 2:
+            out[g.name] = every
+        elif len(cluster.groups) == 3:
+            out[g.name] = sorted(set(best) | {every[-1]})
+        else:
+            out[g.name] = best[:1] or every[-1:]
+    return out
+
+
+REFINE_BUDGET = 600  # predictions a phase may spend polishing its best plans
+REFINE_ROUNDS = 6
+
+
+def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
+    """Polish a phase's plans, best first (each setting's best early on), by moving single layers
+    across stage boundaries, judged by the predictor itself: the partitioner's objective leaves
+    out communication, gradient sync and the optimizer step, which matter for short steps.
+    Returns the phase's best plan."""
+    found = sorted(found, key=_speed, reverse=True)
+    best_per_setting = {}
+    for ranked in found:
+        best_per_setting.setdefault((ranked.plan.micro_batch, ranked.plan.recompute), ranked)
+    budget = state.evaluated + REFINE_BUDGET
+    polished = []
+    for ranked in dict.fromkeys([*found[:1], *best_per_setting.values(), *found]):
+        best = ranked
+        for _ in range(REFINE_ROUNDS):
+            improved = False
+            for plan in _layer_moves(best.plan):
+                if state.evaluated >= budget or state.out_of_time():
+                    break
+                candidate = _predict(state, plan)
+                if candidate is not None and _speed(candidate) > _speed(best):
+                    best, improved = candidate, True
+            if not improved:
+                break
+        polished.append(best)
+        if state.evaluated >= budget or state.out_of_time():
+            break
+    return max([*found, *polished], key=_speed, default=None)
+
+
+def _layer_moves(plan: Plan):
+    """Plans with one layer moved to a neighbouring stage, in every layout (replicas that share
+    stages move together, since they sync as one)."""
+    layouts = list(dict.fromkeys(p.stages for p in plan.pipelines))
+    for stages in layouts:
+        for s in range(len(stages) - 1):
+            for donor, taker in ((s, s + 1), (s + 1, s)):
+                if stages[donor].layers == 1:
+                    continue
+                moved = list(stages)
+                moved[donor] = dataclasses.replace(stages[donor], layers=stages[donor].layers - 1)
+                moved[taker] = dataclasses.replace(stages[taker], layers=stages[taker].layers + 1)
+                pipelines = tuple(dataclasses.replace(p, stages=tuple(moved)) if p.stages == stages else p
+                                  for p in plan.pipelines)
+                yield dataclasses.replace(plan, pipelines=pipelines)
 
 
 def _speed(ranked: Ranked) -> float:
@@ -132,22 +210,37 @@ def _speed(ranked: Ranked) -> float:
 
 
 def _evaluate(state: _Search, jobs: list[tuple[Setting, Structure]], phase: str) -> list[Ranked | None]:
-    results: list[Ranked | None] = []
-    for done, (setting, structure) in enumerate(jobs):
+    """Predict the jobs' plans, most promising first, skipping those that cannot beat the bar.
+
+    A plan's step takes at least m x bottleneck (its slowest stage busy with every micro-batch)
+    plus a quarter of the other stages' time per micro-batch (the forwards before it and the
+    backwards after it), so a plan whose bound is above the best step predicted so far is never
+    predicted: the skip loses nothing.
+    """
+    drafts = []
+    for index, (setting, structure) in enumerate(jobs):
+        if state.progress and index % 64 == 0:
+            state.progress(phase, index, 2 * len(jobs))
         if state.out_of_time():
-            results.append(None)
-            continue
+            break
+        draft = _draft(state, setting, structure)
+        if draft is not None:
+            drafts.append((draft[0], index, setting, draft[1]))
+    drafts.sort(key=lambda d: d[:2])
+    results: list[Ranked | None] = [None] * len(jobs)
+    for done, (bound, index, setting, plan) in enumerate(drafts):
         if state.progress and done % 16 == 0:
-            state.progress(phase, done, len(jobs))
-        results.append(_materialize(state, setting, structure))
+            state.progress(phase, len(jobs) + done * len(jobs) // len(drafts), 2 * len(jobs))
+        if bound >= state.best_time or state.out_of_time():
+            break
+        results[index] = _predict(state, plan, setting.calibration)
     if state.progress:
-        state.progress(phase, len(jobs), len(jobs))
+        state.progress(phase, 2 * len(jobs), 2 * len(jobs))
     return results
 
 
-def _materialize(state: _Search, setting: Setting, structure: Structure) -> Ranked | None:
-    """Layers per stage and micro-batches per replica for a structure; its prediction if it fits."""
-    model, cluster = state.model, state.cluster
+def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[float, Plan] | None:
+    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its step."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
@@ -155,9 +248,9 @@ def _materialize(state: _Search, setting: Setting, structure: Structure) -> Rank
     nominal = max(1, total // replicas)
     splits, timings = [], []
     for layout in structure:
-        split, times = _partition(setting, cluster, layout, nominal)
+        split, times = _partition(setting, state.cluster, layout, nominal)
         if split is None:
-            _note_overflow(state, setting, structure)
+            state.unplaceable.append((setting, structure))
             return None
         bottleneck = max(times)
         splits.append(split)
@@ -165,20 +258,26 @@ def _materialize(state: _Search, setting: Setting, structure: Structure) -> Rank
     shares = split_micro_batches(total, timings)
     if shares is None:
         return None
-    pipelines = []
-    for layout, split, share in zip(structure, splits, shares):
+    pipelines, bound = [], 0.0
+    for layout, split, share, timing in zip(structure, splits, shares, timings):
         stages = tuple(StageSpec(group=slot.group, tp=slot.tp, layers=n) for slot, n in zip(layout.slots, split))
         pipelines += [PipelineLayout(count=count, micro_batches=m, stages=stages) for count, m in share]
+        bound = max(bound, max(m for _, m in share) * timing.bottleneck_s + timing.fill_s / 4)
     plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
                 recompute="full" if setting.recompute else "none", schedule=setting.schedule,
                 pipelines=tuple(pipelines))
+    return bound, plan
+
+
+def _predict(state: _Search, plan: Plan, calibration: Calibration | None = None) -> Ranked | None:
     state.evaluated += 1
-    prediction = predict(plan, cluster, model, calibration=setting.calibration)
+    prediction = predict(plan, state.cluster, state.model, calibration=calibration or state.calibration)
     if not prediction.fits:
-        _note_overflow(state, setting, structure, plan, prediction)
+        _note_overflow(state, plan, prediction)
         return None
     ranked = Ranked(plan, prediction)
     state.ranked.append(ranked)
+    state.best_time = min(state.best_time, prediction.iteration_time_s)
     return ranked
 
 
@@ -195,28 +294,32 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
     return split, stage_times(split, per_layer, extra)
 
 
-def _note_overflow(state: _Search, setting: Setting, structure: Structure, plan: Plan | None = None,
-                   prediction: Prediction | None = None) -> None:
+def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:
     """Remember by how much the closest candidate overflows which device."""
-    if prediction is None:
-        if state.closest is not None and state.ranked:
-            return
-        pipelines = tuple(PipelineLayout(count=layout.count, micro_batches=max(1, state.global_batch // setting.micro_batch
-                                                                                  // sum(l.count for l in structure)),
-                                         stages=tuple(StageSpec(group=slot.group, tp=slot.tp, layers=n) for slot, n in
-                                                      zip(layout.slots, uniform_layers(state.model.layers, len(layout.slots)))))
-                          for layout in structure)
-        plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
-                    recompute="full" if setting.recompute else "none", pipelines=pipelines)
-        prediction = predict(plan, state.cluster, state.model, calibration=setting.calibration)
-    worst = max(prediction.stages, key=lambda s: s.memory.total_gb - state.cluster.group(s.group).accelerator.memory_gb)
-    capacity = state.cluster.group(worst.group).accelerator.memory_gb
-    over = worst.memory.total_gb - capacity
-    if state.closest is None or over < state.closest.over_gb:
+    def over(stage) -> float:
+        return stage.memory.total_gb - state.cluster.group(stage.group).accelerator.memory_gb
+    worst = max(prediction.stages, key=over)
+    if state.closest is None or over(worst) < state.closest.over_gb:
         summary = ", ".join(f"{p.count}x[{'+'.join(f'{s.group}:tp{s.tp}x{s.layers}' for s in p.stages)}]"
                             for p in plan.pipelines)
-        state.closest = Overflow(over, worst.memory.total_gb, worst.group, worst.accelerator, capacity,
+        state.closest = Overflow(over(worst), worst.memory.total_gb, worst.group, worst.accelerator,
+                                 state.cluster.group(worst.group).accelerator.memory_gb,
                                  f"{summary}, micro-batch {plan.micro_batch}, recompute {plan.recompute}")
+
+
+def _closest_unplaceable(state: _Search) -> None:
+    """When nothing fits, price the structures the partitioner could not place (layers split
+    evenly) to say by how much the closest one overflows."""
+    for setting, structure in state.unplaceable[:UNPLACEABLE_PRICED]:
+        total = state.global_batch // setting.micro_batch
+        each = max(1, total // sum(layout.count for layout in structure))
+        pipelines = tuple(PipelineLayout(count=layout.count, micro_batches=each, stages=tuple(
+            StageSpec(group=slot.group, tp=slot.tp, layers=n)
+            for slot, n in zip(layout.slots, uniform_layers(state.model.layers, len(layout.slots)))))
+            for layout in structure)
+        plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
+                    recompute="full" if setting.recompute else "none", pipelines=pipelines)
+        _note_overflow(state, plan, predict(plan, state.cluster, state.model, calibration=setting.calibration))
 
 
 def upper_bound(result: SearchResult) -> tuple[float, dict[str, float]]:

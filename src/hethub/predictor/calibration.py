@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hethub.spec.accelerator import calibration_data
 
@@ -30,6 +30,16 @@ class Calibration:
     step_overhead_ms: float
     """Fixed cost of one optimizer step outside the model (grad-norm, loss scaling, data loading)."""
 
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
+        object.__setattr__(self, "_hash", hash((self.matmul_efficiency, self.matmul_half_dim, self.matmul_ramp_us, self.memory_efficiency,
+                                           self.launch_us, self.link_efficiency, self.network_efficiency,
+                                           self.collective_latency_us, self.step_overhead_ms)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 def default_calibration() -> Calibration:
     """The calibration stored in the catalog data file."""

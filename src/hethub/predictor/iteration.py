@@ -129,11 +129,15 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
 
     # Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
     # one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
-    # each stage's shard between them, over the bridge where the vendors differ.
+    # each stage's shard between them, over the bridge where the vendors differ: hierarchically,
+    # each of a layout's replicas carries an equal slice of the shard across (reduce-scatter
+    # inside the layout, all-reduce of the slices across layouts, all-gather inside), so the
+    # layout with the fewest replicas sets the slice.
     classes: dict[tuple, list[int]] = {}
     for index, run in enumerate(runs):
         classes.setdefault(run.pipeline.stages, []).append(index)
     slowest = max(run.time_s for run in runs)
+    fewest = min(sum(runs[i].pipeline.count for i in members) for members in classes.values())
     leaders = {runs[members[0]].groups[0] for members in classes.values()}
     cross_bw = {group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
                 for group in {g for run in runs for g in run.groups}} if len(classes) > 1 else {}
@@ -149,7 +153,7 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
                                                    p == 1, replicas)
             start = max(runs[i].stage_end_s[s] for i in members) if len(members) > 1 else run.stage_end_s[s]
             if len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
-                sync += comm.ring_allreduce_time(params * GRAD_BYTES, len(classes), cross_bw[group.name], cal)
+                sync += comm.ring_allreduce_time(params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal)
                 start = slowest
             compute = m * (run.forward_s[s] + run.backward_s[s])
             stages.append(StagePrediction(

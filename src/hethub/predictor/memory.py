@@ -65,13 +65,19 @@ def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_bat
     return min(stages - position, micro_batches)
 
 
-@functools.lru_cache(maxsize=65536)
 def stage_memory(model: ModelSpec, layers: int, tp: int, position: int, stages: int,
                  micro_batches: int, micro_batch: int, recompute: bool, schedule: str) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
-    first, last = position == 0, position == stages - 1
-    params = stage_params(model, layers, first, last, stages == 1) / tp
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
+    return stage_memory_at(model, layers, tp, position == 0, position == stages - 1, stages == 1, in_flight,
+                           micro_batch, recompute)
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_memory_at(model: ModelSpec, layers: int, tp: int, first: bool, last: bool, single_stage: bool,
+                    in_flight: int, micro_batch: int, recompute: bool) -> StageMemory:
+    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
+    params = stage_params(model, layers, first, last, single_stage) / tp
     per_layer = layer_activation_bytes(model, tp, micro_batch)
     if recompute:
         # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.

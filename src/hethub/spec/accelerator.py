@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -38,6 +38,14 @@ class AcceleratorSpec:
     source: str = ""
     """The public document the figures come from."""
 
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
+        object.__setattr__(self, "_hash", hash((self.name, self.vendor, self.bf16_tflops, self.memory_gb, self.memory_bw_gb_s, self.intra_node_gb_s, self.host_link_gb_s, self.network_gbps)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 @functools.cache
 def _catalog_data() -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,15 @@ class DeviceGroup:
     """Scale-out network per node, Gbit/s."""
     speed: float | None = None
     """Emulated speed relative to this machine, for local runs only (None: real hardware)."""
+
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
+        object.__setattr__(self, "_hash", hash((self.name, self.accelerator, self.nodes, self.devices_per_node, self.network_gbps, self.speed)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def devices(self) -> int:

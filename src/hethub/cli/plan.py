@@ -1,0 +1,138 @@
+"""`hethub plan`: the fastest data x tensor x pipeline plan for a (heterogeneous) cluster."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from hethub.cli.predict import describe
+from hethub.errors import HethubError
+from hethub.planner import Ranked, search, upper_bound
+from hethub.report.progress import ProgressBar
+from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
+from hethub.spec.model import preset_names
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "plan", help="find the fastest plan for a cluster and write it as a plan file",
+        description="Search the heterogeneous data x tensor x pipeline plan space with the predictor, "
+                    "write the fastest plan that fits in memory, and compare it with the theoretical "
+                    "upper bound (the sum of each device group's best throughput alone).")
+    parser.add_argument("--cluster", required=True, help="cluster YAML file")
+    parser.add_argument("--model", required=True, help="preset name or model YAML")
+    parser.add_argument("--global-batch", required=True, type=int, help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    parser.add_argument("--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
+    parser.add_argument("--top", type=int, default=1, metavar="K", help="also list the next best plans")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop searching after this long")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag in ("global_batch", "seq_len", "top"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model, source="--model")
+    if args.seq_len:
+        model = dataclasses.replace(model, seq_len=args.seq_len)
+    out = Path(args.out)
+    model_ref = _model_reference(args, model, out)
+
+    bar = ProgressBar(sys.stderr) if not args.json and sys.stderr.isatty() else None
+    result = search(cluster, model, args.global_batch, model_ref=model_ref, time_limit_s=args.time_limit,
+                    progress=bar.update if bar else None)
+    if bar:
+        bar.close()
+    if result.best is None:
+        raise HethubError(_no_plan_message(result, cluster, model, args))
+    bound, per_group = upper_bound(result)
+    best = result.best
+    _write(out, best, model, model_ref, args)
+
+    efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
+    others = _distinct(result.ranked)[1:args.top]
+    if args.json:
+        print(json.dumps({
+            "plan": best.plan.to_dict(), "prediction": best.prediction.to_json(), "out": str(out),
+            "upper_bound_tokens_per_s": bound, "upper_bound_groups": per_group, "efficiency": efficiency,
+            "search_time_s": result.search_time_s, "candidates_evaluated": result.candidates_evaluated,
+            "timed_out": result.timed_out,
+            "top": [{"plan": r.plan.to_dict(), "tokens_per_s": r.prediction.tokens_per_s} for r in others],
+        }, indent=2))
+        return 0
+    print(describe(best.prediction, best.plan, cluster, model, str(out)))
+    print()
+    print(f"upper bound          {bound:,.0f} tokens/s (each group alone: "
+          + ", ".join(f"{name} {speed:,.0f}" for name, speed in per_group.items()) + ")")
+    print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
+    print(f"search               {result.candidates_evaluated} plans predicted in {result.search_time_s:.2f} s"
+          + (" (stopped at --time-limit)" if result.timed_out else ""))
+    for rank, other in enumerate(others, start=2):
+        p = other.prediction
+        print(f"#{rank}: {p.tokens_per_s:,.0f} tokens/s ({100 * p.tokens_per_s / bound:.2f}%), "
+              f"{_summary(other)}")
+    print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")
+    return 0
+
+
+def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> str:
+    """What the plan file's model: says: the preset name, or a path relative to the plan file."""
+    if args.seq_len is not None and args.seq_len != load_model(args.model).seq_len:
+        return f"{out.stem}.model.yaml"  # written beside the plan by _write
+    if args.model.lower() in preset_names():
+        return args.model.lower()
+    return os.path.relpath(Path(args.model).resolve(), out.resolve().parent)
+
+
+def _write(out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace) -> None:
+    header = (f"# Written by hethub plan for {args.cluster}: {best.prediction.tokens_per_s:,.0f} tokens/s predicted,\n"
+              f"# {best.prediction.iteration_time_s:.3f} s per step, peak {best.prediction.peak_memory_gb:.1f} GB per device.\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if model_ref == f"{out.stem}.model.yaml":
+            fields = {f: getattr(model, f) for f in ("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
+                                                     "vocab", "seq_len")}
+            (out.parent / model_ref).write_text(yaml.safe_dump(fields, sort_keys=False))
+        out.write_text(header + best.plan.to_yaml())
+    except OSError as error:
+        raise HethubError(f"--out = {str(out)!r}: cannot write the plan file ({error.strerror})") from None
+
+
+def _distinct(ranked: list[Ranked]) -> list[Ranked]:
+    """Plans in order, each structure once."""
+    seen, out = set(), []
+    for r in ranked:
+        key = r.plan.to_yaml()
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _summary(ranked: Ranked) -> str:
+    plan = ranked.plan
+    layouts = "; ".join(f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] x{p.micro_batches}mb"
+                        for p in plan.pipelines)
+    return f"micro-batch {plan.micro_batch}, recompute {plan.recompute}: {layouts}"
+
+
+def _no_plan_message(result, cluster: ClusterSpec, model: ModelSpec, args: argparse.Namespace) -> str:
+    closest = result.closest
+    if closest is None:
+        why = "the search ran out of time" if result.timed_out else "no layout of the cluster can hold the model"
+        return f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}: {why}"
+    return (f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
+            f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
+            f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model")
