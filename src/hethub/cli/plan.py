@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     _write(out, best, model, model_ref, args)
 
     efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
-    others = _distinct(result.ranked)[1:args.top]
+    others = _distinct(result.ranked, args.top)[1:]
     if args.json:
         print(json.dumps({
             "plan": best.plan.to_dict(), "prediction": best.prediction.to_json(), "out": str(out),
@@ -110,14 +110,15 @@ def _write(out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argp
         raise HethubError(f"--out = {str(out)!r}: cannot write the plan file ({error.strerror})") from None
 
 
-def _distinct(ranked: list[Ranked]) -> list[Ranked]:
-    """Plans in order, each structure once."""
+def _distinct(ranked: list[Ranked], count: int) -> list[Ranked]:
+    """The first ``count`` plans, each plan once (refinement can reach one plan twice)."""
     seen, out = set(), []
     for r in ranked:
-        key = r.plan.to_yaml()
-        if key not in seen:
-            seen.add(key)
+        if r.plan not in seen:
+            seen.add(r.plan)
             out.append(r)
+            if len(out) == count:
+                break
     return out
 
 

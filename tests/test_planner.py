@@ -1,0 +1,179 @@
+"""The planner: partitioner and batch split optimal against enumeration, memory pruning, the upper
+bound, the plan file round trip, optimality on a tiny cluster, and the clear errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hethub.cli import main
+from hethub.planner import search, upper_bound
+from hethub.planner.partition import partition_layers, pipeline_cost
+from hethub.planner.split import ReplicaTiming, split_micro_batches
+from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, parse_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from baselines import exhaustive_best, megatron_uniform
+
+SMALL = parse_model({"arch": "llama", "hidden": 2048, "layers": 6, "heads": 16, "kv_heads": 4, "vocab": 32000,
+                     "seq_len": 2048}, "test", "small")
+TWO_KINDS = parse_cluster({"groups": [{"name": "nv", "accelerator": "a100-40gb", "devices_per_node": 4},
+                                      {"name": "amd", "accelerator": "mi210", "devices_per_node": 4}]}, "test")
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), p=st.integers(1, 4), m=st.integers(1, 20))
+def test_partitioner_is_optimal_on_every_enumerable_case(data, p, m):
+    layers = data.draw(st.integers(p, 10))
+    per_layer = data.draw(st.lists(st.floats(0.1, 3.0), min_size=p, max_size=p))
+    extra = data.draw(st.lists(st.floats(0.0, 2.0), min_size=p, max_size=p))
+    caps = data.draw(st.lists(st.integers(1, layers), min_size=p, max_size=p))
+    costs = [pipeline_cost(list(split), per_layer, extra, m)
+             for split in itertools.product(range(1, layers + 1), repeat=p)
+             if sum(split) == layers and all(n <= c for n, c in zip(split, caps))]
+    found = partition_layers(layers, per_layer, extra, caps, m)
+    if not costs:
+        assert found is None
+    else:
+        assert sum(found) == layers and all(1 <= n <= c for n, c in zip(found, caps))
+        assert pipeline_cost(found, per_layer, extra, m) == pytest.approx(min(costs), rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_batch_split_finishes_the_slowest_replica_as_early_as_possible(data):
+    layouts = [ReplicaTiming(data.draw(st.integers(1, 2)), data.draw(st.floats(0.1, 2.0)), data.draw(st.floats(0, 3)))
+               for _ in range(data.draw(st.integers(1, 2)))]
+    replicas = [layout for layout in layouts for _ in range(layout.count)]
+    total = data.draw(st.integers(len(replicas), 12))
+    shares = split_micro_batches(total, layouts)
+    assert sum(c * m for parts in shares for c, m in parts) == total
+    got = max(layout.fill_s + m * layout.bottleneck_s for parts, layout in zip(shares, layouts) for _, m in parts)
+    best = min(max(l.fill_s + m * l.bottleneck_s for l, m in zip(replicas, ms))
+               for ms in itertools.product(range(1, total + 1), repeat=len(replicas)) if sum(ms) == total)
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_planner_matches_exhaustive_enumeration_on_a_tiny_two_kind_cluster():
+    _, best, _ = exhaustive_best(TWO_KINDS, SMALL, 8, "small")
+    found = search(TWO_KINDS, SMALL, 8, model_ref="small")
+    assert found.best.prediction.tokens_per_s >= 0.99 * best.tokens_per_s
+
+
+def test_planner_beats_both_baselines():
+    found = search(TWO_KINDS, SMALL, 8, model_ref="small")
+    _, uniform = megatron_uniform(TWO_KINDS, SMALL, 8, "small")
+    fastest = max(r.prediction.tokens_per_s for r in found.group_best.values())
+    assert found.best.prediction.tokens_per_s >= uniform.tokens_per_s
+    assert found.best.prediction.tokens_per_s >= fastest
+
+
+def test_no_returned_plan_exceeds_device_memory():
+    tight = parse_cluster({"groups": [{"name": "small", "accelerator": "rtx3090", "devices_per_node": 8},
+                                      {"name": "big", "accelerator": "a100-80gb", "devices_per_node": 8}]}, "t")
+    model = parse_model({"arch": "llama", "hidden": 4096, "layers": 16, "heads": 32, "vocab": 32000,
+                         "seq_len": 4096}, "t", "m")
+    found = search(tight, model, 32, model_ref="m")
+    assert found.ranked
+    for ranked in found.ranked:
+        assert ranked.prediction.fits
+        for stage in ranked.prediction.stages:
+            assert stage.memory.total_gb <= tight.group(stage.group).accelerator.memory_gb
+
+
+def test_upper_bound_is_the_sum_of_each_group_planned_alone():
+    found = search(TWO_KINDS, SMALL, 8, model_ref="small")
+    bound, per_group = upper_bound(found)
+    assert bound == pytest.approx(sum(per_group.values()))
+    for group in TWO_KINDS.groups:
+        alone = search(ClusterSpec(groups=(group,)), SMALL, 8, model_ref="small")
+        assert alone.best.prediction.tokens_per_s == pytest.approx(per_group[group.name], rel=1e-12)
+        assert upper_bound(alone)[0] == pytest.approx(per_group[group.name], rel=1e-12)
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+CLUSTER_YAML = """groups:
+  - {name: nv, accelerator: a100-40gb, devices_per_node: 4}
+  - {name: amd, accelerator: mi210, devices_per_node: 4}
+"""
+
+
+def test_plan_file_round_trip_gives_the_same_prediction(tmp_path, capsys):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    model = _write(tmp_path, "small.yaml", "arch: llama\nhidden: 2048\nlayers: 6\nheads: 16\nkv_heads: 4\n"
+                                          "vocab: 32000\nseq_len: 2048\n")
+    out = tmp_path / "plans" / "plan.yaml"
+    assert main(["plan", "--cluster", cluster, "--model", model, "--global-batch", "8", "--out", str(out),
+                 "--json", "--top", "3"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    for key in ("plan", "prediction", "upper_bound_tokens_per_s", "upper_bound_groups", "efficiency",
+                "search_time_s", "candidates_evaluated"):
+        assert key in planned
+    assert 0 < planned["efficiency"] <= 1.0 + 1e-9
+    assert load_plan(out).to_dict() == planned["plan"]
+    assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == planned["prediction"]
+
+
+def test_seq_len_override_writes_the_model_beside_the_plan(tmp_path, capsys):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--cluster", cluster, "--model", "llama-7b", "--global-batch", "16", "--seq-len", "1024",
+                 "--out", str(out), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert load_plan(out).model == "plan.model.yaml"
+    assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == planned["prediction"]
+
+
+def _error(capsys, argv) -> str:
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_no_fit_names_the_closest_overflow(tmp_path, capsys):
+    cluster = _write(tmp_path, "tiny.yaml", "groups: [{name: g, accelerator: rtx3090, devices_per_node: 2}]\n")
+    message = _error(capsys, ["plan", "--cluster", cluster, "--model", "llama-70b", "--global-batch", "8",
+                              "--out", str(tmp_path / "p.yaml")])
+    assert "no plan fits in memory" in message and "GB over" in message and "'g'" in message and "rtx3090" in message
+    assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--global-batch", "0"], "--global-batch = 0"),
+    (["--global-batch", "8", "--seq-len", "-1"], "--seq-len = -1"),
+    (["--global-batch", "8", "--time-limit", "0"], "--time-limit = 0"),
+])
+def test_bad_flags_are_one_clear_line(tmp_path, capsys, argv, needle):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    assert needle in _error(capsys, ["plan", "--cluster", cluster, "--model", "tiny-llama", *argv])
+
+
+def test_missing_cluster_is_one_clear_line(tmp_path, capsys):
+    message = _error(capsys, ["plan", "--cluster", str(tmp_path / "nope.yaml"), "--model", "tiny-llama",
+                              "--global-batch", "8"])
+    assert "nope.yaml" in message and "not found" in message
+
+
+def test_examples_parse_and_the_paper_scenario_has_768_devices():
+    clusters = sorted((Path(__file__).resolve().parents[1] / "examples" / "clusters").glob("*.yaml"))
+    assert len(clusters) >= 7
+    for path in clusters:
+        load_cluster(path)
+    paper = load_cluster(clusters[0].parent / "hethub-768.yaml")
+    assert paper.devices == 768 and [g.devices for g in paper.groups] == [128, 640]
