@@ -120,3 +120,38 @@ def _fit_leftover(best: list[Layout], devices: int) -> Layout | None:
         if devices >= per_replica:
             return Layout(devices // per_replica, layout.slots)
     return None
+
+
+def mixed_tp(cluster: ClusterSpec, model: ModelSpec, max_stages: int) -> list[Structure]:
+    """Replicas that cross two kinds, each group's share of a replica cut into stages of two
+    neighbouring TP degrees (t and 2t, narrower first): more stage speeds than one degree gives,
+    so integer layers balance better across unlike devices."""
+    if len(cluster.groups) != 2:
+        return []
+    counts = [c for c in range(1, min(g.devices for g in cluster.groups) + 1)
+              if all(g.devices % c == 0 for g in cluster.groups)]
+    out: list[Structure] = []
+    for count in counts:
+        segments = [_segments(g, model, g.devices // count, max_stages) for g in cluster.groups]
+        for parts in itertools.product(*segments):
+            if sum(len(part) for part in parts) > min(model.layers, max_stages):
+                continue
+            for order in (parts, parts[::-1]):
+                out.append((Layout(count, order[0] + order[1]),))
+    return out
+
+
+def _segments(group: DeviceGroup, model: ModelSpec, devices: int, max_stages: int) -> list[tuple[StageSlot, ...]]:
+    """The ways to cut ``devices`` devices of a group into stages of TP t and 2t."""
+    degrees = tp_degrees(group, model)
+    found = []
+    for narrow in degrees:
+        wide = 2 * narrow
+        if wide not in degrees:
+            continue
+        for n_wide in range(devices // wide + 1):
+            rest = devices - n_wide * wide
+            if rest % narrow or rest // narrow + n_wide > max_stages or rest // narrow + n_wide == 0:
+                continue
+            found.append((StageSlot(group.name, narrow),) * (rest // narrow) + (StageSlot(group.name, wide),) * n_wide)
+    return list(dict.fromkeys(found))

@@ -21,6 +21,7 @@ from hethub.planner.candidates import (
     combinations,
     homogeneous,
     mixed,
+    mixed_tp,
     tp_degrees,
 )
 from hethub.planner.costs import Setting, end_time, layer_cap, layer_time
@@ -127,10 +128,18 @@ def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_r
         jobs = []
         for setting in settings:
             choices = {name: layouts for name, layouts in seeds[setting].items() if layouts}
+            if not choices:
+                continue  # no group came near its best alone under this setting: nor will a mix
             tps = _mixed_tps(cluster, model, choices)
             for structure in combinations(choices) + mixed(cluster, model, tps, MAX_STAGES, choices):
                 jobs.append((setting, structure))
-        _refine(state, [r for r in _evaluate(state, jobs, "heterogeneous plans") if r is not None])
+        found = [r for r in _evaluate(state, jobs, "heterogeneous plans") if r is not None]
+        best = _refine(state, found)
+        if best is not None:  # finer mixes of TP degrees, under the best plan's setting
+            setting = next(s for s in settings if s.micro_batch == best.plan.micro_batch
+                           and s.recompute == (best.plan.recompute == "full"))
+            jobs = [(setting, structure) for structure in mixed_tp(cluster, model, MAX_STAGES)]
+            _refine(state, [r for r in _evaluate(state, jobs, "mixed TP degrees") if r is not None])
 
     if not state.ranked and state.closest is None:
         _closest_unplaceable(state)
@@ -155,7 +164,7 @@ def _mixed_tps(cluster: ClusterSpec, model: ModelSpec, choices: dict[str, list[L
     return out
 
 
-REFINE_BUDGET = 600  # predictions a phase may spend polishing its best plans
+REFINE_BUDGET = 300  # predictions a phase may spend polishing its best plans
 REFINE_ROUNDS = 6
 
 

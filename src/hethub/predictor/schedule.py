@@ -128,8 +128,10 @@ def stage_end_times(schedule: str, forward_s: list[float], backward_s: list[floa
     durations[0::2] = forward_s
     durations[1::2] = backward_s
     sends = [*send_forward_s, *send_backward_s, 0.0]
+    # Leave out a multiple of 12 micro-batches, so that cycles of 1, 2, 3, 4, 6 or 12 need no
+    # second probe; a second probe, cut to whole cycles, handles the rest.
     simulated = 2 * p + _STEADY_PROBE
-    # A first probe finds the cycle lengths, a second is cut so that whole cycles are left out.
+    simulated += (micro_batches - simulated) % 12
     for _ in range(2 if micro_batches > 2 * simulated else 0):
         order = schedule_order(schedule, p, simulated)
         end, cycles = _run(order, durations, sends, False)
