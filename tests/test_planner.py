@@ -177,3 +177,27 @@ def test_examples_parse_and_the_paper_scenario_has_768_devices():
         load_cluster(path)
     paper = load_cluster(clusters[0].parent / "hethub-768.yaml")
     assert paper.devices == 768 and [g.devices for g in paper.groups] == [128, 640]
+
+
+def test_time_limit_stops_the_search_with_the_best_so_far_or_a_clear_error(tmp_path, capsys):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    code = main(["plan", "--cluster", cluster, "--model", "llama-7b", "--global-batch", "16", "--json",
+                 "--time-limit", "0.001", "--out", str(tmp_path / "p.yaml")])
+    captured = capsys.readouterr()
+    if code == 0:  # something was found before the limit: it is a fitting plan, and said to be cut short
+        assert json.loads(captured.out)["timed_out"] is True
+    else:
+        assert code == 2 and "ran out of time" in captured.err and "Traceback" not in captured.err
+
+
+def test_progress_bar_draws_one_line_and_clears_it():
+    import io
+
+    from hethub.report.progress import ProgressBar
+    stream = io.StringIO()
+    bar = ProgressBar(stream, width=10)
+    bar.update("phase", 0, 4)
+    bar.update("phase", 4, 4)
+    bar.close()
+    text = stream.getvalue()
+    assert "\n" not in text and "[##########] 100%" in text and text.endswith("\r")

@@ -130,10 +130,12 @@ def _summary(ranked: Ranked) -> str:
 
 
 def _no_plan_message(result, cluster: ClusterSpec, model: ModelSpec, args: argparse.Namespace) -> str:
+    what = f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}"
+    if result.timed_out:
+        return f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); allow it longer"
     closest = result.closest
     if closest is None:
-        why = "the search ran out of time" if result.timed_out else "no layout of the cluster can hold the model"
-        return f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}: {why}"
+        return f"{what}: no layout of the cluster can hold the model"
     return (f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
             f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
             f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model")
