@@ -24,6 +24,7 @@ from hethub.predictor.memory import GRAD_BYTES, StageMemory, stage_memory, stage
 from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
+from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan
 
 # Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
@@ -117,13 +118,8 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     cal = calibration or default_calibration()
     recompute = plan.recompute == "full"
     runs, orders = [], []
-    offsets: dict[str, int] = {}  # devices of each group handed out so far
-    for pipeline in plan.pipelines:
-        bases = []
-        for stage in pipeline.stages:  # stage-major: all replicas of a stage side by side
-            bases.append(offsets.get(stage.group, 0))
-            offsets[stage.group] = bases[-1] + pipeline.count * stage.tp
-        run, order = _run_layout(pipeline, bases, plan, cluster, model, cal, recompute, timeline)
+    for pipeline, blocks in zip(plan.pipelines, place(plan, cluster)):
+        run, order = _run_layout(pipeline, blocks, plan, cluster, model, cal, recompute, timeline)
         runs.append(run)
         orders.append(order)
 
@@ -197,7 +193,7 @@ def _model_flops(model: ModelSpec) -> float:
     return 3 * forward
 
 
-def _run_layout(pipeline: PipelineLayout, bases: list[int], plan: Plan, cluster: ClusterSpec, model: ModelSpec,
+def _run_layout(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, cluster: ClusterSpec, model: ModelSpec,
                 cal: Calibration, recompute: bool, every_op: bool):
     """Per-stage costs of one layout and the simulation of its schedule."""
     p, b = len(pipeline.stages), plan.micro_batch
@@ -209,7 +205,7 @@ def _run_layout(pipeline: PipelineLayout, bases: list[int], plan: Plan, cluster:
         backward.append(bw)
         if s < p - 1:
             activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
-            sends.append(_send_time(activation_bytes / stage.tp, pipeline, s, bases, groups, cluster, cal))
+            sends.append(_send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal))
     if every_op:  # a timeline needs every operation of the full schedule
         order = schedule_order(plan.schedule, p, pipeline.micro_batches)
         end = simulate(order, forward, backward, sends, sends, every_op=True)
@@ -250,15 +246,15 @@ def stage_state(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int,
     return params, sync, optimizer
 
 
-def _send_time(nbytes: float, pipeline: PipelineLayout, s: int, bases: list[int], groups: tuple[DeviceGroup, ...],
+def _send_time(nbytes: float, blocks: list[StageBlock], s: int, groups: tuple[DeviceGroup, ...],
                cluster: ClusterSpec, cal: Calibration) -> float:
     """Activations from stage s to s+1 (each TP rank sends its share in parallel)."""
     a, b = groups[s], groups[s + 1]
     if a.name != b.name:
         return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, a, b, cal), cal)
-    first = bases[s]
-    last = bases[s + 1] + pipeline.count * pipeline.stages[s + 1].tp - 1
-    if first // a.devices_per_node == last // a.devices_per_node:
+    nodes = {blocks[s].first_device // a.devices_per_node, blocks[s].last_device // a.devices_per_node,
+             blocks[s + 1].first_device // a.devices_per_node, blocks[s + 1].last_device // a.devices_per_node}
+    if len(nodes) == 1:  # both stages of every replica on one node
         return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
     return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
 

@@ -157,6 +157,10 @@ def check_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str =
             raise SpecError(source, "pipelines", f"{devices} devices of group {name!r}",
                             f"a plan may use at most the group's {group.devices} devices "
                             f"({group.nodes} nodes x {group.devices_per_node})")
+    # Placement builds on plans, so it is imported here rather than at the top.
+    from hethub.spec.placement import place
+
+    place(plan, cluster, source)  # with every TP group inside a node, the plan must still fit
 
 
 def uniform_layers(layers: int, stages: int) -> list[int]:
