@@ -1,0 +1,1 @@
+"""The runtime: processes that train exactly what a plan says (reads plans, never the planner)."""

@@ -1,0 +1,97 @@
+"""Who does what: from a plan and a cluster, every rank's replica, stage, TP rank, group and device,
+and the rank sets that talk (TP groups, pipeline neighbours, gradient-sync groups).
+
+A pure function of its inputs, testable without processes. Ranks are laid out by group (in the
+cluster file's order) and by device inside the group (node by node), over the devices the plan
+uses; which device runs which stage is hethub.spec.placement's answer, the one the predictor prices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hethub.spec.cluster import ClusterSpec
+from hethub.spec.placement import place
+from hethub.spec.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One process of the job."""
+
+    rank: int
+    pipeline: int
+    """Index of its layout in plan.pipelines."""
+    replica: int
+    """Global index of its data-parallel replica (layouts' replicas numbered in plan order)."""
+    stage: int
+    tp_rank: int
+    tp: int
+    group: str
+    device: int
+    """Index of its device inside its group."""
+    node: int
+    """Index of its node inside its group."""
+    first_layer: int
+    layers: int
+    micro_batches: int
+    """Micro-batches its replica runs per step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    ranks: tuple[RankInfo, ...]
+    tp_groups: tuple[tuple[int, ...], ...]
+    """The ranks of every (replica, stage), in TP-rank order."""
+    stage_syncs: tuple[tuple[int, ...], ...]
+    """Ranks holding the same parameter shard (same layout class, stage and TP rank): these
+    all-reduce gradients natively. Replicas whose stages differ are joined per layer, over these."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def stage_ranks(self, replica: int, stage: int) -> tuple[int, ...]:
+        """The TP group of one stage of one replica."""
+        return tuple(r.rank for r in self.ranks if r.replica == replica and r.stage == stage)
+
+    def replica_stages(self, replica: int) -> int:
+        return 1 + max(r.stage for r in self.ranks if r.replica == replica)
+
+    def layer_holders(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """Per replica, the TP group holding ``layer`` (its gradient is averaged over all of them)."""
+        holders: dict[int, list[int]] = {}
+        for r in self.ranks:
+            if r.first_layer <= layer < r.first_layer + r.layers:
+                holders.setdefault(r.replica, []).append(r.rank)
+        return tuple(tuple(ranks) for _, ranks in sorted(holders.items()))
+
+
+def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
+    """Every rank of the job that runs ``plan`` (checked with check_plan) on ``cluster``."""
+    placed = place(plan, cluster)
+    slots = []  # (group order, device, pipeline, replica, stage, tp_rank)
+    replica_base = 0
+    for i, (pipeline, blocks) in enumerate(zip(plan.pipelines, placed)):
+        for block in blocks:
+            for r in range(pipeline.count):
+                for t, device in enumerate(block.devices(r)):
+                    slots.append((cluster.group_names.index(block.group), device, i, replica_base + r, block.stage, t))
+        replica_base += pipeline.count
+    slots.sort()
+    ranks = []
+    for rank, (g, device, i, replica, stage, t) in enumerate(slots):
+        pipeline = plan.pipelines[i]
+        group = cluster.groups[g]
+        first = sum(s.layers for s in pipeline.stages[:stage])
+        ranks.append(RankInfo(rank=rank, pipeline=i, replica=replica, stage=stage, tp_rank=t,
+                              tp=pipeline.stages[stage].tp, group=group.name, device=device,
+                              node=device // group.devices_per_node, first_layer=first,
+                              layers=pipeline.stages[stage].layers, micro_batches=pipeline.micro_batches))
+    tp_groups: dict[tuple[int, int], list[int]] = {}
+    syncs: dict[tuple, list[int]] = {}
+    for r in ranks:
+        tp_groups.setdefault((r.replica, r.stage), []).append(r.rank)
+        syncs.setdefault((plan.pipelines[r.pipeline].stages, r.stage, r.tp_rank), []).append(r.rank)
+    return Topology(tuple(ranks), tuple(tuple(sorted(v, key=lambda k: ranks[k].tp_rank)) for v in tp_groups.values()),
+                    tuple(tuple(v) for v in syncs.values()))

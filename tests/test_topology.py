@@ -1,0 +1,63 @@
+"""The rank topology: a pure function of plan and cluster, checked without processes."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hethub.errors import SpecError
+from hethub.runtime.topology import build_topology
+from hethub.spec import check_plan, parse_cluster, parse_model, parse_plan
+
+CLUSTER = parse_cluster({"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 4},
+                                    {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 4}]}, "t")
+MODEL = parse_model({"arch": "llama", "hidden": 64, "layers": 8, "heads": 8, "kv_heads": 4, "vocab": 128,
+                     "seq_len": 16}, "t", "m")
+
+
+def test_hetero_plan_ranks_by_group_then_device():
+    plan = parse_plan({"model": "m", "global_batch": 6, "pipelines": [
+        {"count": 2, "micro_batches": 2, "stages": [{"group": "nv", "tp": 2, "layers": 5},
+                                                     {"group": "amd", "tp": 1, "layers": 3}]},
+        {"count": 1, "micro_batches": 2, "stages": [{"group": "amd", "tp": 4, "layers": 8}]}]})
+    check_plan(plan, CLUSTER, MODEL)
+    topo = build_topology(plan, CLUSTER)
+    assert topo.world_size == 4 + 2 + 4
+    assert [r.group for r in topo.ranks] == ["nv"] * 4 + ["amd"] * 6
+    assert topo.stage_ranks(0, 0) == (0, 1) and topo.stage_ranks(1, 0) == (2, 3)
+    # amd: the tp-4 block first (devices 0-3, node 0), then the two tp-1 stages (devices 4, 5)
+    assert topo.stage_ranks(2, 0) == (4, 5, 6, 7)
+    assert topo.stage_ranks(0, 1) == (8,) and topo.stage_ranks(1, 1) == (9,)
+    assert topo.layer_holders(6) == ((8,), (9,), (4, 5, 6, 7))
+    assert topo.layer_holders(0) == ((0, 1), (2, 3), (4, 5, 6, 7))
+    assert {r.micro_batches for r in topo.ranks if r.replica == 2} == {2}
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(data):
+    pipelines = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        stages = data.draw(st.integers(1, 3))
+        split = [1] * stages
+        for _ in range(8 - stages):
+            split[data.draw(st.integers(0, stages - 1))] += 1
+        pipelines.append({"count": data.draw(st.integers(1, 2)), "micro_batches": 1, "stages": [
+            {"group": data.draw(st.sampled_from(["nv", "amd"])), "tp": data.draw(st.sampled_from([1, 2, 4])),
+             "layers": n} for n in split]})
+    plan = parse_plan({"model": "m", "global_batch": sum(p["count"] for p in pipelines), "pipelines": pipelines})
+    try:
+        check_plan(plan, CLUSTER, MODEL)
+    except SpecError:
+        return
+    topo = build_topology(plan, CLUSTER)
+    assert [r.rank for r in topo.ranks] == list(range(topo.world_size))
+    assert len({(r.group, r.device) for r in topo.ranks}) == topo.world_size
+    replicas = sum(p.count for p in plan.pipelines)
+    for group in topo.tp_groups:
+        assert len({(topo.ranks[k].group, topo.ranks[k].node) for k in group}) == 1
+        assert [topo.ranks[k].tp_rank for k in group] == list(range(len(group)))
+    for layer in range(8):
+        assert len(topo.layer_holders(layer)) == replicas
+    for sync in topo.stage_syncs:
+        assert len({(topo.ranks[k].stage, topo.ranks[k].tp_rank, topo.ranks[k].layers) for k in sync}) == 1
