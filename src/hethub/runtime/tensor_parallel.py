@@ -1,0 +1,135 @@
+"""Megatron-style tensor parallelism: column/row-parallel linears, the vocabulary-parallel
+embedding and cross-entropy, over a torch.distributed process group.
+
+The four autograd functions are the whole communication of a TP layer: ``copy_to`` (identity
+forward, all-reduce of the input gradient backward) opens a column-parallel region, and
+``reduce_from`` (all-reduce forward, identity backward) closes a row-parallel one.
+With a group of one rank they are identities, so the same modules run unsharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group)
+
+
+def tp_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def tp_rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_shard = x W_shard^T (+ b_shard): each rank holds a slice of the output features."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
+        super().__init__()
+        self.group = group
+        size = tp_size(group)
+        self.weight = nn.Parameter(torch.empty(out_features // size, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(copy_to(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_shard W_shard^T, + b: each rank holds a slice of the input features."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size(group)))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from(nn.functional.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; a lookup outside it gives zeros."""
+
+    def __init__(self, vocab: int, hidden: int, group) -> None:
+        super().__init__()
+        self.group = group
+        per_rank = vocab // tp_size(group)
+        self.start = tp_rank(group) * per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits sharded over the vocabulary, without gathering them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        # logits: (N, V/tp) on this rank; targets: (N,) global token ids
+        logits = logits.float()
+        peak = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = _all_reduce(exp.sum(dim=-1), group)
+        local = targets - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        picked = torch.zeros_like(total)
+        rows = torch.arange(len(targets))[inside]
+        picked[inside] = shifted[rows, local[inside]]
+        picked = _all_reduce(picked, group)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, inside)
+        return (total.log() - picked).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(len(local))[inside]
+        grad_logits[rows, local[inside]] -= 1.0
+        return grad_logits * (grad / len(local)), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, start: int, group) -> torch.Tensor:
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
