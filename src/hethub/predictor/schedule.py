@@ -21,7 +21,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-FORWARD, BACKWARD = 0, 1
+from hethub.spec.schedules import BACKWARD, FORWARD, stage_sequence
+
+__all__ = ["BACKWARD", "FORWARD", "ScheduleOrder", "schedule_order", "simulate", "stage_end_times", "stage_sequence"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +41,6 @@ class ScheduleOrder:
     """Index of each stage's last operation."""
     periodic: tuple[tuple[int, int, int], ...]
     """(first, last, period): positions first..last whose dependencies repeat every ``period``."""
-
-
-def stage_sequence(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[int, int]]:
-    """The (kind, micro-batch) operations one stage runs, in order."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [(FORWARD, j) for j in range(m)] + [(BACKWARD, j) for j in range(m)]
-    warmup = min(stages - stage - 1, m)
-    sequence = [(FORWARD, j) for j in range(warmup)]
-    for j in range(m - warmup):  # steady state: one forward, one backward
-        sequence += [(FORWARD, warmup + j), (BACKWARD, j)]
-    sequence += [(BACKWARD, j) for j in range(m - warmup, m)]  # cool-down
-    return sequence
 
 
 @functools.lru_cache(maxsize=1024)

@@ -198,3 +198,19 @@ class Stage(nn.Module):
         if name == "head":
             return "head.weight" if self.spec.arch == "llama" else "embed.weight"
         return name
+
+
+def stage_names(spec: ModelSpec, first: int, count: int, *, is_first: bool, is_last: bool) -> list[str]:
+    """The full-model parameter names a stage holds (a shard of each, under TP)."""
+    gpt = spec.arch == "gpt"
+    names = ["embed.weight"] + (["pos.weight"] if gpt else []) if is_first else []
+    per_layer = ["norm1.weight", "norm2.weight", "q.weight", "k.weight", "v.weight", "o.weight"]
+    per_layer += ["fc1.weight", "fc2.weight"] if gpt else ["gate.weight", "up.weight", "down.weight"]
+    if gpt:
+        per_layer += ["norm1.bias", "norm2.bias", "q.bias", "k.bias", "v.bias", "o.bias", "fc1.bias", "fc2.bias"]
+    names += [f"layers.{i}.{n}" for i in range(first, first + count) for n in per_layer]
+    if is_last:
+        names += ["final_norm.weight"] + (["final_norm.bias"] if gpt else [])
+        if not (gpt and is_first):
+            names.append("embed.weight" if gpt else "head.weight")
+    return names

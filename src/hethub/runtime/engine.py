@@ -1,0 +1,175 @@
+"""One rank's part of a training step: its stage of the pipeline schedule, the sends between
+stages, the gradient sync with every rank that holds the same parameters, and the optimizer.
+
+Exactness by construction: every micro-batch's loss is scaled by 1 / (micro-batches in the global
+batch), so summing gradients over micro-batches and replicas gives the gradient of the mean
+token loss over the global batch, whatever the split between unlike replicas.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from hethub.runtime.model import Stage, full_state, shard, stage_names
+from hethub.runtime.topology import Topology
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan
+from hethub.spec.schedules import FORWARD, stage_sequence
+
+
+class Engine:
+    """Builds this rank's stage and process groups; ``step`` trains on one global batch."""
+
+    def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, *, seed: int, lr: float = 1e-3,
+                 weight_decay: float = 0.0) -> None:
+        self.plan, self.topology, self.spec = plan, topology, spec
+        self.rank = dist.get_rank()
+        self.me = topology.ranks[self.rank]
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        self.tp_group = None
+        for ranks in topology.tp_groups:
+            group = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                self.tp_group = group
+        self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
+        self.leader = self.my_tp_ranks[0]
+        self.sync_groups = self._sync_groups()
+        stages = topology.replica_stages(self.me.replica)
+        self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
+        self.stage = Stage(spec, self.me.first_layer, self.me.layers, self.tp_group,
+                           is_first=self.is_first, is_last=self.is_last)
+        self.stage.load_full(full_state(spec, seed))
+        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
+        self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0] if not self.is_first else None
+        self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0] if not self.is_last else None
+
+    def _sync_groups(self) -> dict[str, tuple[tuple[int, ...], object]]:
+        """For every full-model parameter: the leaders of the TP groups holding it, and their group."""
+        holders: dict[str, list[int]] = {}
+        for replica in sorted({r.replica for r in self.topology.ranks}):
+            stages = self.topology.replica_stages(replica)
+            for s in range(stages):
+                ranks = self.topology.stage_ranks(replica, s)
+                info = self.topology.ranks[ranks[0]]
+                for name in stage_names(self.spec, info.first_layer, info.layers, is_first=s == 0,
+                                        is_last=s == stages - 1):
+                    holders.setdefault(name, []).append(ranks[0])
+        groups: dict[tuple[int, ...], object] = {}
+        for leaders in sorted({tuple(sorted(set(v))) for v in holders.values()}):
+            groups[leaders] = dist.new_group(list(leaders)) if len(leaders) > 1 else None
+        return {name: (tuple(sorted(set(v))), groups[tuple(sorted(set(v)))]) for name, v in holders.items()}
+
+    def step(self, tokens: torch.Tensor) -> float:
+        """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean loss."""
+        total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
+        micro = self._my_micro_batches(tokens)
+        loss_sum = self._run_schedule(micro, total)
+        self._sync_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        reported = torch.tensor([loss_sum])
+        dist.all_reduce(reported)  # only last-stage leaders contribute
+        return reported.item()
+
+    def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """This replica's micro-batches: replicas take consecutive slices of the global batch."""
+        b = self.plan.micro_batch
+        per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
+        start = sum(per_replica[r] for r in range(self.me.replica)) * b
+        return [tokens[start + j * b: start + (j + 1) * b] for j in range(self.me.micro_batches)]
+
+    def _run_schedule(self, micro: list[torch.Tensor], total: int) -> float:
+        stages = self.topology.replica_stages(self.me.replica)
+        b, t, h = self.plan.micro_batch, self.spec.seq_len, self.spec.hidden
+        inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
+        for kind, j in stage_sequence(self.plan.schedule, self.me.stage, stages, len(micro)):
+            if kind == FORWARD:
+                if self.is_first:
+                    x = micro[j][:, :-1]
+                else:
+                    x = self._receive((b, t, h), self.prev_leader).requires_grad_()
+                out = self._forward(x)
+                if self.is_last:
+                    loss = self.stage.loss(out, micro[j][:, 1:]) / total
+                    if self.rank == self.leader:
+                        loss_sum += loss.item()
+                    outputs[j] = loss
+                else:
+                    outputs[j] = out
+                    sends += self._send(out.detach(), self.next_leader)
+                inputs[j] = x
+            else:
+                if self.is_last:
+                    outputs[j].backward()
+                else:
+                    outputs[j].backward(self._receive((b, t, h), self.next_leader))
+                if not self.is_first:
+                    sends += self._send(inputs[j].grad, self.prev_leader)
+                del inputs[j], outputs[j]
+        for work in sends:
+            work.wait()
+        return loss_sum
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.recompute == "full":
+            return checkpoint(self.stage, x, use_reentrant=False)
+        return self.stage(x)
+
+    def _send(self, tensor: torch.Tensor, peer: int) -> list:
+        # Activations and their gradients are whole on every TP rank of a stage, so the stage
+        # leaders exchange them (whatever the two stages' TP degrees) and the receiving leader
+        # broadcasts to its TP group.
+        if self.rank != self.leader:
+            return []
+        return [dist.isend(tensor.contiguous(), peer)]
+
+    def _receive(self, shape: tuple[int, ...], peer: int) -> torch.Tensor:
+        buffer = torch.empty(shape)
+        if self.rank == self.leader:
+            dist.recv(buffer, peer)
+        if len(self.my_tp_ranks) > 1:
+            dist.broadcast(buffer, self.leader, group=self.tp_group)
+        return buffer
+
+    def _sync_gradients(self) -> None:
+        """Sum each parameter's gradient over every replica (and the tied head copy) holding it.
+
+        In full-model name order on every rank, so that the collectives of different groups
+        interleave the same way everywhere: gather the full gradient in the TP group, all-reduce
+        it among the holders' leaders, broadcast it back, keep this rank's shard.
+        """
+        tp, tp_rank = len(self.my_tp_ranks), self.my_tp_ranks.index(self.rank)
+        params = sorted(((self.stage.full_name(n), p) for n, p in self.stage.named_parameters()))
+        for name, param in params:
+            leaders, group = self.sync_groups[name]
+            if len(leaders) == 1:
+                continue
+            full = self._gather_full(name, param.grad, tp)
+            if self.rank == self.leader:
+                dist.all_reduce(full, group=group)
+            if tp > 1:
+                dist.broadcast(full, self.leader, group=self.tp_group)
+            param.grad.copy_(shard(name, full, tp_rank, tp))
+
+    def _gather_full(self, name: str, grad: torch.Tensor, tp: int) -> torch.Tensor:
+        """The full-model gradient of a parameter from its TP shards."""
+        if tp == 1:
+            return grad.clone()
+        dim = _shard_dim(name)
+        if dim is None:
+            return grad.clone()
+        pieces = [torch.empty_like(grad) for _ in range(tp)]
+        dist.all_gather(pieces, grad.contiguous(), group=self.tp_group)
+        return torch.cat(pieces, dim=dim)
+
+
+def _shard_dim(name: str) -> int | None:
+    """The dimension shard() splits a full-model tensor along under TP (None: whole everywhere)."""
+    probe = torch.zeros(4, 4)
+    if shard(name, probe, 0, 2).shape[0] == 2:
+        return 0
+    if shard(name, probe, 0, 2).shape[1] == 2:
+        return 1
+    return None

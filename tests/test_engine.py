@@ -1,0 +1,95 @@
+"""Every parallel layout against the single-process reference: first-step gradients of every
+parameter (torch.testing.assert_close, fp32 defaults) and the losses of 3 AdamW steps (1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from hethub.runtime.engine import Engine
+from hethub.runtime.model import Stage, full_state, shard
+from hethub.runtime.topology import build_topology
+from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+
+SEED, STEPS, LR = 7, 3, 1e-2
+CLUSTER = parse_cluster({"groups": [
+    {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+    {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4}]}, "test")
+
+
+def batches(spec, global_batch):
+    gen = torch.Generator().manual_seed(123)
+    return [torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen) for _ in range(STEPS)]
+
+
+def reference(preset, global_batch):
+    spec = load_model(preset)
+    model = Stage(spec, 0, spec.layers, None, is_first=True, is_last=True)
+    model.load_full(full_state(spec, SEED))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, grads = [], None
+    for tokens in batches(spec, global_batch):
+        loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        if grads is None:
+            grads = {model.full_name(n): p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _rank(rank, world, preset, plan_dict):
+    spec = load_model(preset)
+    plan = parse_plan(plan_dict)
+    topology = build_topology(plan, CLUSTER)
+    engine = Engine(plan, topology, spec, seed=SEED, lr=LR)
+    losses, grads = [], None
+    for tokens in batches(spec, plan.global_batch):
+        if grads is None:  # capture the synced first-step gradients before the optimizer clears them
+            original = engine.optimizer.step
+
+            def capture():
+                nonlocal grads
+                grads = {engine.stage.full_name(n): p.grad.clone() for n, p in engine.stage.named_parameters()}
+                original()
+            engine.optimizer.step = capture
+            losses.append(engine.step(tokens))
+            engine.optimizer.step = original
+        else:
+            losses.append(engine.step(tokens))
+    me = topology.ranks[rank]
+    return losses, grads, me.tp_rank, me.tp
+
+
+def stage(group, tp, layers):
+    return {"group": group, "tp": tp, "layers": layers}
+
+
+PLANS = {
+    "pp 5/3": ("tiny-llama", {"global_batch": 4, "pipelines": [
+        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 5), stage("nv", 1, 3)]}]}),
+    "tp 2": ("tiny-gpt", {"global_batch": 2, "pipelines": [{"count": 1, "stages": [stage("nv", 2, 8)]}]}),
+    "pp x tp, tp 2 then 1": ("tiny-llama", {"global_batch": 4, "pipelines": [
+        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}]}),
+    "unlike replicas, uneven split, across vendors": ("tiny-gpt", {"global_batch": 5, "pipelines": [
+        {"count": 1, "micro_batches": 3, "stages": [stage("nv", 1, 4), stage("amd", 1, 4)]},
+        {"count": 1, "micro_batches": 2, "stages": [stage("amd", 2, 8)]}]}),
+    "recompute, gpipe": ("tiny-llama", {"global_batch": 4, "recompute": "full", "schedule": "gpipe", "pipelines": [
+        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 2), stage("amd", 1, 6)]}]}),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_layout_matches_the_single_process_reference(name):
+    preset, fields = PLANS[name]
+    plan_dict = {"model": preset, "micro_batch": 1, **fields}
+    plan = parse_plan(plan_dict)
+    check_plan(plan, CLUSTER, load_model(preset))
+    world = build_topology(plan, CLUSTER).world_size
+    ref_losses, ref_grads = reference(preset, plan.global_batch)
+    for losses, grads, tp_rank, tp in run_ranks(_rank, world, preset, plan_dict, timeout_s=120):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for full_name, grad in grads.items():
+            torch.testing.assert_close(grad, shard(full_name, ref_grads[full_name], tp_rank, tp), msg=full_name)
