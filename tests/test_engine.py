@@ -47,18 +47,11 @@ def _rank(rank, world, preset, plan_dict):
     engine = Engine(plan, topology, spec, seed=SEED, lr=LR)
     losses, grads = [], None
     for tokens in batches(spec, plan.global_batch):
-        if grads is None:  # capture the synced first-step gradients before the optimizer clears them
-            original = engine.optimizer.step
-
-            def capture():
-                nonlocal grads
-                grads = {engine.stage.full_name(n): p.grad.clone() for n, p in engine.stage.named_parameters()}
-                original()
-            engine.optimizer.step = capture
-            losses.append(engine.step(tokens))
-            engine.optimizer.step = original
-        else:
-            losses.append(engine.step(tokens))
+        losses.append(engine.gradients(tokens))
+        if grads is None:
+            grads = {engine.stage.full_name(n): p.grad.clone() for n, p in engine.stage.named_parameters()}
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
     me = topology.ranks[rank]
     return losses, grads, me.tp_rank, me.tp
 

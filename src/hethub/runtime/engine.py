@@ -63,12 +63,17 @@ class Engine:
 
     def step(self, tokens: torch.Tensor) -> float:
         """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean loss."""
-        total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
-        micro = self._my_micro_batches(tokens)
-        loss_sum = self._run_schedule(micro, total)
-        self._sync_gradients()
+        loss = self.gradients(tokens)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def gradients(self, tokens: torch.Tensor) -> float:
+        """Forward and backward of the global batch and the gradient sync, without the update:
+        afterwards every parameter's .grad is its share of the global batch's gradient."""
+        total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
+        loss_sum = self._run_schedule(self._my_micro_batches(tokens), total)
+        self._sync_gradients()
         reported = torch.tensor([loss_sum])
         dist.all_reduce(reported)  # only last-stage leaders contribute
         return reported.item()
