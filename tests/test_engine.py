@@ -7,6 +7,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from hethub.comm import BRIDGE, Communicator
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, full_state, shard
 from hethub.runtime.topology import build_topology
@@ -44,7 +45,7 @@ def _rank(rank, world, preset, plan_dict):
     spec = load_model(preset)
     plan = parse_plan(plan_dict)
     topology = build_topology(plan, CLUSTER)
-    engine = Engine(plan, topology, spec, seed=SEED, lr=LR)
+    engine = Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR)
     losses, grads = [], None
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
@@ -53,7 +54,7 @@ def _rank(rank, world, preset, plan_dict):
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     me = topology.ranks[rank]
-    return losses, grads, me.tp_rank, me.tp
+    return losses, grads, me.tp_rank, me.tp, dict(engine.comm.bytes)
 
 
 def stage(group, tp, layers):
@@ -82,7 +83,12 @@ def test_layout_matches_the_single_process_reference(name):
     check_plan(plan, CLUSTER, load_model(preset))
     world = build_topology(plan, CLUSTER).world_size
     ref_losses, ref_grads = reference(preset, plan.global_batch)
-    for losses, grads, tp_rank, tp in run_ranks(_rank, world, preset, plan_dict, timeout_s=120):
+    results = run_ranks(_rank, world, preset, plan_dict, timeout_s=120)
+    vendors = {CLUSTER.group(s["group"]).accelerator.vendor for p in fields["pipelines"] for s in p["stages"]}
+    bridged = sum(moved[BRIDGE] for *_, moved in results)
+    # Only a plan whose stages or replicas span vendors moves anything over the bridge.
+    assert (bridged > 0) == (len(vendors) > 1)
+    for losses, grads, tp_rank, tp, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for full_name, grad in grads.items():
             torch.testing.assert_close(grad, shard(full_name, ref_grads[full_name], tp_rank, tp), msg=full_name)

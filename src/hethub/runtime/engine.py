@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from hethub.comm import Communicator
 from hethub.runtime.model import Stage, full_state, shard, stage_names
 from hethub.runtime.topology import Topology
 from hethub.spec.model import ModelSpec
@@ -22,9 +23,9 @@ from hethub.spec.schedules import FORWARD, stage_sequence
 class Engine:
     """Builds this rank's stage and process groups; ``step`` trains on one global batch."""
 
-    def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, *, seed: int, lr: float = 1e-3,
-                 weight_decay: float = 0.0) -> None:
-        self.plan, self.topology, self.spec = plan, topology, spec
+    def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, comm: Communicator, *, seed: int,
+                 lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
         # Every rank creates every group, in the same order (torch.distributed requires it).
@@ -128,14 +129,15 @@ class Engine:
         # broadcasts to its TP group.
         if self.rank != self.leader:
             return []
-        return [dist.isend(tensor.contiguous(), peer)]
+        return [self.comm.isend(tensor.contiguous(), peer)]
 
     def _receive(self, shape: tuple[int, ...], peer: int) -> torch.Tensor:
         buffer = torch.empty(shape)
         if self.rank == self.leader:
-            dist.recv(buffer, peer)
+            self.comm.recv(buffer, peer)
         if len(self.my_tp_ranks) > 1:
             dist.broadcast(buffer, self.leader, group=self.tp_group)
+            self.comm.native(buffer)
         return buffer
 
     def _sync_gradients(self) -> None:
@@ -153,9 +155,10 @@ class Engine:
                 continue
             full = self._gather_full(name, param.grad, tp)
             if self.rank == self.leader:
-                dist.all_reduce(full, group=group)
+                self.comm.all_reduce(full, leaders, group)
             if tp > 1:
                 dist.broadcast(full, self.leader, group=self.tp_group)
+                self.comm.native(full)
             param.grad.copy_(shard(name, full, tp_rank, tp))
 
     def _gather_full(self, name: str, grad: torch.Tensor, tp: int) -> torch.Tensor:
@@ -167,6 +170,7 @@ class Engine:
             return grad.clone()
         pieces = [torch.empty_like(grad) for _ in range(tp)]
         dist.all_gather(pieces, grad.contiguous(), group=self.tp_group)
+        self.comm.native(grad, tp - 1)
         return torch.cat(pieces, dim=dim)
 
 

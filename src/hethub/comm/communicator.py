@@ -1,0 +1,65 @@
+"""Point-to-point and all-reduce between ranks, natively inside a vendor and over a host-staged
+bridge across vendors, counting the bytes each path moves.
+
+No collective library spans two vendors (NCCL cannot talk to HCCL), so traffic between groups of
+different vendors is copied to host memory and sent over gloo, which every machine has. Traffic
+between ranks of one vendor stays on the native path. On a CPU-only machine both paths run on
+gloo, but cross-vendor traffic still takes the bridge code path, so that tests exercise it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hethub.runtime.topology import Topology
+from hethub.spec.cluster import ClusterSpec
+
+NATIVE, BRIDGE = "native", "bridge"
+
+
+class Communicator:
+    """This rank's view: which path reaches which peer, and the bytes moved on each."""
+
+    def __init__(self, topology: Topology, cluster: ClusterSpec) -> None:
+        self.rank = dist.get_rank()
+        self.vendor = [cluster.group(r.group).accelerator.vendor for r in topology.ranks]
+        self.bytes = {NATIVE: 0, BRIDGE: 0}
+
+    def path(self, *ranks: int) -> str:
+        """NATIVE when every rank is of one vendor, else BRIDGE."""
+        return NATIVE if len({self.vendor[r] for r in ranks}) == 1 else BRIDGE
+
+    def isend(self, tensor: torch.Tensor, peer: int):
+        path = self.path(self.rank, peer)
+        self.bytes[path] += tensor.numel() * tensor.element_size()
+        return dist.isend(self._staged(tensor, path), peer)
+
+    def recv(self, buffer: torch.Tensor, peer: int) -> torch.Tensor:
+        path = self.path(self.rank, peer)
+        staged = self._staged(buffer, path)
+        dist.recv(staged, peer)
+        self.bytes[path] += buffer.numel() * buffer.element_size()
+        if staged is not buffer:
+            buffer.copy_(staged)
+        return buffer
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
+        """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""
+        path = self.path(*ranks)
+        # A ring all-reduce moves 2 (n - 1) / n of the tensor out of every rank.
+        self.bytes[path] += 2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+        staged = self._staged(tensor, path)
+        dist.all_reduce(staged, group=group)
+        if staged is not tensor:
+            tensor.copy_(staged)
+        return tensor
+
+    def native(self, tensor: torch.Tensor, factor: float = 1.0) -> None:
+        """Count bytes a native collective inside a TP group moved."""
+        self.bytes[NATIVE] += int(factor * tensor.numel() * tensor.element_size())
+
+    @staticmethod
+    def _staged(tensor: torch.Tensor, path: str) -> torch.Tensor:
+        # The bridge goes through host memory; a CPU tensor is there already.
+        return tensor if path == NATIVE or tensor.device.type == "cpu" else tensor.cpu()
