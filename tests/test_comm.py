@@ -1,15 +1,16 @@
-"""The communicator's backend choice and its paths."""
+"""The communicator's native backend choice."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from hethub.comm import native_backend
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or importlib.util.find_spec("torch_npu") is not None,
+                    reason="this machine has an accelerator with a native library")
 def test_a_machine_without_accelerators_talks_gloo():
-    if torch.cuda.is_available():
-        assert native_backend() == "nccl"
-    else:
-        assert native_backend() in ("gloo", "hccl", "xccl")
-        assert native_backend() == "gloo" or not torch.cuda.is_available()
+    assert native_backend() == "gloo"
