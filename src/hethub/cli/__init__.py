@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from hethub import __version__
-from hethub.cli import catalog, plan, predict
+from hethub.cli import catalog, plan, predict, train
 from hethub.errors import HethubError
 
-COMMANDS = (plan, predict, catalog)
+COMMANDS = (train, plan, predict, catalog)
 
 
 def build_parser() -> argparse.ArgumentParser:
