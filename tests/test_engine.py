@@ -92,3 +92,36 @@ def test_layout_matches_the_single_process_reference(name):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for full_name, grad in grads.items():
             torch.testing.assert_close(grad, shard(full_name, ref_grads[full_name], tp_rank, tp), msg=full_name)
+
+
+def _dies_or_trains(rank, world, preset, plan_dict):
+    import os
+    import time as clock
+
+    import torch.distributed as dist
+    spec = load_model(preset)
+    plan = parse_plan(plan_dict)
+    topology = build_topology(plan, CLUSTER)
+    engine = Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR)
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)  # a worker dies mid-job
+    started = clock.perf_counter()
+    try:
+        engine.step(batches(spec, plan.global_batch)[0])
+    except RuntimeError as error:  # what gloo raises once the peer is gone or the wait times out
+        return "stopped", clock.perf_counter() - started, str(error).splitlines()[0]
+    return "trained", clock.perf_counter() - started, ""
+
+
+def test_a_dead_rank_stops_the_others_within_the_timeout_instead_of_hanging():
+    import time as clock
+
+    preset, fields = PLANS["pp 5/3"]
+    plan_dict = {"model": preset, "micro_batch": 1, **fields}
+    started = clock.perf_counter()
+    # A hang would end in run_ranks' TimeoutError (not a RuntimeError) after 90 s; instead rank 0
+    # stops on the broken connection and the job reports the rank that died.
+    with pytest.raises(RuntimeError, match="rank 1 exited without a result"):
+        run_ranks(_dies_or_trains, 2, preset, plan_dict, timeout_s=90)
+    assert clock.perf_counter() - started < 90
