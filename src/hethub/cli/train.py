@@ -50,7 +50,11 @@ def _launch(args: argparse.Namespace, world: int) -> int:
     """Start the local workers through torchrun (c10d rendezvous on this machine)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "hethub", *_argv(args)]
-    return subprocess.run(command, check=False).returncode
+    code = subprocess.run(command, check=False).returncode
+    if code:
+        print(f"hethub train: error: a worker failed and torchrun stopped the {world} workers (exit {code}); "
+              f"the failing worker's message is above", file=sys.stderr)
+    return code
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
