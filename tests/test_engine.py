@@ -70,6 +70,8 @@ PLANS = {
     "unlike replicas, uneven split, across vendors": ("tiny-gpt", {"global_batch": 5, "pipelines": [
         {"count": 1, "micro_batches": 3, "stages": [stage("nv", 1, 4), stage("amd", 1, 4)]},
         {"count": 1, "micro_batches": 2, "stages": [stage("amd", 2, 8)]}]}),
+    "two identical replicas (dp 2) of pp 4/4": ("tiny-gpt", {"global_batch": 4, "pipelines": [
+        {"count": 2, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 1, 4)]}]}),
     "recompute, gpipe": ("tiny-llama", {"global_batch": 4, "recompute": "full", "schedule": "gpipe", "pipelines": [
         {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 2), stage("amd", 1, 6)]}]}),
 }
