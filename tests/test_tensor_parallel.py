@@ -16,18 +16,7 @@ def _batch(spec, seed=1):
     return torch.randint(0, spec.vocab, (3, spec.seq_len + 1), generator=gen)
 
 
-def _reference(spec):
-    model = Stage(spec, 0, spec.layers, None, is_first=True, is_last=True)
-    model.load_full(full_state(spec, 7))
-    tokens = _batch(spec)
-    loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
-    loss.backward()
-    return loss.item(), {model.full_name(n): p.grad for n, p in model.named_parameters()}
-
-
-def _tp_rank(rank, world, preset):
-    spec = load_model(preset)
-    group = dist.new_group(list(range(world)))
+def _loss_and_grads(spec, group):
     model = Stage(spec, 0, spec.layers, group, is_first=True, is_last=True)
     model.load_full(full_state(spec, 7))
     tokens = _batch(spec)
@@ -36,10 +25,14 @@ def _tp_rank(rank, world, preset):
     return loss.item(), {model.full_name(n): p.grad for n, p in model.named_parameters()}
 
 
+def _tp_rank(rank, world, preset):
+    return _loss_and_grads(load_model(preset), dist.new_group(list(range(world))))
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
 def test_tp2_matches_the_single_process_reference(preset):
     spec = load_model(preset)
-    ref_loss, ref_grads = _reference(spec)
+    ref_loss, ref_grads = _loss_and_grads(spec, None)
     results = run_ranks(_tp_rank, 2, preset)
     for rank, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(ref_loss, rel=1e-6)
