@@ -3,9 +3,11 @@
 Phase 1 plans every group alone (every TP and pipeline depth, micro-batch size, recomputation);
 its best plan per group is that group's share of the theoretical upper bound, and its best
 layouts seed phase 2, which tries the heterogeneous structures (combinations of per-group
-layouts, and replicas that cross kinds). Every candidate gets its layers from the exact
-partitioner and its micro-batches from the balanced split, and is ranked by the predictor; a plan
-that does not fit in memory is never kept.
+layouts, and replicas that cross kinds); phase 3 cuts, for two kinds, each group's share of a
+replica into stages of two neighbouring TP degrees, under the best plan's setting. Every
+candidate gets its layers from the exact partitioner and its micro-batches from the balanced
+split, is predicted only if it can beat the best so far, and each phase's best plans are polished
+by moving single layers; a plan that does not fit in memory is never kept.
 """
 
 from __future__ import annotations
