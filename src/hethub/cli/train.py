@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--data", help="a text file, a folder of text files, or a .bin of uint16 tokens "
+                                       "(default: the standard library's pydoc texts)")
     parser.add_argument("--run-dir", default=None, help="where to write the run (default runs/<plan name>)")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait for a peer")
@@ -38,12 +40,15 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     model = load_model(plan.model, relative_to=Path(args.plan).parent, source=args.plan)
     check_plan(plan, cluster, model, args.plan)
-    from hethub.runtime.topology import build_topology  # torch-free, but only the runtime needs it
+    from hethub.runtime.data import builtin_corpus, check_tokens, load_tokens
+    from hethub.runtime.topology import build_topology
 
+    tokens = load_tokens(args.data) if args.data else builtin_corpus()  # bad data stops before any process
+    check_tokens(tokens, args.data or "the built-in corpus", model.vocab, model.seq_len, plan.global_batch)
     topology = build_topology(plan, cluster)
     if "LOCAL_RANK" not in os.environ:
         return _launch(args, topology.world_size)
-    return _worker(args, cluster, plan, model, topology)
+    return _worker(args, cluster, plan, model, topology, tokens)
 
 
 def _launch(args: argparse.Namespace, world: int) -> int:
@@ -62,15 +67,17 @@ def _argv(args: argparse.Namespace) -> list[str]:
            str(args.seed), "--lr", str(args.lr), "--timeout", str(args.timeout)]
     if args.run_dir:
         out += ["--run-dir", args.run_dir]
+    if args.data:
+        out += ["--data", args.data]
     return out + (["--json"] if args.json else [])
 
 
-def _worker(args, cluster, plan, model, topology) -> int:
+def _worker(args, cluster, plan, model, topology, corpus) -> int:
     import torch
     import torch.distributed as dist
 
     from hethub.comm import BRIDGE, NATIVE, Communicator
-    from hethub.runtime.data import builtin_corpus, global_batch
+    from hethub.runtime.data import global_batch
     from hethub.runtime.engine import Engine
 
     world = int(os.environ["WORLD_SIZE"])
@@ -82,9 +89,6 @@ def _worker(args, cluster, plan, model, topology) -> int:
     try:
         comm = Communicator(topology, cluster)
         engine = Engine(plan, topology, model, comm, seed=args.seed, lr=args.lr)
-        corpus = builtin_corpus()
-        if model.vocab < 256:
-            raise HethubError(f"{plan.model}: vocab = {model.vocab}: the built-in corpus is bytes, needs >= 256")
         rank = dist.get_rank()
         for step in range(args.steps):
             tokens = global_batch(corpus, step, plan.global_batch, model.seq_len, args.seed)
