@@ -76,7 +76,7 @@ def _worker(args, cluster, plan, model, topology, corpus) -> int:
     import torch
     import torch.distributed as dist
 
-    from hethub.comm import BRIDGE, NATIVE, Communicator
+    from hethub.comm import BRIDGE, NATIVE, Communicator, local_devices
     from hethub.runtime.data import global_batch
     from hethub.runtime.engine import Engine
 
@@ -88,7 +88,8 @@ def _worker(args, cluster, plan, model, topology, corpus) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
         comm = Communicator(topology, cluster)
-        engine = Engine(plan, topology, model, comm, seed=args.seed, lr=args.lr)
+        devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
+        engine = Engine(plan, topology, model, comm, seed=args.seed, lr=args.lr, devices=devices)
         rank = dist.get_rank()
         for step in range(args.steps):
             tokens = global_batch(corpus, step, plan.global_batch, model.seq_len, args.seed)

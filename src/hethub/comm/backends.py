@@ -17,3 +17,30 @@ def native_backend() -> str:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return "xccl"
     return "gloo"
+
+
+def local_device(vendor: str, local_index: int = 0) -> torch.device:
+    """Where a rank of a group of ``vendor`` runs on this machine: its accelerator when the machine
+    has one of that kind (CUDA for NVIDIA, ROCm's CUDA API for AMD), else the CPU (DESIGN: a local
+    run maps groups onto this machine's processes)."""
+    if vendor in ("nvidia", "amd") and torch.cuda.is_available():
+        is_rocm = torch.version.hip is not None
+        if (vendor == "amd") == is_rocm:
+            return torch.device("cuda", local_index % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def group_backend(devices: list[torch.device]) -> str:
+    """The backend of a group whose ranks run on ``devices``: native when all are accelerators of
+    this machine, gloo when any is a CPU."""
+    return native_backend() if all(d.type != "cpu" for d in devices) else "gloo"
+
+
+def local_devices(vendors: list[str]) -> list[torch.device]:
+    """Every rank's device, ranks of accelerator groups taking this machine's accelerators in turn."""
+    out, taken = [], 0
+    for vendor in vendors:
+        device = local_device(vendor, taken)
+        taken += device.type != "cpu"
+        out.append(device)
+    return out

@@ -2,9 +2,11 @@
 bridge across vendors, counting the bytes each path moves.
 
 No collective library spans two vendors (NCCL cannot talk to HCCL), so traffic between groups of
-different vendors is copied to host memory and sent over gloo, which every machine has. Traffic
-between ranks of one vendor stays on the native path. On a CPU-only machine both paths run on
-gloo, but cross-vendor traffic still takes the bridge code path, so that tests exercise it.
+different vendors is copied to host memory and sent over gloo, which every machine has; the
+bytes count as the bridge's. Traffic between ranks of one vendor counts as native. Inside a
+stage, TP collectives run on the group's native backend (see hethub.comm.backends). The job's
+world group is gloo, so point-to-point traffic between stages and the gradient sync between
+replicas are staged through host memory on accelerators for now, whatever the path.
 """
 
 from __future__ import annotations
@@ -61,5 +63,5 @@ class Communicator:
 
     @staticmethod
     def _staged(tensor: torch.Tensor, path: str) -> torch.Tensor:
-        # The bridge goes through host memory; a CPU tensor is there already.
-        return tensor if path == NATIVE or tensor.device.type == "cpu" else tensor.cpu()
+        # Through host memory (gloo); a CPU tensor is there already.
+        return tensor if tensor.device.type == "cpu" else tensor.cpu()

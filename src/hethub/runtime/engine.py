@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from hethub.comm import Communicator
+from hethub.comm import Communicator, group_backend
 from hethub.runtime.model import Stage, full_state, shard, stage_names
 from hethub.runtime.topology import Topology
 from hethub.spec.model import ModelSpec
@@ -24,14 +24,18 @@ class Engine:
     """Builds this rank's stage and process groups; ``step`` trains on one global batch."""
 
     def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, comm: Communicator, *, seed: int,
-                 lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+                 lr: float = 1e-3, weight_decay: float = 0.0, devices: list[torch.device] | None = None) -> None:
+        """``devices``: where each rank runs (default: every rank on the CPU)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
-        # Every rank creates every group, in the same order (torch.distributed requires it).
+        self.devices = devices or [torch.device("cpu")] * topology.world_size
+        self.device = self.devices[self.rank]
+        # Every rank creates every group, in the same order (torch.distributed requires it); a TP
+        # group of accelerators uses their native library.
         self.tp_group = None
         for ranks in topology.tp_groups:
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), backend=group_backend([self.devices[r] for r in ranks]))
             if self.rank in ranks:
                 self.tp_group = group
         self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
@@ -42,6 +46,7 @@ class Engine:
         self.stage = Stage(spec, self.me.first_layer, self.me.layers, self.tp_group,
                            is_first=self.is_first, is_last=self.is_last)
         self.stage.load_full(full_state(spec, seed))
+        self.stage.to(self.device)
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
         self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0] if not self.is_first else None
         self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0] if not self.is_last else None
@@ -84,7 +89,7 @@ class Engine:
         b = self.plan.micro_batch
         per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
         start = sum(per_replica[r] for r in range(self.me.replica)) * b
-        return [tokens[start + j * b: start + (j + 1) * b] for j in range(self.me.micro_batches)]
+        return [tokens[start + j * b: start + (j + 1) * b].to(self.device) for j in range(self.me.micro_batches)]
 
     def _run_schedule(self, micro: list[torch.Tensor], total: int) -> float:
         stages = self.topology.replica_stages(self.me.replica)
@@ -132,7 +137,7 @@ class Engine:
         return [self.comm.isend(tensor.contiguous(), peer)]
 
     def _receive(self, shape: tuple[int, ...], peer: int) -> torch.Tensor:
-        buffer = torch.empty(shape)
+        buffer = torch.empty(shape, device=self.device)
         if self.rank == self.leader:
             self.comm.recv(buffer, peer)
         if len(self.my_tp_ranks) > 1:

@@ -1,0 +1,50 @@
+"""One job, one CUDA group (nccl inside it) and one CPU group (gloo), across the bridge: the
+same gradients and losses as the single-process reference. Runs only where a CUDA GPU is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rank(rank, world):
+    from test_engine import LR, SEED, batches
+
+    from hethub.comm import BRIDGE, Communicator, local_devices
+    from hethub.runtime.engine import Engine
+    from hethub.runtime.topology import build_topology
+    from hethub.spec import load_model, parse_cluster, parse_plan
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as on the CPU reference
+    cluster = parse_cluster({"groups": [{"name": "gpu", "accelerator": "h100", "devices_per_node": 1},
+                                        {"name": "cpu", "accelerator": "cpu", "devices_per_node": 1}]}, "gpu test")
+    plan = parse_plan({"model": "tiny-llama", "global_batch": 4, "micro_batch": 1, "pipelines": [
+        {"count": 1, "stages": [{"group": "gpu", "tp": 1, "layers": 4}, {"group": "cpu", "tp": 1, "layers": 4}]}]})
+    spec = load_model("tiny-llama")
+    topology = build_topology(plan, cluster)
+    devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
+    assert [d.type for d in devices] == ["cuda", "cpu"]
+    comm = Communicator(topology, cluster)
+    engine = Engine(plan, topology, spec, comm, seed=SEED, lr=LR, devices=devices)
+    losses, grads = [], None
+    for tokens in batches(spec, plan.global_batch):
+        losses.append(engine.gradients(tokens))
+        if grads is None:
+            grads = {engine.stage.full_name(n): p.grad.cpu().clone() for n, p in engine.stage.named_parameters()}
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    return losses, grads, comm.bytes[BRIDGE]
+
+
+def test_cuda_and_cpu_groups_in_one_job_match_the_reference():
+    from test_engine import reference
+
+    ref_losses, ref_grads = reference("tiny-llama", 4)
+    for losses, grads, bridged in run_ranks(_rank, 2, timeout_s=180):
+        assert bridged > 0
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], msg=name)
