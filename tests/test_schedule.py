@@ -18,6 +18,13 @@ from hethub.predictor.schedule import (
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 
 
+def _draw_stages(data, p):
+    """Random forward and backward times of p stages, and the sends between them."""
+    f = data.draw(st.lists(durations, min_size=p, max_size=p))
+    b = data.draw(st.lists(durations, min_size=p, max_size=p))
+    return f, b, data.draw(st.lists(st.floats(0, 1), min_size=p - 1, max_size=p - 1))
+
+
 @settings(max_examples=200, deadline=None)
 @given(p=st.integers(1, 12), m=st.integers(1, 64), f=durations, b=durations,
        schedule=st.sampled_from(["1f1b", "gpipe"]))
@@ -30,9 +37,7 @@ def test_uniform_stages_without_communication_match_the_closed_form(p, m, f, b, 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), p=st.integers(1, 10), m=st.integers(1, 48), schedule=st.sampled_from(["1f1b", "gpipe"]))
 def test_jumping_over_the_steady_state_is_exact(data, p, m, schedule):
-    f = data.draw(st.lists(durations, min_size=p, max_size=p))
-    b = data.draw(st.lists(durations, min_size=p, max_size=p))
-    sends = data.draw(st.lists(st.floats(0, 1), min_size=p - 1, max_size=p - 1))
+    f, b, sends = _draw_stages(data, p)
     order = schedule_order(schedule, p, m)
     fast = simulate(order, f, b, sends, sends)
     full = simulate(order, f, b, sends, sends, every_op=True)
@@ -84,9 +89,7 @@ def test_bottleneck_stage_sets_the_steady_state():
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), p=st.integers(1, 6), m=st.integers(1, 120), schedule=st.sampled_from(["1f1b", "gpipe"]))
 def test_stage_end_times_of_a_long_schedule_equal_the_full_simulation(data, p, m, schedule):
-    f = data.draw(st.lists(durations, min_size=p, max_size=p))
-    b = data.draw(st.lists(durations, min_size=p, max_size=p))
-    sends = data.draw(st.lists(st.floats(0, 1), min_size=p - 1, max_size=p - 1))
+    f, b, sends = _draw_stages(data, p)
     order = schedule_order(schedule, p, m)
     full = simulate(order, f, b, sends, sends, every_op=True)
     expected = [full[i] for i in order.last_op]

@@ -33,25 +33,22 @@ class Communicator:
         return NATIVE if len({self.vendor[r] for r in ranks}) == 1 else BRIDGE
 
     def isend(self, tensor: torch.Tensor, peer: int):
-        path = self.path(self.rank, peer)
-        self.bytes[path] += tensor.numel() * tensor.element_size()
-        return dist.isend(self._staged(tensor, path), peer)
+        self.bytes[self.path(self.rank, peer)] += tensor.numel() * tensor.element_size()
+        return dist.isend(self._staged(tensor), peer)
 
     def recv(self, buffer: torch.Tensor, peer: int) -> torch.Tensor:
-        path = self.path(self.rank, peer)
-        staged = self._staged(buffer, path)
+        staged = self._staged(buffer)
         dist.recv(staged, peer)
-        self.bytes[path] += buffer.numel() * buffer.element_size()
+        self.bytes[self.path(self.rank, peer)] += buffer.numel() * buffer.element_size()
         if staged is not buffer:
             buffer.copy_(staged)
         return buffer
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
         """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""
-        path = self.path(*ranks)
         # A ring all-reduce moves 2 (n - 1) / n of the tensor out of every rank.
-        self.bytes[path] += 2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
-        staged = self._staged(tensor, path)
+        self.bytes[self.path(*ranks)] += 2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+        staged = self._staged(tensor)
         dist.all_reduce(staged, group=group)
         if staged is not tensor:
             tensor.copy_(staged)
@@ -62,6 +59,6 @@ class Communicator:
         self.bytes[NATIVE] += int(factor * tensor.numel() * tensor.element_size())
 
     @staticmethod
-    def _staged(tensor: torch.Tensor, path: str) -> torch.Tensor:
+    def _staged(tensor: torch.Tensor) -> torch.Tensor:
         # Through host memory (gloo); a CPU tensor is there already.
         return tensor if tensor.device.type == "cpu" else tensor.cpu()

@@ -85,13 +85,13 @@ class _Search:
     global_batch: int
     deadline: float
     progress: Progress | None
+    calibration: Calibration
     evaluated: int = 0
     timed_out: bool = False
     ranked: list[Ranked] = field(default_factory=list)
     closest: Overflow | None = None
     best_time: float = float("inf")
     """The fastest fitting step predicted so far in this phase: the bar a candidate must beat."""
-    calibration: Calibration | None = None
     unplaceable: list[tuple[Setting, Structure]] = field(default_factory=list)
     """Structures whose layers fit no split in memory (for the error when no plan fits)."""
 
@@ -107,7 +107,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_r
     started = time.perf_counter()
     cal = calibration or default_calibration()
     state = _Search(cluster, model, model_ref, global_batch,
-                    started + time_limit_s if time_limit_s else float("inf"), progress, calibration=cal)
+                    started + time_limit_s if time_limit_s else float("inf"), progress, cal)
     settings = [Setting(model=model, calibration=cal, micro_batch=b, recompute=r)
                 for b in MICRO_BATCH_SIZES if global_batch % b == 0 for r in (False, True)]
 
@@ -244,7 +244,7 @@ def _evaluate(state: _Search, jobs: list[tuple[Setting, Structure]], phase: str)
             state.progress(phase, len(jobs) + done * len(jobs) // len(drafts), 2 * len(jobs))
         if bound >= state.best_time or state.out_of_time():
             break
-        results[index] = _predict(state, plan, setting.calibration)
+        results[index] = _predict(state, plan)
     if state.progress:
         state.progress(phase, 2 * len(jobs), 2 * len(jobs))
     return results
@@ -280,9 +280,9 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
     return bound, plan
 
 
-def _predict(state: _Search, plan: Plan, calibration: Calibration | None = None) -> Ranked | None:
+def _predict(state: _Search, plan: Plan) -> Ranked | None:
     state.evaluated += 1
-    prediction = predict(plan, state.cluster, state.model, calibration=calibration or state.calibration)
+    prediction = predict(plan, state.cluster, state.model, calibration=state.calibration)
     if not prediction.fits:
         _note_overflow(state, plan, prediction)
         return None

@@ -29,7 +29,7 @@ def cross_group_bw(cluster: ClusterSpec, a: DeviceGroup, b: DeviceGroup, cal: Ca
     """
     per_device = cluster.cross_gbps(a, b) / 8.0 / max(a.devices_per_node, b.devices_per_node)
     network = per_device * 1e9 * cal.network_efficiency
-    if a.accelerator.vendor == b.accelerator.vendor:
+    if not is_bridged(a, b):
         return network
     host_a = a.accelerator.host_link_gb_s * 1e9
     host_b = b.accelerator.host_link_gb_s * 1e9
