@@ -158,7 +158,9 @@ class Engine:
             leaders, group = self.sync_groups[name]
             if len(leaders) == 1:
                 continue
-            full = self._gather_full(name, param.grad, tp)
+            full = self.gather_full(name, param.grad)
+            if _shard_dim(name) is not None:  # the all-gather moved tp - 1 shards in
+                self.comm.native(param.grad, tp - 1)
             if self.rank == self.leader:
                 self.comm.all_reduce(full, leaders, group)
             if tp > 1:
@@ -166,16 +168,15 @@ class Engine:
                 self.comm.native(full)
             param.grad.copy_(shard(name, full, tp_rank, tp))
 
-    def _gather_full(self, name: str, grad: torch.Tensor, tp: int) -> torch.Tensor:
-        """The full-model gradient of a parameter from its TP shards."""
-        if tp == 1:
-            return grad.clone()
+    def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP
+        shards of it (a gradient, a weight, an optimizer moment): a collective of the TP group."""
+        tp = len(self.my_tp_ranks)
         dim = _shard_dim(name)
-        if dim is None:
-            return grad.clone()
-        pieces = [torch.empty_like(grad) for _ in range(tp)]
-        dist.all_gather(pieces, grad.contiguous(), group=self.tp_group)
-        self.comm.native(grad, tp - 1)
+        if tp == 1 or dim is None:
+            return tensor.clone()
+        pieces = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self.tp_group)
         return torch.cat(pieces, dim=dim)
 
 
