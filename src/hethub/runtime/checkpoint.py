@@ -1,0 +1,230 @@
+"""Checkpoints of a training job (torch.distributed.checkpoint), resumable under any plan.
+
+Layout independence: a checkpoint holds FULL tensors keyed by full-model parameter names
+(hethub.runtime.model's names), never one rank's shard: ``model/<name>`` (the weight),
+``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` and ``optim/<name>/step`` (AdamW's state).
+So any plan resumes any other plan's checkpoint: another pipeline split, another TP degree,
+other replicas. Every rank that holds a parameter (its replicas, its TP ranks once they have
+gathered it, the GPT head copy of the embedding) offers the same full tensor under the same
+key; DCP's default save planner keeps one of them (dedup_save_plans, keyed by name and offset)
+and spreads the writes over the ranks. On load every rank reads the full tensors of its stage
+and keeps its TP shard.
+
+Cost: every TP rank gathers whole weights and moments (three times its stage's full size in
+memory for a moment), fine for the models this runs on CPU; big models would save a sharded
+DTensor layout instead, which DCP reshards on load by itself.
+
+Atomicity: a crash mid-save never leaves a checkpoint that loads. Every rank writes into
+``step-000012.tmp-<token>``; once a barrier shows every rank has finished, rank 0 writes
+``meta.json`` in it and renames the folder to ``step-000012`` (a rename on one filesystem is
+atomic). A checkpoint is complete exactly when its folder has that name and holds meta.json:
+latest_checkpoint looks at nothing else and load_checkpoint refuses anything else.
+``checkpoints_dir`` must be one filesystem that every rank sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from hethub.errors import HethubError
+from hethub.runtime.model import shard
+
+if TYPE_CHECKING:  # the engine does not need this module; annotations only
+    from hethub.runtime.engine import Engine
+
+META = "meta.json"
+COMPLETE = re.compile(r"step-(\d+)")  # a published checkpoint's folder name, nothing more
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(engine: Engine, checkpoints_dir: Path, step: int, meta: dict) -> Path:
+    """Collective (every rank, after an optimizer step): save the job's weights and AdamW state
+    as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path."""
+    text = json.dumps({**meta, "step": step}, indent=1)  # on every rank: a bad meta fails everywhere
+    final = Path(checkpoints_dir) / f"step-{step:06d}"
+    token = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # one temporary folder for the whole job
+    tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
+    dist.barrier()  # every rank's files are written (and synced) before the folder is published
+    _agree(_publish(tmp, final, text) if dist.get_rank() == 0 else None)
+    return final
+
+
+def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step in ``checkpoints_dir`` (None: none there).
+    Unfinished saves (``*.tmp-*``, or any folder without meta.json) are never candidates."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return None
+    done = [(int(m.group(1)), d) for d in root.iterdir()
+            if (m := COMPLETE.fullmatch(d.name)) and (d / META).is_file()]
+    return max(done, key=lambda found: found[0])[1] if done else None
+
+
+def read_meta(path: Path) -> dict:
+    """The meta.json of the complete checkpoint at ``path``: its save's meta dict and "step".
+    Pure filesystem (no process group). HethubError when it is missing or unfinished."""
+    path = Path(path)
+    if not path.is_dir():
+        raise HethubError(f"checkpoint {path} does not exist")
+    if not (path / META).is_file():
+        raise HethubError(f"checkpoint {path} is incomplete: no {META} (its save did not finish)")
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError) as error:
+        raise HethubError(f"checkpoint {path} cannot be read: {error}") from error
+
+
+def load_checkpoint(engine: Engine, path: Path) -> dict:
+    """Collective: load the weights and AdamW state of this rank's stage and TP shard from the
+    checkpoint at ``path`` (written under any plan); its meta.json (the saved meta and "step").
+
+    Raises HethubError on every rank, before anything is read, when the checkpoint is missing,
+    unfinished or written for another model."""
+    path = Path(path)
+    meta, metadata, problem = _read_meta(path)
+    buffers: dict[str, torch.Tensor] = {}
+    if problem is None:
+        buffers, problem = _buffers(engine, path, metadata)
+    _agree(problem)  # one rank's problem stops every rank here, not inside dcp.load
+    dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
+    _install(engine, buffers)
+    return meta
+
+
+def _params(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
+    """This stage's parameters by full-model name, sorted: every TP rank of a stage gathers in
+    this order (gather_full is a collective of the TP group)."""
+    return sorted(((engine.stage.full_name(n), p) for n, p in engine.stage.named_parameters()),
+                  key=lambda item: item[0])
+
+
+def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """The full tensors of this stage's weights and AdamW state, under their checkpoint keys."""
+    out = {}
+    for name, param in _params(engine):
+        state = engine.optimizer.state.get(param) or {}
+        out[f"model/{name}"] = engine.gather_full(name, param.detach())
+        for moment in MOMENTS:
+            # Before the first step AdamW has no state yet: zeros, step 0 are what it would make.
+            local = state[moment] if state else torch.zeros_like(param)
+            out[f"optim/{name}/{moment}"] = engine.gather_full(name, local)
+        # torch.zeros(()) has AdamW's own dtype for a CPU step counter (the default float type).
+        out[f"optim/{name}/step"] = state["step"].clone() if state else torch.zeros(())
+    return out
+
+
+def _publish(tmp: Path, final: Path, text: str) -> str | None:
+    """Rank 0: complete the written folder and give it its final name; a problem, or None."""
+    try:
+        with open(tmp / META, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        old = None
+        if final.exists():
+            # Two folders cannot swap atomically: the old one steps aside under a name that is no
+            # checkpoint's first, so a crash in between loses that step but never loads a mix.
+            old = final.with_name(tmp.name.replace(".tmp-", ".old-"))
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except OSError as error:
+        return f"could not publish checkpoint {final}: {error}"
+    return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a crash right after keeps it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _agree(problem: str | None) -> None:
+    """Every rank raises the first rank's problem (or none does): no rank goes on into a
+    collective the others have left. Also a barrier."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise HethubError(first)
+
+
+def _read_meta(path: Path) -> tuple[dict, Metadata | None, str | None]:
+    """The checkpoint's meta.json and DCP metadata, or the problem that makes it unusable."""
+    try:
+        return read_meta(path), dcp.FileSystemReader(path).read_metadata(), None
+    except HethubError as error:
+        return {}, None, str(error)
+    # Whatever is torn or unreadable: one message on every rank, not a crash on some of them.
+    except Exception as error:  # noqa: BLE001
+        return {}, None, f"checkpoint {path} cannot be read: {error}"
+
+
+def _buffers(engine: Engine, path: Path, metadata: Metadata) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Empty full-shape tensors for every key this rank loads, checked against the
+    checkpoint's metadata; or the first mismatch, said for the user."""
+    buffers = {}
+    for name, param in _params(engine):
+        full = _full_shape(name, param.shape, engine.me.tp)
+        wanted = {f"model/{name}": full, **{f"optim/{name}/{m}": full for m in MOMENTS},
+                  f"optim/{name}/step": []}
+        for key, shape in wanted.items():
+            saved = metadata.state_dict_metadata.get(key)
+            what = key.removeprefix("model/")
+            if not isinstance(saved, TensorStorageMetadata):
+                return {}, f"checkpoint {path} has no {what}: it was written for another model"
+            if list(saved.size) != shape:
+                return {}, (f"checkpoint {path} holds {what} of shape {list(saved.size)}, the model "
+                            f"needs {shape}: it was written for another model")
+            # AdamW's step counter stays in the dtype it was saved in; the rest is the parameter's.
+            dtype = saved.properties.dtype if key.endswith("/step") else param.dtype
+            buffers[key] = torch.empty(shape, dtype=dtype)
+    return buffers, None
+
+
+def _full_shape(name: str, local: torch.Size, tp: int) -> list[int]:
+    """The full-model shape of parameter ``name`` whose TP shard has shape ``local``."""
+    probe = shard(name, torch.empty(2, 2, device="meta"), 0, 2).shape  # which dim shard() splits
+    shape = list(local)
+    for dim in range(len(shape)):
+        if probe[dim] == 1:
+            shape[dim] *= tp
+            break
+    return shape
+
+
+def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's TP shard of the loaded full tensors into its parameters and optimizer."""
+    rank, tp = engine.me.tp_rank, engine.me.tp
+    optimizer = engine.optimizer
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {}
+    with torch.no_grad():
+        for name, param in _params(engine):
+            param.copy_(shard(name, buffers[f"model/{name}"], rank, tp))
+            entry = {m: shard(name, buffers[f"optim/{name}/{m}"], rank, tp) for m in MOMENTS}
+            state[index[id(param)]] = {"step": buffers[f"optim/{name}/step"], **entry}
+    # The optimizer's own loader puts the moments on the parameters' devices and dtypes and
+    # keeps the step counter as saved (a CPU tensor, capturable and fused being off).
+    full = optimizer.state_dict()
+    full["state"] = state
+    optimizer.load_state_dict(full)

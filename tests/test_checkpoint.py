@@ -1,0 +1,294 @@
+"""Checkpoints: a resumed run is the uninterrupted one (bit for bit under the same plan, within
+1e-5 under another plan), GPT's tied head round-trips, unfinished saves are never loaded, and a
+checkpoint of another model is refused with a clear message.
+
+Three multi-process jobs (each costs seconds of process start), run once by a module fixture,
+each rank following a small script of actions; the tests check what they did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from distributed import run_ranks
+
+from hethub.comm import Communicator
+from hethub.errors import HethubError
+from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from hethub.runtime.engine import Engine
+from hethub.runtime.model import shard
+from hethub.runtime.topology import build_topology
+from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+
+SEED, STEPS, LR = 7, 4, 1e-2
+CLUSTER = parse_cluster({"groups": [
+    {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+    {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4}]}, "test")
+
+
+def stage(group, tp, layers):
+    return {"group": group, "tp": tp, "layers": layers}
+
+
+def plan_dict(preset, global_batch, pipelines):
+    return {"model": preset, "micro_batch": 1, "global_batch": global_batch, "pipelines": pipelines}
+
+
+# Plan A: PP 3/5 whose first stage is TP 2. Plan B: two unlike replicas, PP 6/2 and one stage.
+LLAMA_A = plan_dict("tiny-llama", 2, [
+    {"count": 1, "micro_batches": 2, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}])
+LLAMA_B = plan_dict("tiny-llama", 2, [
+    {"count": 1, "micro_batches": 1, "stages": [stage("nv", 1, 6), stage("nv", 1, 2)]},
+    {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]}])
+# GPT with its tied head on a TP 2 stage without the embedding; then two unlike replicas (TP 2
+# and TP 1), each with the head on the embedding's stage. Every plan here has 3 ranks, so that
+# one job (one process start) runs several.
+GPT_A = plan_dict("tiny-gpt", 2, [
+    {"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 2, 4)]}])
+GPT_B = plan_dict("tiny-gpt", 2, [
+    {"count": 1, "micro_batches": 1, "stages": [stage("nv", 2, 8)]},
+    {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]}])
+
+
+def batches(spec, global_batch):
+    gen = torch.Generator().manual_seed(123)
+    return [torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen) for _ in range(STEPS)]
+
+
+def world_size(plan):
+    parsed = parse_plan(plan)
+    check_plan(parsed, CLUSTER, load_model(plan["model"]))
+    return build_topology(parsed, CLUSTER).world_size
+
+
+def _engine(plan, topology, spec):
+    return Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR)
+
+
+def _snapshot(engine):
+    """Every parameter of this rank by full-model name: weight, exp_avg, exp_avg_sq, step."""
+    out = {}
+    for n, p in engine.stage.named_parameters():
+        state = engine.optimizer.state[p]
+        out[engine.stage.full_name(n)] = [p.detach().clone()] + [
+            state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+    return out
+
+
+def _job(rank, world, results, runs):
+    """One rank running, one after another, each (label, plan, script) of ``runs``; per run, what
+    each action did and the final state. Actions: ("train", step), ("save", dir, step),
+    ("load", path), ("refused", path[, another hidden]), ("tied",). The results, tensors and
+    all, go back in a file (torch.save) rather than through the multiprocessing manager."""
+    torch.set_num_threads(1)  # a thread per rank: several ranks' thread pools on 2 cores spin
+    torch.save([_run(rank, label, plan, script) for label, plan, script in runs], f"{results}/{rank}.pt")
+
+
+def job(root, runs):
+    """Every run of ``runs`` in one job of fresh processes (the plans' world sizes agree): per
+    run, every rank's results."""
+    sizes = {world_size(plan) for _, plan, _ in runs}
+    assert len(sizes) == 1
+    results = Path(root) / f"results-{len(list(Path(root).glob('results-*')))}"
+    results.mkdir()
+    run_ranks(_job, sizes.pop(), str(results), runs, timeout_s=120)
+    ranks = [torch.load(results / f"{r}.pt") for r in range(len(list(results.iterdir())))]
+    return list(zip(*ranks, strict=True))
+
+
+def _run(rank, label, plan, script):
+    spec = load_model(plan["model"])
+    parsed = parse_plan(plan)
+    topology = build_topology(parsed, CLUSTER)
+    engine = _engine(parsed, topology, spec)
+    data = batches(spec, parsed.global_batch)
+    me = topology.ranks[rank]
+    out = {"me": (me.tp_rank, me.tp), "losses": [], "errors": []}
+    for action, *args in script:
+        if action == "train":
+            out["losses"].append(engine.step(data[args[0]]))
+        elif action == "save":
+            save_checkpoint(engine, Path(args[0]), args[1], {"plan": label})
+        elif action == "load":
+            out["meta"] = load_checkpoint(engine, Path(args[0]))
+            out["loaded"] = _snapshot(engine)
+        elif action == "refused":
+            other = dataclasses.replace(spec, hidden=args[1]) if len(args) > 1 else None
+            target = _engine(parsed, topology, other) if other else engine
+            try:
+                load_checkpoint(target, Path(args[0]))
+                out["errors"].append(None)
+            except HethubError as error:
+                out["errors"].append(str(error))
+        elif action == "tied":  # the full embedding, as each rank holding a copy of it has it
+            out["tied"] = [engine.gather_full(engine.stage.full_name(n), p.detach())
+                           for n, p in sorted(engine.stage.named_parameters(), key=lambda item: item[0])
+                           if engine.stage.full_name(n) == "embed.weight"]
+    out["final"] = _snapshot(engine)
+    return out
+
+
+def read(path):
+    """Every tensor of a checkpoint, read in this process without the code under test."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # DCP warns that it reads in one process: it is meant to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def step_dir(root, step):
+    return Path(root) / f"step-{step:06d}"
+
+
+def assert_same_state(got, want):
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+
+
+def train(*steps):
+    return [("train", s) for s in steps]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Two jobs of fresh processes.
+    1. Llama A: 4 steps; again, saving after steps 2 and 4. GPT A: 2 steps, save, 2 steps,
+       save, load its step 2 into the trained engine and train steps 3 and 4 again.
+    (Crash leftovers planted.)
+    2. Llama A, fresh: refused loads, then resume from step 2, 2 steps, save elsewhere.
+       Llama B: resume from A's step 2, 2 steps, save over A's step 4.
+       GPT B: resume from GPT A's step 2, 2 steps, save."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    a, again, gpt_a, gpt_b = (str(root / name) for name in ("a", "again", "gpt-a", "gpt-b"))
+    plain, first, gpt_first = job(root, [
+        ("llama A", LLAMA_A, train(0, 1, 2, 3)),
+        ("llama A", LLAMA_A, train(0, 1) + [("save", a, 2)] + train(2, 3) + [("save", a, 4)]),
+        ("gpt A", GPT_A, train(0, 1) + [("tied",), ("save", gpt_a, 2)] + train(2, 3)
+         + [("save", gpt_a, 4), ("load", str(step_dir(gpt_a, 2)))] + train(2, 3))])
+    out = {"root": Path(a), "plain": plain, "first": first, "gpt_first": gpt_first}
+    out.update(saved2=read(step_dir(a, 2)), saved4=read(step_dir(a, 4)), gpt_saved2=read(step_dir(gpt_a, 2)))
+    # A crash before the rename: DCP files, no meta.json, under a temporary name and a final one.
+    for leftover in ("step-000009.tmp-x", "step-000011"):
+        shutil.copytree(step_dir(a, 2), Path(a) / leftover)
+        (Path(a) / leftover / "meta.json").unlink()
+    out["latest"] = latest_checkpoint(Path(a))
+    out["again"], out["other"], out["gpt_other"] = job(root, [
+        ("llama A", LLAMA_A, [
+            ("refused", f"{a}/step-000009.tmp-x"), ("refused", f"{a}/step-000011"),
+            ("refused", str(step_dir(a, 99))), ("refused", str(step_dir(a, 2)), 128),
+            ("load", str(step_dir(a, 2)))] + train(2, 3) + [("save", again, 4)]),
+        ("llama B", LLAMA_B, [("load", str(step_dir(a, 2)))] + train(2, 3) + [("save", a, 4)]),
+        ("gpt B", GPT_B, [("load", str(step_dir(gpt_a, 2)))] + train(2, 3) + [("save", gpt_b, 4)])])
+    out.update(again4=read(step_dir(again, 4)), other4=read(step_dir(a, 4)),
+               gpt_other4=read(step_dir(gpt_b, 4)))
+    return out
+
+
+def test_resume_under_the_same_plan_is_bit_for_bit(jobs):
+    plain = jobs["plain"]
+    for uninterrupted, saving, resumed in zip(plain, jobs["first"], jobs["again"], strict=True):
+        assert resumed["meta"] == {"plan": "llama A", "step": 2}
+        assert saving["losses"] == uninterrupted["losses"]  # saving disturbed nothing
+        assert resumed["losses"] == uninterrupted["losses"][2:]  # exactly
+        for name, tensors in uninterrupted["final"].items():
+            for got, want in zip(resumed["final"][name], tensors, strict=True):
+                assert torch.equal(got, want), name
+    assert_same_state(jobs["again4"], jobs["saved4"])
+    assert_holds_shards(plain, jobs["saved4"], "final", 4)
+
+
+def assert_holds_shards(ranks, saved, when, step):
+    """At ``when`` ("loaded": right after loading; "final"), each rank held its TP shard of the
+    checkpoint's full weights and moments, exactly."""
+    for rank in ranks:
+        tp_rank, tp = rank["me"]
+        for name, (weight, exp_avg, exp_avg_sq, counter) in rank[when].items():
+            assert torch.equal(weight, shard(name, saved[f"model/{name}"], tp_rank, tp)), name
+            for moment, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                assert torch.equal(tensor, shard(name, saved[f"optim/{name}/{moment}"], tp_rank, tp)), name
+            # AdamW's own step counter: a float32 CPU scalar.
+            assert counter.dtype == torch.float32 and counter.shape == () and counter.item() == step
+
+
+def test_resume_under_another_plan_matches_the_uninterrupted_run(jobs):
+    assert_holds_shards(jobs["other"], jobs["saved2"], "loaded", 2)
+    for rank in jobs["other"]:
+        torch.testing.assert_close(rank["losses"], jobs["plain"][0]["losses"][2:], rtol=1e-5, atol=0)
+    # Plan B's step-4 checkpoint, written over plan A's, is what B's ranks hold: its replicas
+    # and TP ranks gathered and deduplicated right.
+    assert_holds_shards(jobs["other"], jobs["other4"], "final", 4)
+
+
+def test_replicated_tensors_are_written_once(jobs):
+    """DCP's planner keeps one copy of a key every TP rank offered: one chunk, one copy in bytes."""
+    path = step_dir(jobs["root"], 2)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    one_copy = 0
+    for key, md in metadata.state_dict_metadata.items():
+        assert len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size), key
+        one_copy += jobs["saved2"][key].numel() * 4
+    written = sum(f.stat().st_size for f in path.glob("*.distcp"))
+    assert one_copy <= written < 1.1 * one_copy
+
+
+def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
+    root = jobs["root"]
+    assert jobs["latest"] == step_dir(root, 4)
+    # B replaced step 4 in place and left nothing behind but the planted leftovers.
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-000002", "step-000004", "step-000009.tmp-x", "step-000011"]
+    incomplete = "is incomplete: no meta.json (its save did not finish)"
+    for rank in jobs["again"]:
+        tmp, no_meta, missing, _ = rank["errors"]
+        assert tmp == f"checkpoint {root / 'step-000009.tmp-x'} {incomplete}"
+        assert no_meta == f"checkpoint {root / 'step-000011'} {incomplete}"
+        assert missing == f"checkpoint {step_dir(root, 99)} does not exist"
+    # Pure filesystem: only step-<n> folders with meta.json count, the highest step wins.
+    assert read_meta(step_dir(root, 2)) == {"plan": "llama A", "step": 2}
+    with pytest.raises(HethubError) as refused:
+        read_meta(root / "step-000011")
+    assert str(refused.value) == f"checkpoint {root / 'step-000011'} {incomplete}"
+    assert latest_checkpoint(tmp_path / "none") is None
+    assert latest_checkpoint(tmp_path) is None
+    for name, meta in [("step-000003", True), ("step-000010", False), ("step-000012.tmp-ab", True),
+                       ("step-000013.old-ab", True), ("notes", True), ("step-000002", True)]:
+        (tmp_path / name).mkdir()
+        if meta:
+            (tmp_path / name / "meta.json").write_text(json.dumps({"step": 0}))
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000003"
+
+
+def test_a_checkpoint_of_another_model_is_refused_on_every_rank(jobs):
+    path = step_dir(jobs["root"], 2)
+    message = (f"checkpoint {path} holds embed.weight of shape [256, 64], the model needs "
+               "[256, 128]: it was written for another model")
+    assert {rank["errors"][3] for rank in jobs["again"]} == {message}
+
+
+def test_gpt_tied_head_round_trips(jobs):
+    first, saved = jobs["gpt_first"], jobs["gpt_saved2"]
+    # The embedding (stage 0) and the head copy (stage 1, both TP ranks) were the same full
+    # tensor before the save, the one the checkpoint kept.
+    copies = [t for rank in first for t in rank["tied"]]
+    assert len(copies) == 3
+    for copy in copies:
+        assert torch.equal(copy, saved["model/embed.weight"])
+    assert_holds_shards(first, saved, "loaded", 2)  # the head copy from embed.weight too
+    for rank in first:
+        assert rank["losses"][4:] == rank["losses"][2:4]  # resumed in the same job: exactly
+    # Under two unlike replicas (TP 2, TP 1), the head on the embedding's stage.
+    assert_holds_shards(jobs["gpt_other"], saved, "loaded", 2)
+    for rank in jobs["gpt_other"]:
+        torch.testing.assert_close(rank["losses"], first[0]["losses"][2:4], rtol=1e-5, atol=0)
+    assert_holds_shards(jobs["gpt_other"], jobs["gpt_other4"], "final", 4)
