@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from hethub.cli.predict import describe
+from hethub.cli.predict import PROFILES_HELP, describe, note_missing, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
 from hethub.report.progress import ProgressBar
@@ -33,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
     parser.add_argument("--top", type=int, default=1, metavar="K", help="also list the next best plans")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop searching after this long")
+    parser.add_argument("--profiles", metavar="DIR", help=PROFILES_HELP.format(what="cluster"))
     parser.set_defaults(run=run)
 
 
@@ -50,15 +51,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     model_ref = _model_reference(args, model, out)
 
+    profiles = read_profiles(args.profiles, cluster, cluster.devices)
+
     bar = ProgressBar(sys.stderr) if not args.json and sys.stderr.isatty() else None
     result = search(cluster, model, args.global_batch, model_ref=model_ref, time_limit_s=args.time_limit,
-                    progress=bar.update if bar else None)
+                    progress=bar.update if bar else None, profiles=profiles)
     if bar:
         bar.close()
     if result.best is None:
         raise HethubError(_no_plan_message(result, cluster, model, args))
     bound, per_group = upper_bound(result)
     best = result.best
+    if profiles is not None:
+        note_missing(best.plan, cluster, model, profiles, "plan")
     _write(out, best, model, model_ref, args)
 
     efficiency = best.prediction.tokens_per_s / bound if bound else 0.0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
+from hethub.predictor.profiled import missing_profiles
+from hethub.profile.store import Profiles, load_profiles, select_for_run
 from hethub.report.table import render_table
 from hethub.report.trace import write_trace
 from hethub.spec import (
@@ -22,6 +25,10 @@ from hethub.spec import (
 from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
+PROFILES_HELP = ("price with the measured profiles in DIR (hethub profile), under the run conditions of the "
+                 "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has devices "
+                 "when every group's accelerator is a CPU (a local run: all ranks share this machine), else 1; "
+                 "what DIR lacks is priced by the analytic model, with a note on stderr")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,23 +46,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace")
+    parser.add_argument("--profiles", metavar="DIR", help=PROFILES_HELP.format(what="plan"))
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     plan, model, source = resolve_plan(args, cluster)
-    prediction = predict(plan, cluster, model, timeline=bool(args.trace))
+    devices = sum(p.count * p.devices for p in plan.pipelines)
+    profiles = read_profiles(args.profiles, cluster, devices)
+    if profiles is not None:
+        note_missing(plan, cluster, model, profiles, "predict")
+    prediction = predict(plan, cluster, model, timeline=bool(args.trace), profiles=profiles)
     if args.trace:
         try:
             write_trace(Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}")
         except OSError as error:
             raise HethubError(f"--trace = {args.trace!r}: cannot write the trace file ({error.strerror})") from None
     if args.json:
-        print(json.dumps(prediction.to_json(), indent=2))
+        print(json.dumps({**prediction.to_json(), **({"profiles": profiles.source} if profiles else {})}, indent=2))
     else:
         print(describe(prediction, plan, cluster, model, source))
     return 0
+
+
+def read_profiles(directory: str | None, cluster: ClusterSpec, devices: int) -> Profiles | None:
+    """The profiles of ``directory`` (None: none given) selected for a runtime job of ``devices``
+    devices on ``cluster`` (hethub.profile.select_for_run)."""
+    if directory is None:
+        return None
+    return select_for_run(load_profiles(directory), cluster, devices)
+
+
+def note_missing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles, command: str) -> None:
+    """One line on stderr per piece of the plan the profiles lack (priced by the analytic model)."""
+    for note in missing_profiles(plan, cluster, model, profiles):
+        print(f"hethub {command}: note: {note}", file=sys.stderr)
 
 
 def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, ModelSpec, str]:

@@ -7,8 +7,9 @@ import functools
 from dataclasses import dataclass, field
 
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.iteration import stage_work
+from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
 from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
+from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.model import ModelSpec
 
@@ -30,12 +31,15 @@ class Setting:
     micro_batch: int
     recompute: bool
     schedule: str = "1f1b"
+    profiles: Profiles | None = None
+    """Measured profiles under the job's run conditions (None: the analytic model alone)."""
 
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.model, self.calibration, self.micro_batch, self.recompute, self.schedule)))
+        object.__setattr__(self, "_hash", hash((self.model, self.calibration, self.micro_batch, self.recompute, self.schedule,
+                                                self.profiles)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -43,17 +47,23 @@ class Setting:
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
     """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of ``group``."""
-    forward, backward = stage_work(setting.model, group, setting.calibration, tp, 1, setting.micro_batch,
-                                   setting.recompute, False, False)
+    forward, backward = _work(setting, group, tp, 1, False, False)
     return forward + backward
 
 
 @functools.lru_cache(maxsize=65536)
 def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool) -> float:
     """Forward plus backward of the embedding (first stage) and the head (last stage)."""
-    forward, backward = stage_work(setting.model, group, setting.calibration, tp, 0, setting.micro_batch,
-                                   setting.recompute, first, last)
+    forward, backward = _work(setting, group, tp, 0, first, last)
     return forward + backward
+
+
+def _work(setting: Setting, group: DeviceGroup, tp: int, layers: int, first: bool, last: bool) -> tuple[float, float]:
+    if setting.profiles is None and group.speed is None:
+        return stage_work(setting.model, group, setting.calibration, tp, layers, setting.micro_batch,
+                          setting.recompute, first, last)
+    return stage_cost(setting.model, group, setting.calibration, setting.profiles, tp, layers, setting.micro_batch,
+                      setting.recompute, first, last)
 
 
 def layer_cap(setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int) -> int:
@@ -66,8 +76,11 @@ def layer_cap(setting: Setting, group: DeviceGroup, tp: int, position: int, stag
 def _layer_cap(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool, single: bool,
                in_flight: int) -> int:
     def gb(layers: int) -> float:
-        return stage_memory_at(setting.model, layers, tp, first, last, single, in_flight, setting.micro_batch,
-                               setting.recompute).total_gb
+        if setting.profiles is None:
+            return stage_memory_at(setting.model, layers, tp, first, last, single, in_flight, setting.micro_batch,
+                                   setting.recompute).total_gb
+        return stage_memory_for(setting.model, group, setting.profiles, layers, tp, first, last, single, in_flight,
+                                setting.micro_batch, setting.recompute).total_gb
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed
     if room < per_layer:

@@ -31,6 +31,7 @@ from hethub.planner.partition import partition_layers, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
+from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
@@ -86,6 +87,7 @@ class _Search:
     deadline: float
     progress: Progress | None
     calibration: Calibration
+    profiles: Profiles | None = None
     evaluated: int = 0
     timed_out: bool = False
     ranked: list[Ranked] = field(default_factory=list)
@@ -102,13 +104,14 @@ class _Search:
 
 def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_ref: str,
            calibration: Calibration | None = None, time_limit_s: float | None = None,
-           progress: Progress | None = None) -> SearchResult:
-    """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``."""
+           progress: Progress | None = None, profiles: Profiles | None = None) -> SearchResult:
+    """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``;
+    ``profiles`` (selected under the job's run conditions) price what they hold, as in predict()."""
     started = time.perf_counter()
     cal = calibration or default_calibration()
     state = _Search(cluster, model, model_ref, global_batch,
-                    started + time_limit_s if time_limit_s else float("inf"), progress, cal)
-    settings = [Setting(model=model, calibration=cal, micro_batch=b, recompute=r)
+                    started + time_limit_s if time_limit_s else float("inf"), progress, cal, profiles)
+    settings = [Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
                 for b in MICRO_BATCH_SIZES if global_batch % b == 0 for r in (False, True)]
 
     group_best: dict[str, Ranked | None] = {}
@@ -282,7 +285,7 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
 
 def _predict(state: _Search, plan: Plan) -> Ranked | None:
     state.evaluated += 1
-    prediction = predict(plan, state.cluster, state.model, calibration=state.calibration)
+    prediction = predict(plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles)
     if not prediction.fits:
         _note_overflow(state, plan, prediction)
         return None
@@ -330,7 +333,8 @@ def _closest_unplaceable(state: _Search) -> None:
             for layout in structure)
         plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
                     recompute="full" if setting.recompute else "none", pipelines=pipelines)
-        _note_overflow(state, plan, predict(plan, state.cluster, state.model, calibration=setting.calibration))
+        _note_overflow(state, plan, predict(plan, state.cluster, state.model, calibration=setting.calibration,
+                                            profiles=state.profiles))
 
 
 def upper_bound(result: SearchResult) -> tuple[float, dict[str, float]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from hethub.predictor import comm
+from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import (
     BYTES_PER_ELEMENT,
@@ -20,8 +20,15 @@ from hethub.predictor.compute import (
     layer_cost,
     layer_gemms,
 )
-from hethub.predictor.memory import GRAD_BYTES, StageMemory, stage_memory, stage_params
+from hethub.predictor.memory import (
+    GRAD_BYTES,
+    StageMemory,
+    in_flight_micro_batches,
+    stage_memory_at,
+    stage_params,
+)
 from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
+from hethub.profile.store import LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
@@ -108,18 +115,26 @@ class _LayoutRun:
     forward_s: list[float]
     backward_s: list[float]
     send_s: list[float]
+    """Per boundary: an activation forward."""
+    send_back_s: list[float]
+    """Per boundary: its gradient backward."""
     stage_end_s: list[float]
     time_s: float
 
 
 def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: Calibration | None = None,
-            timeline: bool = False) -> Prediction:
-    """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on ``cluster``."""
+            timeline: bool = False, profiles: Profiles | None = None) -> Prediction:
+    """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on ``cluster``.
+
+    ``profiles``: measured profiles under the job's run conditions (Profiles.select); what they
+    have for a group's accelerator replaces the analytic model's cost (see predictor.profiled),
+    what they lack stays analytic. A group's emulated ``speed`` divides its compute times.
+    """
     cal = calibration or default_calibration()
     recompute = plan.recompute == "full"
     runs, orders = [], []
     for pipeline, blocks in zip(plan.pipelines, place(plan, cluster)):
-        run, order = _run_layout(pipeline, blocks, plan, cluster, model, cal, recompute, timeline)
+        run, order = _run_layout(pipeline, blocks, plan, cluster, model, cal, recompute, timeline, profiles)
         runs.append(run)
         orders.append(order)
 
@@ -137,29 +152,41 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     leaders = {runs[members[0]].groups[0] for members in classes.values()}
     cross_bw = {group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
                 for group in {g for run in runs for g in run.groups}} if len(classes) > 1 else {}
+    holders = profiled.holders(plan, model) if profiles is not None else (0, 0)
+    plan_link = _plan_link(plan, cluster, profiles) if profiles is not None else None
     stages: list[StagePrediction] = []
     step_events: list[dict] = []
-    iteration = busy = span = 0.0
+    iteration = busy = span = synced = stepped = 0.0
     for index, run in enumerate(runs):
         p, m = len(run.groups), run.pipeline.micro_batches
         members = classes[run.pipeline.stages]
         replicas = sum(runs[i].pipeline.count for i in members)
         for s, (stage, group) in enumerate(zip(run.pipeline.stages, run.groups)):
+            start = max(runs[i].stage_end_s[s] for i in members) if len(members) > 1 else run.stage_end_s[s]
+            if len(classes) > 1:
+                start = slowest
+            measured = None if profiles is None else _profiled_state(
+                model, group, profiles, plan_link, stage.tp, stage.layers, plan.micro_batch, s == 0, s == p - 1,
+                p == 1, *holders)
             params, sync, optimizer = stage_state(model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1,
                                                    p == 1, replicas)
-            start = max(runs[i].stage_end_s[s] for i in members) if len(members) > 1 else run.stage_end_s[s]
-            if len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
+            if measured is not None and measured[0] is not None:
+                sync = measured[0]  # over every holder of each tensor, whatever its layout
+            elif len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
                 sync += comm.ring_allreduce_time(params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal)
-                start = slowest
+            if measured is not None and measured[1] is not None:
+                optimizer = measured[1]
             compute = m * (run.forward_s[s] + run.backward_s[s])
+            in_flight = in_flight_micro_batches(plan.schedule, s, p, m)
             stages.append(StagePrediction(
                 pipeline=index, position=s, group=group.name, accelerator=group.accelerator.name, tp=stage.tp,
                 layers=stage.layers, forward_s=run.forward_s[s], backward_s=run.backward_s[s], compute_s=compute,
                 send_s=run.send_s[s] if s < p - 1 else 0.0, grad_sync_s=sync, optimizer_s=optimizer,
                 end_s=run.stage_end_s[s],
-                memory=stage_memory(model, stage.layers, stage.tp, s, p, m, plan.micro_batch, recompute,
-                                    plan.schedule)))
+                memory=stage_memory_for(model, group, profiles, stage.layers, stage.tp, s == 0, s == p - 1, p == 1,
+                                        in_flight, plan.micro_batch, recompute)))
             iteration = max(iteration, start + sync + optimizer)
+            synced, stepped = max(synced, start + sync), max(stepped, optimizer)
             devices = run.pipeline.count * stage.tp
             busy += devices * compute
             span += devices * run.time_s
@@ -168,9 +195,16 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
                 step_events += [{**base, "kind": "grad_sync", "start_s": start, "end_s": start + sync},
                                 {**base, "kind": "optimizer", "start_s": start + sync,
                                  "end_s": start + sync + optimizer}]
+    devices = sum(p.count * p.devices for p in plan.pipelines)
+    loss_sync = plan_link.allreduce_time(LOSS_REPORT_BYTES, devices) if plan_link is not None else None
+    if loss_sync is not None:  # the runtime all-reduces the loss over every rank before the optimizer steps
+        iteration = synced + loss_sync + stepped
+        for event in step_events:
+            if event["kind"] == "optimizer":
+                duration = event["end_s"] - event["start_s"]
+                event["start_s"], event["end_s"] = synced + loss_sync, synced + loss_sync + duration
     iteration += cal.step_overhead_ms * 1e-3
 
-    devices = sum(p.count * p.devices for p in plan.pipelines)
     return Prediction(
         iteration_time_s=iteration,
         tokens_per_s=plan.global_batch * model.seq_len / iteration,
@@ -194,25 +228,97 @@ def _model_flops(model: ModelSpec) -> float:
 
 
 def _run_layout(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, cluster: ClusterSpec, model: ModelSpec,
-                cal: Calibration, recompute: bool, every_op: bool):
+                cal: Calibration, recompute: bool, every_op: bool, profiles: Profiles | None):
     """Per-stage costs of one layout and the simulation of its schedule."""
     p, b = len(pipeline.stages), plan.micro_batch
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
-    forward, backward, sends = [], [], []
+    forward, backward, sends, sends_back = [], [], [], []
     for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
-        f, bw = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+        if profiles is None and group.speed is None:
+            f, bw = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+        else:
+            f, bw = stage_cost(model, group, cal, profiles, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
         forward.append(f)
         backward.append(bw)
         if s < p - 1:
-            activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
-            sends.append(_send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal))
+            measured = None if profiles is None else _profiled_send(model, profiles, b, groups[s], groups[s + 1],
+                                                                    stage.tp, pipeline.stages[s + 1].tp)
+            if measured is None:
+                activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
+                measured = (_send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal),) * 2
+            sends.append(measured[0])
+            sends_back.append(measured[1])
     if every_op:  # a timeline needs every operation of the full schedule
         order = schedule_order(plan.schedule, p, pipeline.micro_batches)
-        end = simulate(order, forward, backward, sends, sends, every_op=True)
+        end = simulate(order, forward, backward, sends, sends_back, every_op=True)
         stage_end = [end[i] for i in order.last_op]
-        return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), (order, end)
-    stage_end = stage_end_times(plan.schedule, forward, backward, sends, sends, pipeline.micro_batches)
-    return _LayoutRun(pipeline, groups, forward, backward, sends, stage_end, max(stage_end)), None
+        return _LayoutRun(pipeline, groups, forward, backward, sends, sends_back, stage_end, max(stage_end)), (order, end)
+    stage_end = stage_end_times(plan.schedule, forward, backward, sends, sends_back, pipeline.micro_batches)
+    return _LayoutRun(pipeline, groups, forward, backward, sends, sends_back, stage_end, max(stage_end)), None
+
+
+LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_cost(model: ModelSpec, group: DeviceGroup, cal: Calibration, profiles: Profiles | None, tp: int,
+               layers: int, micro_batch: int, recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+    """Forward and backward seconds of one micro-batch through a stage: measured where ``profiles``
+    hold the layer's key, else analytic (stage_work); divided by the group's emulated speed."""
+    profile = None if profiles is None else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    if profile is None:
+        forward, backward = stage_work(model, group, cal, tp, layers, micro_batch, recompute, first, last)
+    else:
+        forward, backward = profiled.profiled_work(profile, layers, recompute, first, last)
+    if group.speed is not None:  # the runtime stretches each forward and backward by 1 / speed
+        forward, backward = forward / group.speed, backward / group.speed
+    return forward, backward
+
+
+def stage_memory_for(model: ModelSpec, group: DeviceGroup, profiles: Profiles | None, layers: int, tp: int,
+                     first: bool, last: bool, single_stage: bool, in_flight: int, micro_batch: int,
+                     recompute: bool) -> StageMemory:
+    """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
+    layer's key, else the analytic model's (stage_memory_at)."""
+    profile = None if profiles is None else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    if profile is None:
+        return stage_memory_at(model, layers, tp, first, last, single_stage, in_flight, micro_batch, recompute)
+    return profiled.profiled_memory(profile, model, profiles.bytes_per_element, layers, tp, first, last,
+                                    single_stage, in_flight, micro_batch, recompute)
+
+
+def _plan_link(plan: Plan, cluster: ClusterSpec, profiles: Profiles) -> LinkProfile | None:
+    """The link profile that prices the plan's gradient sync: every stage of the plan on one kind
+    of accelerator, which has a link profile (else the analytic model prices it)."""
+    devices = {cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages}
+    return profiles.link_for(devices.pop()) if len(devices) == 1 else None
+
+
+@functools.lru_cache(maxsize=65536)
+def _profiled_state(model: ModelSpec, group: DeviceGroup, profiles: Profiles, link: LinkProfile | None, tp: int,
+                    layers: int, micro_batch: int, first: bool, last: bool, single_stage: bool, holders: int,
+                    embed_holders: int) -> tuple[float | None, float | None]:
+    """(gradient sync, optimizer step) of a stage from the profiles; None for what they lack."""
+    sync = None
+    if link is not None and link.device == group.accelerator.name:
+        sync = profiled.grad_sync_time(link, model, tp, layers, first, last, single_stage, holders, embed_holders,
+                                       profiles.bytes_per_element)
+    profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    optimizer = None if profile is None else profiled.optimizer_time(profile, model, tp, layers, first, last,
+                                                                     single_stage)
+    return sync, optimizer
+
+
+def _profiled_send(model: ModelSpec, profiles: Profiles, micro_batch: int, a: DeviceGroup, b: DeviceGroup,
+                   tp_a: int, tp_b: int) -> tuple[float, float] | None:
+    """Measured times over a boundary between stages on one kind of accelerator, or None."""
+    if a.accelerator.name != b.accelerator.name:
+        return None
+    link = profiles.link_for(a.accelerator.name)
+    if link is None:
+        return None
+    nbytes = micro_batch * model.seq_len * model.hidden * profiles.bytes_per_element  # whole, leader to leader
+    return profiled.send_times(link, nbytes, tp_a, tp_b)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -272,5 +378,5 @@ def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
             if kind == FORWARD and s < p - 1:
                 events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]})
             if kind == BACKWARD and s > 0:
-                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s - 1]})
+                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_back_s[s - 1]})
     return events

@@ -1,0 +1,163 @@
+"""Pricing from measured profiles (hethub.profile): what the runtime does, with this machine's
+numbers in place of the analytic model's.
+
+Compute: a stage's forward is its layers' measured forwards plus the embedding (first stage) and
+the head with the cross-entropy (last stage); backward likewise, plus the forward again with full
+recomputation. TP collectives are inside the measured times.
+Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
+whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
+group; the gradient sync goes parameter tensor by parameter tensor: the TP group gathers the
+full gradient, the leaders of every stage holding it all-reduce it, the leader broadcasts it
+back. Memory: weights, gradients and both AdamW moments in the profile's dtype, and the measured
+activations of the micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hethub.predictor.memory import GB, LOSS_BYTES_PER_ELEMENT, StageMemory, stage_params
+from hethub.profile.store import LayerProfile, LinkProfile, Profiles
+from hethub.spec.cluster import ClusterSpec
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan
+
+MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
+
+
+def profiled_work(profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+    """Forward and backward seconds of one micro-batch through a stage, from its measured pieces."""
+    forward = layers * profile.layer_forward_s
+    backward = layers * profile.layer_backward_s
+    if first:
+        forward, backward = forward + profile.embed_forward_s, backward + profile.embed_backward_s
+    if last:
+        forward, backward = forward + profile.head_forward_s, backward + profile.head_backward_s
+    if recompute:  # the runtime checkpoints the whole stage: its forward runs again before the backward
+        backward += forward
+    return forward, backward
+
+
+def send_times(link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int) -> tuple[float, float] | None:
+    """(activation forward, its gradient backward) over one stage boundary: leader to leader,
+    then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
+    message = link.p2p_time(nbytes)
+    forward, backward = link.broadcast_time(nbytes, tp_receiver), link.broadcast_time(nbytes, tp_sender)
+    if forward is None or backward is None:
+        return None
+    return message + forward, message + backward
+
+
+@functools.lru_cache(maxsize=4096)
+def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool,
+                  single_stage: bool) -> tuple[tuple[str, int, bool], ...]:
+    """(what, elements of the full tensor, sharded over TP) of every parameter tensor a stage
+    holds, as hethub.runtime.model builds them; what is "embed" for the (tied) embedding, else
+    "other"."""
+    h, f, q, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_hidden
+    gpt = model.arch == "gpt"
+    layer = [("other", h, False)] * 2 + [("other", q * h, True), ("other", kv * h, True), ("other", kv * h, True),
+                                         ("other", h * h, True)]
+    if gpt:
+        layer += [("other", f * h, True), ("other", h * f, True)]  # fc1, fc2
+        layer += [("other", h, False)] * 2  # norm biases
+        layer += [("other", q, True), ("other", kv, True), ("other", kv, True), ("other", h, False)]  # q k v o
+        layer += [("other", f, True), ("other", h, False)]  # fc1 (column: sharded), fc2 (row: whole)
+    else:
+        layer += [("other", f * h, True)] * 3  # gate, up, down
+    tensors = []
+    if first:
+        tensors.append(("embed", model.vocab * h, True))
+        if gpt:
+            tensors.append(("other", model.seq_len * h, False))  # learned positions
+    tensors += layer * layers
+    if last:
+        tensors += [("other", h, False)] * (2 if gpt else 1)  # final norm
+        if not gpt:
+            tensors.append(("other", model.vocab * h, True))  # the output head
+        elif not single_stage:
+            tensors.append(("embed", model.vocab * h, True))  # the tied head's copy of the embedding
+    return tuple(tensors)
+
+
+def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
+    """(stages holding each layer, stages holding the embedding) over all replicas: every replica
+    holds every layer once; gpt's tied head keeps a copy of the embedding on each last stage."""
+    replicas = sum(p.count for p in plan.pipelines)
+    if model.arch != "gpt":
+        return replicas, replicas
+    return replicas, sum(p.count * (1 if len(p.stages) == 1 else 2) for p in plan.pipelines)
+
+
+def grad_sync_time(link: LinkProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,
+                   single_stage: bool, holders: int, embed_holders: int, bytes_per_element: int) -> float | None:
+    """One rank's gradient sync of a stage, tensor by tensor (None: a collective not measured).
+
+    ``holders``: stages (of all replicas) holding each layer; ``embed_holders``: those holding
+    the embedding (with gpt's tied head, the last stages too).
+    """
+    total = 0.0
+    for what, elements, sharded in param_tensors(model, layers, first, last, single_stage):
+        ranks = embed_holders if what == "embed" else holders
+        if ranks <= 1:
+            continue
+        nbytes = elements * bytes_per_element
+        parts = [link.allreduce_time(nbytes, ranks)]
+        if tp > 1:
+            parts.append(link.broadcast_time(nbytes, tp))
+            if sharded:
+                parts.append(link.allgather_time(nbytes, tp))
+        if any(part is None for part in parts):
+            return None
+        total += sum(parts)
+    return total
+
+
+def optimizer_time(profile: LayerProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,
+                   single_stage: bool) -> float:
+    """The AdamW step over one rank's share of the stage's parameters."""
+    return profile.optimizer_s_per_param * stage_params(model, layers, first, last, single_stage) / tp
+
+
+def profiled_memory(profile: LayerProfile, model: ModelSpec, bytes_per_element: int, layers: int, tp: int,
+                    first: bool, last: bool, single_stage: bool, in_flight: int, micro_batch: int,
+                    recompute: bool) -> StageMemory:
+    """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
+    the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
+    params = stage_params(model, layers, first, last, single_stage) / tp
+    per_layer = profile.layer_activation_bytes
+    if recompute:  # only each layer's input survives the forward; one layer is rebuilt at a time
+        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
+        activations = in_flight * layers * layer_input + per_layer
+    else:
+        activations = in_flight * layers * per_layer
+    if last:  # fp32 logits and their softmax, one micro-batch at a time
+        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+    weights = params * bytes_per_element
+    return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
+
+
+def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles) -> list[str]:
+    """One line per piece of ``plan`` that ``profiles`` lack, which the prediction prices with the
+    analytic model instead."""
+    notes: list[str] = []
+    for device, tp in dict.fromkeys((cluster.group(s.group).accelerator.name, s.tp)
+                                    for p in plan.pipelines for s in p.stages):
+        if profiles.layer_for(device, model, tp, plan.micro_batch) is None:
+            key = profiles.layer_key(device, model, tp, plan.micro_batch)
+            notes.append(f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model")
+    devices = dict.fromkeys(cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages)
+    needed = {r for r in holders(plan, model) if r > 1}
+    for device in devices:
+        link = profiles.link_for(device)
+        if link is None:
+            notes.append(f"no link profile for {device} with {profiles.concurrent_ranks} rank(s) at once in "
+                         f"{profiles.source or 'the profiles'}: analytic communication")
+            continue
+        tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
+        lacking = [f"all-reduce over {r} ranks" for r in sorted(needed) if r not in link.allreduce]
+        lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
+        if lacking:
+            notes.append(f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) at once lacks "
+                         f"{', '.join(lacking)}: analytic communication where it is needed")
+    return notes

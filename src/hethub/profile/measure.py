@@ -1,0 +1,411 @@
+"""Measure what the runtime executes: its own stage modules (hethub.runtime.model) forward and
+backward, fp32 on the CPU, and gloo messages and collectives between local processes.
+
+Every time is the mean of several repeats after a warm-up, without the fastest and the slowest
+(measure.typical). A TP degree above 1 is measured in a real gloo group of that many processes,
+so the layer's collectives are inside its time. ``concurrent_ranks`` processes measure at once
+(4 ranks on a 2-core machine share its cores, and so do their measurements): they start each
+measurement together and then repeat it back to back, as the runtime runs its operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hethub.errors import HethubError
+from hethub.profile.spawn import run_ranks
+from hethub.profile.store import (
+    LayerKey,
+    LayerProfile,
+    LinkProfile,
+    Profiles,
+    empty_profiles,
+    load_profiles,
+    save_profile,
+)
+from hethub.runtime.model import Stage, full_state
+from hethub.spec.model import ModelSpec
+
+DTYPE = "fp32"  # the runtime trains in fp32
+REPEATS, WARMUP = 8, 2
+LAYERS_TIMED = 2
+"""Layers chained in one timed forward (per-layer time = its time / layers): the runtime's stages
+run several layers back to back, whose weights do not all stay in cache."""
+LINK_SIZES = tuple(kib << 10 for kib in (4, 16, 64, 256, 512, 1024, 2048, 4096, 16384))
+"""Message sizes measured (bytes): denser where a small model's gradient tensors are."""
+LINK_REPEATS = 7
+SMALL_MESSAGE = 1 << 20  # below it a message costs little to repeat, and its latency is noisy
+
+
+# --- layers ------------------------------------------------------------------------------------
+
+def check_layer_request(model: ModelSpec, tps: Sequence[int], micro_batches: Sequence[int], *,
+                        threads: int = 1, concurrent_ranks: int = 1) -> None:
+    """Refuse, in one line, what cannot be measured: non-positive values, a TP degree that does
+    not divide the heads, KV heads, FFN width and vocabulary, a concurrency not a multiple of tp."""
+    for name, values in (("tp", tps), ("micro-batch", micro_batches), ("threads", [threads]),
+                         ("concurrent-ranks", [concurrent_ranks])):
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+            raise HethubError(f"--{name} = {','.join(map(str, values)) or 'nothing'}: must be positive integers")
+    for tp in tps:
+        for what, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
+                           ("vocab", model.vocab)):
+            if size % tp:
+                raise HethubError(f"--tp = {tp}: must divide the model's {what} ({size})")
+        if max(concurrent_ranks, tp) % tp:
+            raise HethubError(f"--concurrent-ranks = {concurrent_ranks}: must be a multiple of --tp {tp} "
+                              f"(the ranks computing at once form whole TP groups)")
+
+
+def measure_layers(model: ModelSpec, device_name: str, tps: Sequence[int], micro_batches: Sequence[int], *,
+                   threads: int = 1, concurrent_ranks: int = 1, repeats: int = REPEATS,
+                   timeout_s: float = 600.0) -> list[LayerProfile]:
+    """Per-layer, embedding, head and optimizer costs of ``model`` on this machine's CPU, one
+    profile per (tp, micro-batch), keyed for ``device_name``.
+
+    ``max(concurrent_ranks, tp)`` processes measure at once, in TP groups of tp; one process
+    alone measures in this process (no start-up cost).
+    """
+    check_layer_request(model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks)
+    stamp = _now()
+    profiles = []
+    for tp in dict.fromkeys(tps):
+        world = max(concurrent_ranks, tp)
+        args = (model, tp, tuple(micro_batches), repeats)
+        if world == 1:
+            per_rank = [_in_this_process(_measure_rank, threads, *args)]
+        else:
+            per_rank = run_ranks(_measure_rank, world, *args, threads=threads, timeout_s=timeout_s)
+        for b in micro_batches:
+            mean = {name: statistics.fmean(rank[b][name] for rank in per_rank) for name in per_rank[0][b]}
+            key = LayerKey.of(model, device=device_name, dtype=DTYPE, threads=threads, concurrent_ranks=world,
+                              tp=tp, micro_batch=b)
+            profiles.append(LayerProfile(
+                key=key, **{name: mean[name] for name in _TIMES},
+                layer_activation_bytes=int(mean["layer_activation_bytes"]),
+                layer_param_bytes=int(mean["layer_param_bytes"]), measured_at=stamp, cores=available_cores()))
+    return profiles
+
+
+def available_cores() -> int:
+    """CPU cores this process (and the measuring processes it starts) may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_TIMES = ("layer_forward_s", "layer_backward_s", "embed_forward_s", "embed_backward_s", "head_forward_s",
+          "head_backward_s", "optimizer_s_per_param")
+
+
+def _in_this_process(fn: Callable, threads: int, *args):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(0, 1, *args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _tp_group(rank: int, world: int, tp: int):
+    """This rank's TP group among consecutive groups of tp ranks (every rank creates every group)."""
+    mine = None
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+        if start <= rank < start + tp:
+            mine = group
+    return mine
+
+
+def _measure_rank(rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...],
+                  repeats: int) -> dict[int, dict[str, float]]:
+    """On one rank: the typical costs of each micro-batch size (all ranks measure at once)."""
+    group = _tp_group(rank, world, tp) if world > 1 else None
+    barrier = dist.barrier if world > 1 else _nothing
+    timed = min(model.layers, LAYERS_TIMED)
+    spec = dataclasses.replace(model, layers=timed)
+    state = full_state(spec, seed=0)
+    layers = Stage(spec, 0, timed, group, is_first=False, is_last=False)
+    embed = Stage(spec, 0, 0, group, is_first=True, is_last=False)
+    head = Stage(spec, 0, 0, group, is_first=False, is_last=True)
+    for stage in (layers, embed, head):
+        stage.load_full(state)
+    gen = torch.Generator().manual_seed(rank // tp)  # a TP group's ranks see the same batch
+    out = {}
+    for b in micro_batches:
+        shape = (b, model.seq_len, model.hidden)
+        tokens = torch.randint(0, model.vocab, (b, model.seq_len), generator=gen)
+        hidden = torch.randn(*shape, generator=gen)
+        grad = torch.randn(*shape, generator=gen)
+
+        def layer_pass(x=hidden, grad=grad):
+            x = x.detach().requires_grad_()
+            return layers(x), lambda y: y.backward(grad)
+
+        def embed_pass(tokens=tokens, grad=grad):
+            return embed(tokens), lambda y: y.backward(grad)
+
+        def head_pass(x=hidden, tokens=tokens):
+            x = x.detach().requires_grad_()
+            return head.loss(head(x), tokens), lambda loss: loss.backward()
+
+        layer_f, layer_b = _time_passes(layer_pass, barrier, repeats)
+        embed_f, embed_b = _time_passes(embed_pass, barrier, repeats)
+        head_f, head_b = _time_passes(head_pass, barrier, repeats)
+        one = layers.layers["0"]
+        out[b] = {"layer_forward_s": layer_f / timed, "layer_backward_s": layer_b / timed,
+                  "embed_forward_s": embed_f, "embed_backward_s": embed_b,
+                  "head_forward_s": head_f, "head_backward_s": head_b,
+                  "layer_activation_bytes": float(saved_bytes(one, hidden)),
+                  "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters()))}
+    optimizer = _optimizer_seconds_per_param(layers, barrier, repeats)
+    for costs in out.values():
+        costs["optimizer_s_per_param"] = optimizer
+    return out
+
+
+def _nothing() -> None:
+    return None
+
+
+def _time_passes(run: Callable, barrier: Callable, repeats: int) -> tuple[float, float]:
+    """Typical forward and backward seconds of ``run()`` -> (output, backward function).
+
+    The ranks start together and then run their passes back to back, as the runtime does: a
+    barrier before every pass would stagger short passes so that they hardly overlap, and
+    contention for the cores would go unmeasured.
+    """
+    forward, backward = [], []
+    barrier()
+    for i in range(WARMUP + repeats):
+        started = time.perf_counter()
+        out, back = run()
+        middle = time.perf_counter()
+        back(out)
+        ended = time.perf_counter()
+        if i >= WARMUP:
+            forward.append(middle - started)
+            backward.append(ended - middle)
+    return typical(forward), typical(backward)
+
+
+def typical(times: Sequence[float]) -> float:
+    """The mean of ``times`` without its extremes. The mean, not the median: with ranks sharing
+    cores, or the operating system's other work, an operation's time varies widely from one run
+    to the next, and what a step adds up is the mean; without the single fastest and slowest,
+    so that one stall does not decide."""
+    ordered = sorted(times)
+    if len(ordered) >= 5:
+        ordered = ordered[1:-1]
+    return statistics.fmean(ordered)
+
+
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct tensors a forward of ``module`` on ``x`` keeps for its backward
+    (its input included, its parameters not)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x.detach().requires_grad_())
+    return sum(kept.values())
+
+
+def _optimizer_seconds_per_param(module: torch.nn.Module, barrier: Callable, repeats: int) -> float:
+    """The runtime's optimizer (AdamW, its defaults) stepping ``module``'s parameters."""
+    params = list(module.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer.step()  # allocates the moments
+    times = []
+    barrier()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return typical(times) / sum(p.numel() for p in params)
+
+
+# --- links -------------------------------------------------------------------------------------
+
+def measure_links(device_name: str, ranks_list: Sequence[int] = (2,), sizes: Sequence[int] = LINK_SIZES, *,
+                  concurrent_ranks: int = 1, repeats: int = LINK_REPEATS, timeout_s: float = 600.0) -> LinkProfile:
+    """Point-to-point, all-reduce, broadcast and all-gather speed between gloo processes of this
+    machine: the time at each of ``sizes`` (bytes), and latency + bytes / bandwidth fitted to them.
+
+    ``max(concurrent_ranks, max(ranks_list))`` processes take part: messages go between pairs of
+    them, each collective of r ranks runs in as many disjoint groups of r as fit, all at once.
+    """
+    ranks_list = tuple(sorted(set(ranks_list)))
+    if not ranks_list or min(ranks_list) < 2 or concurrent_ranks <= 0 or not sizes or min(sizes) < 64:
+        raise HethubError(f"link profile: ranks {ranks_list} must be at least 2, concurrent ranks "
+                          f"{concurrent_ranks} positive, sizes at least 64 bytes")
+    world = max(concurrent_ranks, *ranks_list)
+    per_rank = run_ranks(_link_rank, world, ranks_list, tuple(sizes), repeats, timeout_s=timeout_s)
+    fits: dict[tuple[str, int], tuple[float, float]] = {}
+    measured: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
+    for kind, ranks in {k for rank in per_rank for k in rank}:
+        leaders = [rank[(kind, ranks)] for rank in per_rank if (kind, ranks) in rank]
+        points = [(n, statistics.fmean(leader[n] for leader in leaders)) for n in sorted(set(sizes))]
+        fits[(kind, ranks)] = fit_latency_bandwidth(points)
+        measured[(kind, ranks)] = non_decreasing(points)
+    latency, bandwidth = fits[("p2p", 2)]
+    return LinkProfile(device=device_name, concurrent_ranks=concurrent_ranks, p2p_latency_s=latency,
+                       p2p_bytes_per_s=bandwidth,
+                       **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in _COLLECTIVES},
+                       measured_at=_now(), points=measured)
+
+
+_COLLECTIVES = ("allreduce", "broadcast", "allgather")
+
+
+def non_decreasing(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) by increasing size, each time at most that of any larger size: a message
+    never takes longer than a larger one, so a small size's slower time is noise (a stall)."""
+    out, fastest = [], float("inf")
+    for n, t in sorted(points, reverse=True):
+        fastest = min(fastest, t)
+        out.append((n, fastest))
+    return tuple(reversed(out))
+
+
+def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of t = latency + bytes / bandwidth, least squares on the relative
+    error (small messages count as much as large ones); the latency is never negative."""
+    rows = [(1.0 / t, n / t) for n, t in points]  # each equation divided by its own time
+    s11 = sum(a * a for a, _ in rows)
+    s12 = sum(a * b for a, b in rows)
+    s22 = sum(b * b for _, b in rows)
+    y1, y2 = sum(a for a, _ in rows), sum(b for _, b in rows)  # right-hand side: t / t = 1
+    det = s11 * s22 - s12 * s12
+    latency, per_byte = ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, 0.0)
+    if per_byte <= 0:  # no size dependence measurable: a constant time
+        per_byte = _FASTEST_PER_BYTE
+        latency = max((y1 - per_byte * s12) / s11, 0.0)
+    elif latency < 0:  # no latency measurable: bandwidth alone
+        latency, per_byte = 0.0, y2 / s22
+    return latency, 1.0 / per_byte
+
+
+_FASTEST_PER_BYTE = 1e-15  # 1 PB/s: "too fast to measure" as a finite bandwidth
+
+
+def _link_rank(rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[int, ...],
+               repeats: int) -> dict[tuple[str, int], dict[int, float]]:
+    """On one rank: typical seconds per size of each measurement this rank leads. Every group
+    starts each size together and then repeats its operation back to back, as the runtime's
+    gradient sync does."""
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    pairs = world // 2 * 2
+    for n in sizes:
+        buffer = torch.zeros(n // 4)
+        peer = rank ^ 1
+        if rank >= pairs:
+            op = _nothing
+        elif rank % 2 == 0:  # ping-pong: half the round trip is one message
+            def op(buffer=buffer, peer=peer):
+                dist.send(buffer, peer)
+                dist.recv(buffer, peer)
+        else:
+            def op(buffer=buffer, peer=peer):
+                dist.recv(buffer, peer)
+                dist.send(buffer, peer)
+        seconds = _series(op, _repeats(n, repeats)) / 2
+        if rank < pairs and rank % 2 == 0:
+            out.setdefault(("p2p", 2), {})[n] = seconds
+    for r in ranks_list:
+        group, members = None, None
+        for start in range(0, world - r + 1, r):
+            ranks = list(range(start, start + r))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                group, members = g, ranks
+        for kind in _COLLECTIVES:
+            for n in sizes:
+                op = _collective(kind, n, r, group, members) if group is not None else _nothing
+                seconds = _series(op, _repeats(n, repeats))
+                if members is not None and rank == members[0]:
+                    out.setdefault((kind, r), {})[n] = seconds
+    return out
+
+
+def _series(op: Callable[[], None], repeats: int) -> float:
+    """Every rank starts together, then ``op`` runs back to back: its typical seconds."""
+    dist.barrier()
+    times = []
+    for i in range(1 + repeats):  # the first one warms up
+        started = time.perf_counter()
+        op()
+        if i:
+            times.append(time.perf_counter() - started)
+    return typical(times)
+
+
+def _repeats(nbytes: int, repeats: int) -> int:
+    return 3 * repeats if nbytes < SMALL_MESSAGE else repeats
+
+
+def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -> Callable[[], None]:
+    if kind == "allgather":
+        piece = torch.zeros(max(1, nbytes // 4 // ranks))
+        pieces = [torch.empty_like(piece) for _ in range(ranks)]
+        return lambda: dist.all_gather(pieces, piece, group=group)
+    tensor = torch.zeros(nbytes // 4)
+    if kind == "broadcast":
+        return lambda: dist.broadcast(tensor, members[0], group=group)
+    return lambda: dist.all_reduce(tensor, group=group)
+
+
+# --- both, incrementally -----------------------------------------------------------------------
+
+def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, tps: Sequence[int],
+                    micro_batches: Sequence[int], *, threads: int = 1, concurrent_ranks: int = 1,
+                    ranks_list: Sequence[int] | None = None, repeats: int = REPEATS,
+                    progress: Callable[[str], None] | None = None) -> Profiles:
+    """Measure what ``directory`` lacks of these layer profiles and of the link profile (with
+    collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it there, and
+    return the directory's profiles."""
+    check_layer_request(model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks)
+    folder = Path(directory)
+    have = load_profiles(folder) if folder.is_dir() else empty_profiles(str(folder))
+    for tp in dict.fromkeys(tps):
+        missing = [b for b in dict.fromkeys(micro_batches) if LayerKey.of(
+            model, device=device_name, dtype=DTYPE, threads=threads, concurrent_ranks=concurrent_ranks, tp=tp,
+            micro_batch=b) not in have.layers]
+        if missing:
+            if progress:
+                progress(f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
+                         f"{max(concurrent_ranks, tp)} rank(s) at once")
+            for profile in measure_layers(model, device_name, [tp], missing, threads=threads,
+                                          concurrent_ranks=concurrent_ranks, repeats=repeats):
+                save_profile(folder, profile)
+    ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
+    link = have.link(device_name, concurrent_ranks)
+    if link is None or any(r not in link.allreduce for r in ranks_list):
+        if progress:
+            progress(f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
+                     f"{max(concurrent_ranks, *ranks_list)} processes")
+        wanted = sorted(set(ranks_list) | set(link.allreduce if link else ()))
+        save_profile(folder, measure_links(device_name, wanted, concurrent_ranks=concurrent_ranks))
+    return load_profiles(folder)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -1,0 +1,95 @@
+"""Run a function on N gloo ranks in fresh local processes: a free port, every wait bounded, the
+processes cleaned up whatever happens (the measuring half of the profiler needs real process
+groups: TP collectives, point-to-point and all-reduce between processes)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from hethub.errors import HethubError
+
+DEFAULT_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 120.0  # a fresh process imports torch before its first collective
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn: Callable, args: tuple,
+           results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
+        text = traceback.format_exc()
+        print(f"profiling rank {rank}:\n{text}", file=sys.stderr, flush=True)
+        results.put((rank, "error", text))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, threads: int = 1,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks, each a fresh process with ``threads``
+    torch threads; the return values (picklable) in rank order. A rank that fails, dies or is
+    still running after ``timeout_s`` seconds is an error; every process is gone on return."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, timeout_s, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s + STARTUP_TIMEOUT_S
+    out: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(out) < world:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise HethubError(f"profiling: {world - len(out)} of {world} ranks still running after "
+                                      f"{timeout_s:g} s; stopped them") from None
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    missing = sorted(set(range(world)) - set(out))
+                    raise HethubError(f"profiling: rank {missing[0]} exited without a result "
+                                      f"(exit code {procs[missing[0]].exitcode})") from None
+                continue
+            out[rank] = (status, value)
+            if status != "ok":
+                raise HethubError(f"profiling: rank {rank} failed ({_last_line(value)}); its traceback is above")
+    finally:
+        for p in procs:
+            p.join(5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    return [out[r][1] for r in range(world)]
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
