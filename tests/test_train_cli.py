@@ -1,4 +1,5 @@
-"""`hethub train` through real torchrun: the same losses as the single-process reference."""
+"""`hethub train` through real torchrun: the same losses as the single-process reference, the run
+directory it writes, resuming (bit for bit, and under another plan), and its clear errors."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ pipelines:
       - {group: nv, tp: 1, layers: 5}
       - {group: amd, tp: 1, layers: 3}
 """
+# Resumed under another layout: TP 2 on one stage, then a 2/6 split over both vendors.
+OTHER_PLAN = """model: tiny-llama
+global_batch: 4
+micro_batch: 1
+pipelines:
+  - count: 1
+    stages:
+      - {group: nv, tp: 2, layers: 2}
+      - {group: amd, tp: 1, layers: 6}
+"""
 
 
 def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
@@ -45,25 +56,86 @@ def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
     return losses
 
 
-def test_train_under_torchrun_matches_the_reference(tmp_path):
+def hethub(cwd, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "hethub", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def records(done) -> tuple[list[dict], dict]:
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    return lines[:-1], lines[-1]
+
+
+@pytest.fixture
+def files(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     (tmp_path / "plan.yaml").write_text(PLAN)
-    done = subprocess.run([sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml",
-                           "--steps", "2", "--seed", "3", "--json", "--timeout", "60"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in done.stdout.splitlines()]
-    steps, final = records[:-1], records[-1]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert [r["loss"] for r in steps] == pytest.approx(reference_losses(2, 3, 1e-3), rel=1e-5)
-    assert steps[-1]["comm_bytes"]["bridge"] > 0  # the stage boundary crosses vendors
+    (tmp_path / "other.yaml").write_text(OTHER_PLAN)
+    return tmp_path
+
+
+def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_plan(files):
+    common = ["--seed", "3", "--lr", "1e-3", "--json", "--timeout", "60"]
+    whole = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "4",
+                   "--run-dir", "runs/whole", *common)
+    assert whole.returncode == 0, whole.stderr
+    steps, final = records(whole)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    losses = [r["loss"] for r in steps]
+    assert losses == pytest.approx(reference_losses(4, 3, 1e-3), rel=1e-5)
+    assert all(r["comm_bytes"]["bridge"] > 0 for r in steps)  # the stage boundary crosses vendors, every step
     assert final["world_size"] == 2 and "loss" not in final
     assert [r["group"] for r in final["ranks"]] == ["nv", "amd"]
+    run = files / "runs" / "whole"
+    for name in ("plan.yaml", "cluster.yaml", "run.json", "prediction.json", "metrics.jsonl", "trace.json",
+                 "loss.png", "checkpoints/step-000004/meta.json"):
+        assert (run / name).exists(), name
+    assert [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()] == losses
+    sources = {e["args"]["name"].split(" · ")[0] for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+               if e["name"] == "process_name"}
+    assert sources == {"predicted", "measured"}
+
+    half = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "2",
+                  "--run-dir", "runs/half", *common)
+    assert half.returncode == 0, half.stderr
+    resumed = hethub(files, "train", "--resume", "runs/half", "--steps", "4", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["loss"] for r in records(resumed)[0]] == losses[2:]  # bit for bit
+    assert [json.loads(line)["step"] for line in (files / "runs/half/metrics.jsonl").read_text().splitlines()] == [
+        1, 2, 3, 4]
+
+    other = hethub(files, "train", "--resume", "runs/half", "--plan", "other.yaml", "--cluster", "cluster.yaml",
+                   "--steps", "6", "--json")
+    assert other.returncode == 0, other.stderr
+    assert [r["loss"] for r in records(other)[0]] == pytest.approx(reference_losses(6, 3, 1e-3)[4:], rel=1e-5)
+    assert records(other)[1]["world_size"] == 3
+    assert (files / "runs/half/plan.before-step-4.yaml").read_text() != (files / "runs/half/plan.yaml").read_text()
 
 
-def test_a_plan_that_does_not_match_the_cluster_is_refused_before_any_process_starts(tmp_path):
-    (tmp_path / "cluster.yaml").write_text(CLUSTER)
-    (tmp_path / "plan.yaml").write_text(PLAN.replace("group: amd", "group: intel"))
-    done = subprocess.run([sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+@pytest.mark.parametrize("args, message", [
+    (["--cluster", "cluster.yaml", "--plan", "missing.yaml"], "missing.yaml"),
+    (["--plan", "plan.yaml"], "--plan needs --cluster"),
+    (["--resume", "runs/nothing"], "not a run directory"),
+    (["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "0"], "--steps = 0"),
+    (["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--data", "no-such.txt"], "no such file"),
+])
+def test_bad_input_is_one_clear_line_before_any_process_starts(files, args, message):
+    done = hethub(files, "train", *args, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (files / "runs").exists()  # nothing written
+
+
+def test_a_plan_that_does_not_match_the_cluster_is_refused_before_any_process_starts(files):
+    (files / "plan.yaml").write_text(PLAN.replace("group: amd", "group: intel"))
+    done = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", timeout=60)
     assert done.returncode == 2 and "no such group" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_resume_refuses_a_run_that_is_done_and_a_run_without_checkpoints(files):
+    run = files / "runs" / "empty"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"seed": 0, "lr": 1e-3, "data": None, "steps": 4,
+                                              "checkpoint_every": 2, "timeout_s": 60}))
+    done = hethub(files, "train", "--resume", "runs/empty", timeout=60)
+    assert done.returncode == 2 and "no complete checkpoint" in done.stderr

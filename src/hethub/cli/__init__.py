@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from hethub import __version__
-from hethub.cli import catalog, plan, predict, train
+from hethub.cli import catalog, plan, predict, profile, train, validate
 from hethub.errors import HethubError
 
-COMMANDS = (train, plan, predict, catalog)
+COMMANDS = (train, validate, plan, predict, profile, catalog)
 
 
 def build_parser() -> argparse.ArgumentParser:

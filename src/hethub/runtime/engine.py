@@ -4,9 +4,19 @@ stages, the gradient sync with every rank that holds the same parameters, and th
 Exactness by construction: every micro-batch's loss is scaled by 1 / (micro-batches in the global
 batch), so summing gradients over micro-batches and replicas gives the gradient of the mean
 token loss over the global batch, whatever the split between unlike replicas.
+
+Every step records this rank's measured timeline (``Engine.timeline``): its forward and backward
+operations, the waits in receives, the gradient sync and the optimizer, in seconds from the
+step's start (a barrier, so the ranks' timelines line up). A group with an emulated ``speed``
+(a fraction of this machine's speed, for local runs) has every forward and backward stretched
+by sleeping (1 / speed - 1) times its measured duration.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -24,9 +34,14 @@ class Engine:
     """Builds this rank's stage and process groups; ``step`` trains on one global batch."""
 
     def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, comm: Communicator, *, seed: int,
-                 lr: float = 1e-3, weight_decay: float = 0.0, devices: list[torch.device] | None = None) -> None:
-        """``devices``: where each rank runs (default: every rank on the CPU)."""
+                 lr: float = 1e-3, weight_decay: float = 0.0, devices: list[torch.device] | None = None,
+                 speed: float | None = None) -> None:
+        """``devices``: where each rank runs (default: every rank on the CPU); ``speed``: this
+        rank's emulated speed relative to the machine (None: as fast as it runs)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
+        self.stretch = 1.0 / speed - 1.0 if speed else 0.0
+        self.timeline: list[dict] = []
+        self._step_start = 0.0
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
         self.devices = devices or [torch.device("cpu")] * topology.world_size
@@ -70,19 +85,33 @@ class Engine:
     def step(self, tokens: torch.Tensor) -> float:
         """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean loss."""
         loss = self.gradients(tokens)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._timed("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def gradients(self, tokens: torch.Tensor) -> float:
         """Forward and backward of the global batch and the gradient sync, without the update:
         afterwards every parameter's .grad is its share of the global batch's gradient."""
+        dist.barrier()  # every rank's timeline starts together
+        self._step_start, self.timeline = time.perf_counter(), []
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
         loss_sum = self._run_schedule(self._my_micro_batches(tokens), total)
-        self._sync_gradients()
-        reported = torch.tensor([loss_sum])
-        dist.all_reduce(reported)  # only last-stage leaders contribute
+        with self._timed("grad_sync"):
+            self._sync_gradients()
+            reported = torch.tensor([loss_sum])
+            dist.all_reduce(reported)  # only last-stage leaders contribute
         return reported.item()
+
+    @contextmanager
+    def _timed(self, kind: str, micro_batch: int | None = None, stretch: bool = False) -> Iterator[None]:
+        """Record the enclosed work as one timeline event; with ``stretch``, then sleep the emulated slowdown."""
+        start = time.perf_counter()
+        yield
+        if stretch and self.stretch:
+            time.sleep(self.stretch * (time.perf_counter() - start))
+        self.timeline.append({"kind": kind, "micro_batch": micro_batch, "start_s": start - self._step_start,
+                              "end_s": time.perf_counter() - self._step_start})
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """This replica's micro-batches: replicas take consecutive slices of the global batch."""
@@ -100,27 +129,28 @@ class Engine:
                 if self.is_first:
                     x = micro[j][:, :-1]
                 else:
-                    x = self._receive((b, t, h), self.prev_leader).requires_grad_()
-                out = self._forward(x)
+                    x = self._receive((b, t, h), self.prev_leader, j).requires_grad_()
+                with self._timed("forward", j, stretch=True):
+                    out = self._forward(x)
+                    if self.is_last:
+                        outputs[j] = self.stage.loss(out, micro[j][:, 1:]) / total
                 if self.is_last:
-                    loss = self.stage.loss(out, micro[j][:, 1:]) / total
                     if self.rank == self.leader:
-                        loss_sum += loss.item()
-                    outputs[j] = loss
+                        loss_sum += outputs[j].item()
                 else:
                     outputs[j] = out
                     sends += self._send(out.detach(), self.next_leader)
                 inputs[j] = x
             else:
-                if self.is_last:
-                    outputs[j].backward()
-                else:
-                    outputs[j].backward(self._receive((b, t, h), self.next_leader))
+                grad = None if self.is_last else self._receive((b, t, h), self.next_leader, j)
+                with self._timed("backward", j, stretch=True):
+                    outputs[j].backward(grad)
                 if not self.is_first:
                     sends += self._send(inputs[j].grad, self.prev_leader)
                 del inputs[j], outputs[j]
-        for work in sends:
-            work.wait()
+        with self._timed("send_wait"):
+            for work in sends:
+                work.wait()
         return loss_sum
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,13 +166,16 @@ class Engine:
             return []
         return [self.comm.isend(tensor.contiguous(), peer)]
 
-    def _receive(self, shape: tuple[int, ...], peer: int) -> torch.Tensor:
+    def _receive(self, shape: tuple[int, ...], peer: int, micro_batch: int) -> torch.Tensor:
+        # The wait covers the peer's compute still to come and the transfer: a receive cannot
+        # tell them apart, so the timeline calls it a wait.
         buffer = torch.empty(shape, device=self.device)
-        if self.rank == self.leader:
-            self.comm.recv(buffer, peer)
-        if len(self.my_tp_ranks) > 1:
-            dist.broadcast(buffer, self.leader, group=self.tp_group)
-            self.comm.native(buffer)
+        with self._timed("recv_wait", micro_batch):
+            if self.rank == self.leader:
+                self.comm.recv(buffer, peer)
+            if len(self.my_tp_ranks) > 1:
+                dist.broadcast(buffer, self.leader, group=self.tp_group)
+                self.comm.native(buffer)
         return buffer
 
     def _sync_gradients(self) -> None:
@@ -188,3 +221,4 @@ def _shard_dim(name: str) -> int | None:
     if shard(name, probe, 0, 2).shape[1] == 2:
         return 1
     return None
+

@@ -1,0 +1,121 @@
+"""A run's directory: everything one training run writes, and what a resume reads back.
+
+    runs/<name>/
+      run.json         the run's settings (seed, learning rate, data, steps, checkpoint period)
+      cluster.yaml     the cluster it ran on, plan.yaml the plan (the current one after a resume
+                       under another plan; the earlier ones kept as plan.before-step-N.yaml)
+      prediction.json  the predictor's figures and timeline for the plan, made before the run
+      metrics.jsonl    one JSON object per step
+      trace.json       Chrome trace: the predicted and the measured timeline of a step
+      loss.png         the loss curve
+      checkpoints/     step-NNNNNN/ (torch.distributed.checkpoint), complete ones only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hethub.errors import HethubError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSettings:
+    """What must stay the same across a resume for its losses to equal an uninterrupted run's."""
+
+    seed: int
+    lr: float
+    data: str | None
+    """--data as given (resolved to an absolute path), None for the built-in corpus."""
+    steps: int
+    """Optimizer steps the run trains to in total."""
+    checkpoint_every: int
+    timeout_s: float
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def plan(self) -> Path:
+        return self.path / "plan.yaml"
+
+    @property
+    def cluster(self) -> Path:
+        return self.path / "cluster.yaml"
+
+    @property
+    def prediction(self) -> Path:
+        return self.path / "prediction.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def trace(self) -> Path:
+        return self.path / "trace.json"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / "loss.png"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def write_settings(self, settings: RunSettings) -> None:
+        _write_atomic(self.path / "run.json", json.dumps(asdict(settings), indent=2) + "\n")
+
+    def read_settings(self) -> RunSettings:
+        path = self.path / "run.json"
+        if not path.is_file():
+            raise HethubError(f"--resume = {str(self.path)!r}: not a run directory (no run.json in it)")
+        try:
+            return RunSettings(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as error:
+            raise HethubError(f"{path}: not a run.json hethub wrote ({error})") from None
+
+    def append_metrics(self, record: dict) -> None:
+        with self.metrics.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+    def keep_metrics_until(self, step: int) -> None:
+        """Drop the records of steps after ``step``: an interrupted run logged steps after its
+        last checkpoint, which the resumed run trains again."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
+        _write_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def write_json(self, path: Path, data: object) -> None:
+        _write_atomic(path, json.dumps(data))
+
+    def write_text(self, path: Path, text: str) -> None:
+        _write_atomic(path, text)
+
+
+def new_run_dir(parent: Path, name: str) -> RunDir:
+    """runs/<name>, or runs/<name>-2, -3, ... when that exists: a new run never overwrites an old one."""
+    candidate, n = parent / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = parent / f"{name}-{n}"
+    try:
+        candidate.mkdir(parents=True)
+    except OSError as error:
+        raise HethubError(f"cannot create the run directory {candidate} ({error.strerror})") from None
+    return RunDir(candidate)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A crash mid-write leaves the old file whole, never half of the new one.
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
