@@ -51,7 +51,7 @@ PLANS = [
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps per run, the first a warm-up (default 5)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per run, the first a warm-up (default 10)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-pvr-"))

@@ -73,19 +73,26 @@ def stage_memory(model: ModelSpec, layers: int, tp: int, position: int, stages: 
                            micro_batch, recompute)
 
 
-@functools.lru_cache(maxsize=65536)
-def stage_memory_at(model: ModelSpec, layers: int, tp: int, first: bool, last: bool, single_stage: bool,
-                    in_flight: int, micro_batch: int, recompute: bool) -> StageMemory:
-    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
-    per_layer = layer_activation_bytes(model, tp, micro_batch)
+def activation_bytes(model: ModelSpec, per_layer: float, bytes_per_element: int, layers: int, tp: int, last: bool,
+                     in_flight: int, micro_batch: int, recompute: bool) -> float:
+    """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
     if recompute:
         # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
-        layer_input = micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT
+        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
         activations = in_flight * layers * layer_input + per_layer
     else:
         activations = in_flight * layers * per_layer
     if last:  # fp32 logits and their gradient, one micro-batch at a time
         activations += 2 * micro_batch * model.seq_len * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+    return activations
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_memory_at(model: ModelSpec, layers: int, tp: int, first: bool, last: bool, single_stage: bool,
+                    in_flight: int, micro_batch: int, recompute: bool) -> StageMemory:
+    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
+    params = stage_params(model, layers, first, last, single_stage) / tp
+    activations = activation_bytes(model, layer_activation_bytes(model, tp, micro_batch), BYTES_PER_ELEMENT,
+                                   layers, tp, last, in_flight, micro_batch, recompute)
     return StageMemory(params * WEIGHT_BYTES / GB, params * GRAD_BYTES / GB,
                        params * OPTIMIZER_BYTES / GB, activations / GB)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from hethub.predictor.memory import GB, LOSS_BYTES_PER_ELEMENT, StageMemory, stage_params
+from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.profile.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -125,14 +125,8 @@ def profiled_memory(profile: LayerProfile, model: ModelSpec, bytes_per_element: 
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
     params = stage_params(model, layers, first, last, single_stage) / tp
-    per_layer = profile.layer_activation_bytes
-    if recompute:  # only each layer's input survives the forward; one layer is rebuilt at a time
-        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
-        activations = in_flight * layers * layer_input + per_layer
-    else:
-        activations = in_flight * layers * per_layer
-    if last:  # fp32 logits and their softmax, one micro-batch at a time
-        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+    activations = activation_bytes(model, profile.layer_activation_bytes, bytes_per_element, layers, tp, last,
+                                   in_flight, micro_batch, recompute)
     weights = params * bytes_per_element
     return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
 

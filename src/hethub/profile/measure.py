@@ -36,8 +36,8 @@ from hethub.runtime.model import Stage, full_state
 from hethub.spec.model import ModelSpec
 
 DTYPE = "fp32"  # the runtime trains in fp32
-REPEATS, WARMUP = 8, 2
-LAYERS_TIMED = 2
+REPEATS, WARMUP = 30, 2  # short profiles are noisy: 8 passes of 2 layers varied by ~20% from one to the next
+LAYERS_TIMED = 4
 """Layers chained in one timed forward (per-layer time = its time / layers): the runtime's stages
 run several layers back to back, whose weights do not all stay in cache."""
 LINK_SIZES = tuple(kib << 10 for kib in (4, 16, 64, 256, 512, 1024, 2048, 4096, 16384))

@@ -80,6 +80,7 @@ class _StepLog:
         self.emulated = any(g.speed is not None for g in cluster.groups)
         self.prediction = json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         self.bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+        self.board = _tensorboard(run)
         # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
         first = {}
         for r in topology.ranks:
@@ -102,6 +103,10 @@ class _StepLog:
             "emulated": self.emulated,
         }
         self.run.append_metrics(record)
+        if self.board:
+            for name in ("loss", "tokens_per_s", "iteration_time_s", "model_tflops_per_device"):
+                if record[name] is not None:
+                    self.board.add_scalar(name, record[name], step)
         if self.as_json:
             print(json.dumps(record), flush=True)
         detail = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tokens/s | step {elapsed:.2f} s"
@@ -114,6 +119,8 @@ class _StepLog:
     def finish(self, timelines: list[list[dict]], world: int) -> None:
         if self.bar:
             self.bar.close()
+        if self.board:
+            self.board.close()
         events = []
         if self.prediction:
             events += [{**e, "source": "predicted"} for e in self.prediction.get("timeline", [])]
@@ -132,3 +139,12 @@ class _StepLog:
                         "layers": [r.first_layer, r.first_layer + r.layers]} for r in self.topology.ranks]}
         if self.as_json:
             print(json.dumps(summary), flush=True)
+
+
+def _tensorboard(run: RunDir):
+    """A TensorBoard writer into RUN_DIR/tensorboard when tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # optional: metrics.jsonl has every figure anyway
+        return None
+    return SummaryWriter(str(run.path / "tensorboard"))
