@@ -206,8 +206,7 @@ def _profiles(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec, 
 
         tps = sorted({s.tp for p in plan.pipelines for s in p.stages}) if plan else _tp_choices(cluster, model)
         micro = (plan.micro_batch,) if plan else PLANNED_MICRO_BATCHES
-        devices_cpu = {g.accelerator.name for g in cluster.groups}
-        for device in sorted(devices_cpu):
+        for device in sorted({g.accelerator.name for g in cluster.groups}):
             ensure_profiles(folder, model, device, tps, micro, threads=1,
                             concurrent_ranks=local_concurrency(cluster, devices), progress=say)
     elif not folder.is_dir():

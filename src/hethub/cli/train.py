@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_of:
         return _worker(args)
     if "LOCAL_RANK" in os.environ:  # started by the user's torchrun: every rank prepares, rank 0 writes
-        if not (args.run_dir or args.resume) or not args.plan and not args.resume:
+        if not args.resume and not (args.cluster and args.plan and args.run_dir):
             raise HethubError("under torchrun give --cluster, --plan and --run-dir (a folder every node sees), "
                               "or --resume RUN_DIR")
         job = prepare(args, measure=False, write=os.environ.get("RANK", "0") == "0")
