@@ -33,7 +33,7 @@ from hethub.spec import (
     load_model,
     load_plan,
 )
-from hethub.spec.model import preset_names
+from hethub.spec.model import model_file_fields, preset_names
 
 DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
@@ -235,9 +235,7 @@ def _plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, model_ref: 
 def _write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
     """plan.yaml, with its model beside it (model.yaml) unless it is a preset."""
     if plan.model.lower() not in preset_names():
-        fields = {f: getattr(model, f) for f in ("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
-                                                 "vocab", "seq_len")}
-        run.write_text(run.path / "model.yaml", yaml.safe_dump(fields, sort_keys=False))
+        run.write_text(run.path / "model.yaml", yaml.safe_dump(model_file_fields(model), sort_keys=False))
         plan = dataclasses.replace(plan, model="model.yaml")
     run.write_text(run.plan, plan.to_yaml())
 

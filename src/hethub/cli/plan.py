@@ -16,7 +16,7 @@ from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
 from hethub.report.progress import ProgressBar
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
-from hethub.spec.model import preset_names
+from hethub.spec.model import model_file_fields, preset_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -107,9 +107,7 @@ def _write(out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argp
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if model_ref == f"{out.stem}.model.yaml":
-            fields = {f: getattr(model, f) for f in ("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
-                                                     "vocab", "seq_len")}
-            (out.parent / model_ref).write_text(yaml.safe_dump(fields, sort_keys=False))
+            (out.parent / model_ref).write_text(yaml.safe_dump(model_file_fields(model), sort_keys=False))
         out.write_text(header + best.plan.to_yaml())
     except OSError as error:
         raise HethubError(f"--out = {str(out)!r}: cannot write the plan file ({error.strerror})") from None

@@ -93,10 +93,17 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+MODEL_FILE_FIELDS = ("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
+
+
+def model_file_fields(model: ModelSpec) -> dict[str, Any]:
+    """What a model file holds for ``model`` (parse_model reads it back to an equal spec)."""
+    return {f: getattr(model, f) for f in MODEL_FILE_FIELDS}
+
+
 def parse_model(data: Any, source: str, name: str) -> ModelSpec:
     """Validate a parsed model file."""
-    f = Fields(data, source, allowed=("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
-                                      "vocab", "seq_len", "name"))
+    f = Fields(data, source, allowed=(*MODEL_FILE_FIELDS, "name"))
     arch = f.choice("arch", ARCHS)
     hidden, heads = f.positive_int("hidden"), f.positive_int("heads")
     if hidden % heads:
