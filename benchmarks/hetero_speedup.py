@@ -23,6 +23,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_runs import stage, validate
 
+from hethub.spec import parse_plan
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, GLOBAL_BATCH = "local-llama", 16
 
@@ -79,7 +81,7 @@ def main() -> int:
     bound_predicted = sum(speed(r, "predicted_iteration_s") for r in alone.values())
     print(f"emulated cluster local-hetero: fast at 1.0x, slow at 0.5x this machine (compute stretched); {MODEL}, "
           f"global batch {GLOBAL_BATCH}; measured = median of {args.steps - 1} steps after a warm-up")
-    print(f"planner's plan: {_describe(best)}")
+    print(f"planner's plan: {parse_plan(best).summary()}")
     print(f"{'run':<22} {'measured tokens/s':>18} {'predicted tokens/s':>19}")
     for label, report in [("planner's plan", runs["planner"]), ("uniform split 4/4", runs["uniform"]),
                           ("fast group alone", alone["fast"]), ("slow group alone", alone["slow"])]:
@@ -95,15 +97,6 @@ def main() -> int:
     print(f"target (planner beats the uniform split as measured): {'met' if met else 'MISSED'}; "
           f"{time.perf_counter() - started:.0f} s in all")
     return 0 if met else 1
-
-
-def _describe(plan: dict) -> str:
-    def layout(p: dict) -> str:
-        stages = " ".join(f"{s['group']}/tp{s['tp']}/{s['layers']}L" for s in p["stages"])
-        return f"{p.get('count', 1)}x[{stages}] x{p.get('micro_batches', '?')}mb"
-
-    return f"micro-batch {plan['micro_batch']}, recompute {plan.get('recompute', 'none')}: " + "; ".join(
-        layout(p) for p in plan["pipelines"])
 
 
 if __name__ == "__main__":

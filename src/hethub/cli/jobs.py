@@ -22,7 +22,7 @@ import yaml
 
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
-from hethub.profile.store import Profiles, load_profiles, local_concurrency, select_for_run
+from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -38,7 +38,6 @@ from hethub.spec.model import model_file_fields, preset_names
 DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
 DEFAULT_STEPS = 90  # the default run: about 1.5 minutes on a 2-core machine, the loss down by ~40%
-PLANNED_MICRO_BATCHES = (1, 2, 4)  # the planner's micro-batch sizes (hethub.planner)
 
 
 def builtin_cluster() -> Path:
@@ -196,27 +195,25 @@ def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> N
 def _profiles(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec, plan: Plan | None, measure: bool,
               say) -> tuple[Profiles | None, str]:
     """This machine's profiles for the job (measured first where missing), or None: the analytic model."""
-    local = all(g.accelerator.vendor == "cpu" for g in cluster.groups)
     folder = Path(args.profiles)
-    if not local:
+    if not all_cpu(cluster):
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
     devices = plan_devices(plan) if plan else cluster.devices
     if measure:
+        from hethub.planner.candidates import tp_degrees
+        from hethub.planner.search import MICRO_BATCH_SIZES
         from hethub.profile.measure import ensure_profiles  # torch: only when measuring
 
-        tps = sorted({s.tp for p in plan.pipelines for s in p.stages}) if plan else _tp_choices(cluster, model)
-        micro = (plan.micro_batch,) if plan else PLANNED_MICRO_BATCHES
+        # Without a plan: everything the planner will try (its TP degrees and micro-batch sizes).
+        tps = (sorted({s.tp for p in plan.pipelines for s in p.stages}) if plan
+               else sorted({t for g in cluster.groups for t in tp_degrees(g, model)}))
+        micro = (plan.micro_batch,) if plan else MICRO_BATCH_SIZES
         for device in sorted({g.accelerator.name for g in cluster.groups}):
             ensure_profiles(folder, model, device, tps, micro, threads=1,
                             concurrent_ranks=local_concurrency(cluster, devices), progress=say)
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(load_profiles(folder), cluster, devices), f"this machine's profiles in {folder}"
-
-
-def _tp_choices(cluster: ClusterSpec, model: ModelSpec) -> list[int]:
-    most = max(g.devices_per_node for g in cluster.groups)
-    return [t for t in range(1, most + 1) if model.heads % t == 0 and model.kv_heads % t == 0 and model.vocab % t == 0]
 
 
 def _plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, model_ref: str, profiles: Profiles | None,

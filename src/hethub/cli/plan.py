@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     for rank, other in enumerate(others, start=2):
         p = other.prediction
         print(f"#{rank}: {p.tokens_per_s:,.0f} tokens/s ({100 * p.tokens_per_s / bound:.2f}%), "
-              f"{_summary(other)}")
+              f"{other.plan.summary()}")
     print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")
     return 0
 
@@ -123,13 +123,6 @@ def _distinct(ranked: list[Ranked], count: int) -> list[Ranked]:
             if len(out) == count:
                 break
     return out
-
-
-def _summary(ranked: Ranked) -> str:
-    plan = ranked.plan
-    layouts = "; ".join(f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] x{p.micro_batches}mb"
-                        for p in plan.pipelines)
-    return f"micro-batch {plan.micro_batch}, recompute {plan.recompute}: {layouts}"
 
 
 def _no_plan_message(result, cluster: ClusterSpec, model: ModelSpec, args: argparse.Namespace) -> str:

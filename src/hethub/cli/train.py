@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 from hethub.cli.jobs import Job, add_job_arguments, launch, plan_devices, prepare
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         job = prepare(args, measure=False, write=os.environ.get("RANK", "0") == "0")
         return _train(job.run, job.settings, job.cluster, job.plan, job.model, resume=job.resume_from is not None,
                       as_json=args.json)
-    job = prepare(args, say=_say(args))
+    job = prepare(args, say=_say)
     _announce(job, args)
     code = launch(job, as_json=args.json)
     if code == 0:
@@ -43,27 +44,23 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _say(args: argparse.Namespace):
-    def say(message: str) -> None:
-        print(f"hethub train: {message}", file=sys.stderr, flush=True)
-    return say
+def _say(message: str) -> None:
+    print(f"hethub train: {message}", file=sys.stderr, flush=True)
 
 
 def _announce(job: Job, args: argparse.Namespace) -> None:
     p = job.prediction
-    layouts = "; ".join(f"{pl.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in pl.stages)}] "
-                        f"x{pl.micro_batches} micro-batches" for pl in job.plan.pipelines)
     start = f"from step {job.resume_from} " if job.resume_from is not None else ""
     lines = [(f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), {plan_devices(job.plan)} "
              f"ranks, {job.settings.steps} steps {start}into {job.run.path}"),
-             f"plan: micro-batch {job.plan.micro_batch}, recompute {job.plan.recompute}: {layouts}",
+             f"plan: {job.plan.summary()}",
              f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, from {job.basis}"]
     if job.emulated:
         lines.append("emulated: " + ", ".join(f"group {g.name} at {g.speed:g}x this machine's speed"
                                               for g in job.cluster.groups if g.speed is not None)
                      + " (compute stretched; not real hardware)")
     for line in lines:
-        print(f"hethub train: {line}", file=sys.stderr, flush=True)
+        _say(line)
 
 
 def _closing(job: Job, args: argparse.Namespace) -> None:
@@ -71,7 +68,7 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
     out = sys.stderr if args.json else sys.stdout
     if records:
         first, last = records[0]["loss"], records[-1]["loss"]
-        measured = sorted(r["iteration_time_s"] for r in records)[len(records) // 2]
+        measured = statistics.median(r["iteration_time_s"] for r in records)
         print(f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); median step {measured:.2f} s "
               f"measured, {job.prediction.iteration_time_s:.2f} s predicted"
               + (" (emulated speeds)" if job.emulated else ""), file=out)

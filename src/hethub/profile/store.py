@@ -248,11 +248,16 @@ def empty_profiles(source: str = "") -> Profiles:
     return Profiles(layers={}, links={}, source=source)
 
 
+def all_cpu(cluster: ClusterSpec) -> bool:
+    """Every group's accelerator is a CPU: a local run puts every rank on this machine's cores."""
+    return all(g.accelerator.vendor == "cpu" for g in cluster.groups)
+
+
 def local_concurrency(cluster: ClusterSpec, devices: int) -> int:
     """Ranks computing at once on one machine in a run of ``devices`` devices of ``cluster``: all of
     them when every group's accelerator is a CPU (a local run, every rank on this machine's
     cores), else 1 (each rank has its accelerator to itself)."""
-    return devices if all(g.accelerator.vendor == "cpu" for g in cluster.groups) else 1
+    return devices if all_cpu(cluster) else 1
 
 
 def select_for_run(profiles: Profiles, cluster: ClusterSpec, devices: int) -> Profiles:

@@ -71,6 +71,12 @@ class Plan:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
+    def summary(self) -> str:
+        """One line: micro-batch, recomputation and each layout as count x [group/tp/layers ...] x micro-batches."""
+        layouts = "; ".join(f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
+                            f"x{p.micro_batches}mb" for p in self.pipelines)
+        return f"micro-batch {self.micro_batch}, recompute {self.recompute}: {layouts}"
+
 
 def parse_plan(data: Any, source: str = "") -> Plan:
     """Validate a parsed plan file on its own (see check_plan for the cluster and the model)."""
