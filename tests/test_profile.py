@@ -81,6 +81,18 @@ def test_profiles_round_trip_and_match_only_their_exact_key(tmp_path):
     assert selected.layer_for("cpu", dataclasses.replace(TINY, layers=4, name="other"), 1, 1) == layer
 
 
+def test_recomputed_layer_times_round_trip_and_older_files_without_them_still_load(tmp_path):
+    measured = layer_profile(key_of(), layer_recompute_forward_s=0.009, layer_recompute_backward_s=0.031)
+    save_profile(tmp_path, measured)
+    assert load_profiles(tmp_path).layer(measured.key) == measured
+    older = layer_profile(key_of(micro_batch=2))
+    path = save_profile(tmp_path, older)
+    data = json.loads(path.read_text())
+    del data["layer_recompute_forward_s"], data["layer_recompute_backward_s"]
+    path.write_text(json.dumps(data))
+    assert read_profile(path) == older and older.layer_recompute_backward_s is None
+
+
 def test_a_tp_group_computes_at_once_so_its_key_counts_its_ranks():
     assert key_of(tp=2, concurrent_ranks=1).concurrent_ranks == 2
     assert key_of(tp=2, concurrent_ranks=4).concurrent_ranks == 4
@@ -154,6 +166,30 @@ def test_stage_times_come_from_the_profile():
     in_flight = 2
     expected = 16 * params + in_flight * 5 * lp.layer_activation_bytes
     assert first.memory.total_gb * 1e9 == pytest.approx(expected)
+
+
+def test_recomputation_takes_the_measured_checkpointed_times():
+    lp = layer_profile(key_of(), layer_recompute_forward_s=0.009, layer_recompute_backward_s=0.035)
+    plan = plan_of([("cpu", 5), ("cpu", 3)], recompute="full")
+    first, last = predict(plan, CPU2, TINY, profiles=profiles_of(lp)).stages
+    assert first.forward_s == pytest.approx(5 * 0.009 + lp.embed_forward_s)
+    assert first.backward_s == pytest.approx(5 * 0.035 + lp.embed_backward_s + lp.embed_forward_s)
+    assert last.backward_s == pytest.approx(3 * 0.035 + lp.head_backward_s + lp.head_forward_s)
+    assert not missing_profiles(plan, CPU2, TINY, profiles_of(lp, link_profile()))
+    (note,) = missing_profiles(plan, CPU2, TINY, profiles_of(layer_profile(key_of()), link_profile()))
+    assert "no recomputed layer times" in note
+
+
+def test_a_cached_profile_without_recomputed_times_is_measured_again(tmp_path, monkeypatch):
+    from hethub.profile import measure
+
+    save_profile(tmp_path, layer_profile(key_of(concurrent_ranks=1)))  # an older file
+    save_profile(tmp_path, layer_profile(key_of(concurrent_ranks=1, micro_batch=2), layer_recompute_forward_s=0.009,
+                                         layer_recompute_backward_s=0.031))
+    asked = []
+    monkeypatch.setattr(measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or [])
+    measure.ensure_profiles(tmp_path, TINY, "cpu", [1], [1, 2], links=False)
+    assert asked == [[1]]
 
 
 def test_an_emulated_speed_of_half_doubles_compute():
@@ -242,6 +278,9 @@ def test_measure_layers_times_the_runtimes_modules():
                                            "embed_backward_s", "head_forward_s", "head_backward_s")]
     assert all(t > 0 for t in times) and profile.optimizer_s_per_param > 0
     assert profile.layer_backward_s > profile.layer_forward_s  # two GEMMs per forward GEMM
+    # Under recomputation the backward runs the forward again.
+    assert profile.layer_recompute_backward_s > profile.layer_backward_s
+    assert profile.layer_recompute_forward_s > 0
     assert profile.layer_param_bytes == SMALL.layer_params() * 4
     # At least the layer's input, its attention output and its MLP's three hidden activations, fp32.
     tokens = SMALL.seq_len

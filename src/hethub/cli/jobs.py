@@ -202,15 +202,20 @@ def _profiles(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec, 
     if measure:
         from hethub.planner.candidates import tp_degrees
         from hethub.planner.search import MICRO_BATCH_SIZES
-        from hethub.profile.measure import ensure_profiles  # torch: only when measuring
+        from hethub.profile.measure import available_cores, ensure_profiles  # torch: only when measuring
 
         # Without a plan: everything the planner will try (its TP degrees and micro-batch sizes).
         tps = (sorted({s.tp for p in plan.pipelines for s in p.stages}) if plan
                else sorted({t for g in cluster.groups for t in tp_degrees(g, model)}))
         micro = (plan.micro_batch,) if plan else MICRO_BATCH_SIZES
+        concurrency, cores = local_concurrency(cluster, devices), available_cores()
         for device in sorted({g.accelerator.name for g in cluster.groups}):
-            ensure_profiles(folder, model, device, tps, micro, threads=1,
-                            concurrent_ranks=local_concurrency(cluster, devices), progress=say)
+            ensure_profiles(folder, model, device, tps, micro, threads=1, concurrent_ranks=concurrency,
+                            progress=say)
+            if concurrency > cores:  # ranks sharing the cores: also each TP group alone (predictor.sharing)
+                for tp in tps:
+                    ensure_profiles(folder, model, device, [tp], micro, threads=1, concurrent_ranks=tp, links=False,
+                                    progress=say)
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(load_profiles(folder), cluster, devices), f"this machine's profiles in {folder}"

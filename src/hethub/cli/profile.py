@@ -91,14 +91,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recomputed(profile: LayerProfile) -> str:
+    if profile.layer_recompute_forward_s is None or profile.layer_recompute_backward_s is None:
+        return "not measured"
+    return f"{profile.layer_recompute_forward_s * 1e3:.3f} / {profile.layer_recompute_backward_s * 1e3:.3f}"
+
+
 def describe(model: str, device: str, layers: list[LayerProfile], links: list[LinkProfile],
              measured: list, out: Path, elapsed: float) -> str:
     """The profiles as two tables: layers (per TP rank, one micro-batch), and links."""
     fresh = {id(p) for p in measured}
-    header = ["tp", "micro-batch", "ranks at once", "layer fwd ms", "layer bwd ms", "embed fwd/bwd ms",
-              "head fwd/bwd ms", "adamw ns/param", "activations MB/layer", ""]
+    header = ["tp", "micro-batch", "ranks at once", "layer fwd ms", "layer bwd ms", "recomputed fwd/bwd ms",
+              "embed fwd/bwd ms", "head fwd/bwd ms", "adamw ns/param", "activations MB/layer", ""]
     rows = [[str(p.key.tp), str(p.key.micro_batch), str(p.key.concurrent_ranks), f"{p.layer_forward_s * 1e3:.3f}",
-             f"{p.layer_backward_s * 1e3:.3f}", f"{p.embed_forward_s * 1e3:.3f} / {p.embed_backward_s * 1e3:.3f}",
+             f"{p.layer_backward_s * 1e3:.3f}", _recomputed(p),
+             f"{p.embed_forward_s * 1e3:.3f} / {p.embed_backward_s * 1e3:.3f}",
              f"{p.head_forward_s * 1e3:.3f} / {p.head_backward_s * 1e3:.3f}", f"{p.optimizer_s_per_param * 1e9:.2f}",
              f"{p.layer_activation_bytes / 1e6:.2f}", "measured" if id(p) in fresh else "kept"] for p in layers]
     link_header = ["ranks at once", "point to point", "all-reduce", "broadcast", "all-gather", ""]

@@ -31,6 +31,7 @@ from hethub.planner.partition import partition_layers, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
+from hethub.predictor.profiled import core_sharing
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -280,6 +281,9 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
     plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
                 recompute="full" if setting.recompute else "none", schedule=setting.schedule,
                 pipelines=tuple(pipelines))
+    sharing = None if state.profiles is None else core_sharing(plan, state.cluster, state.model, state.profiles)
+    if sharing is not None:  # ranks sharing the cores compute faster while others wait: so may every stage
+        bound *= sharing.alone
     return bound, plan
 
 

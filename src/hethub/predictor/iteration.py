@@ -8,6 +8,7 @@ last device is done.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from hethub.predictor.memory import (
     stage_params,
 )
 from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
+from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.profile.store import LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
@@ -107,8 +109,8 @@ class Prediction:
 
 
 @dataclass(frozen=True, slots=True)
-class _LayoutRun:
-    """One pipeline layout's simulated schedule."""
+class _LayoutCosts:
+    """One pipeline layout's per-stage costs, before its schedule is simulated."""
 
     pipeline: PipelineLayout
     groups: tuple[DeviceGroup, ...]
@@ -118,8 +120,20 @@ class _LayoutRun:
     """Per boundary: an activation forward."""
     send_back_s: list[float]
     """Per boundary: its gradient backward."""
+
+    def fields(self) -> dict:
+        """The costs, to build the layout's _LayoutRun from."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(_LayoutCosts)}
+
+
+@dataclass(frozen=True, slots=True)
+class _LayoutRun(_LayoutCosts):
+    """One pipeline layout's simulated schedule."""
+
     stage_end_s: list[float]
     time_s: float
+    compute_s: list[float]
+    """Per stage: its forwards and backwards of the step, as simulated."""
 
 
 def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: Calibration | None = None,
@@ -132,11 +146,13 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     """
     cal = calibration or default_calibration()
     recompute = plan.recompute == "full"
-    runs, orders = [], []
-    for pipeline, blocks in zip(plan.pipelines, place(plan, cluster)):
-        run, order = _run_layout(pipeline, blocks, plan, cluster, model, cal, recompute, timeline, profiles)
-        runs.append(run)
-        orders.append(order)
+    costs = [_layout_costs(pipeline, blocks, plan, cluster, model, cal, recompute, profiles)
+             for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))]
+    sharing = None if profiles is None else profiled.core_sharing(plan, cluster, model, profiles)
+    if sharing is not None:  # more ranks than cores: every layout's ranks share them, simulated together
+        runs, orders = _simulate_shared(plan, costs, sharing)
+    else:
+        runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
 
     # Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
     # one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
@@ -176,7 +192,7 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
                 sync += comm.ring_allreduce_time(params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal)
             if measured is not None and measured[1] is not None:
                 optimizer = measured[1]
-            compute = m * (run.forward_s[s] + run.backward_s[s])
+            compute = run.compute_s[s]
             in_flight = in_flight_micro_batches(plan.schedule, s, p, m)
             stages.append(StagePrediction(
                 pipeline=index, position=s, group=group.name, accelerator=group.accelerator.name, tp=stage.tp,
@@ -227,9 +243,9 @@ def _model_flops(model: ModelSpec) -> float:
     return 3 * forward
 
 
-def _run_layout(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, cluster: ClusterSpec, model: ModelSpec,
-                cal: Calibration, recompute: bool, every_op: bool, profiles: Profiles | None):
-    """Per-stage costs of one layout and the simulation of its schedule."""
+def _layout_costs(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, cluster: ClusterSpec,
+                  model: ModelSpec, cal: Calibration, recompute: bool, profiles: Profiles | None) -> _LayoutCosts:
+    """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
     p, b = len(pipeline.stages), plan.micro_batch
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends, sends_back = [], [], [], []
@@ -248,13 +264,43 @@ def _run_layout(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, 
                 measured = (_send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal),) * 2
             sends.append(measured[0])
             sends_back.append(measured[1])
+    return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
+
+
+def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:
+    """One layout's schedule, each operation taking its cost; with ``every_op``, also the
+    (order, starts, ends) of every operation, for a timeline."""
+    p, m = len(costs.groups), costs.pipeline.micro_batches
+    compute = [m * (f + b) for f, b in zip(costs.forward_s, costs.backward_s)]
     if every_op:  # a timeline needs every operation of the full schedule
-        order = schedule_order(plan.schedule, p, pipeline.micro_batches)
-        end = simulate(order, forward, backward, sends, sends_back, every_op=True)
+        order = schedule_order(plan.schedule, p, m)
+        end = simulate(order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True)
+        start = [finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[s]
+                 for (s, kind, _), finish in zip(order.ops, end)]
         stage_end = [end[i] for i in order.last_op]
-        return _LayoutRun(pipeline, groups, forward, backward, sends, sends_back, stage_end, max(stage_end)), (order, end)
-    stage_end = stage_end_times(plan.schedule, forward, backward, sends, sends_back, pipeline.micro_batches)
-    return _LayoutRun(pipeline, groups, forward, backward, sends, sends_back, stage_end, max(stage_end)), None
+        return _LayoutRun(**costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute), \
+            (order, start, end)
+    stage_end = stage_end_times(plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m)
+    return _LayoutRun(**costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute), None
+
+
+def _simulate_shared(plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing) -> tuple[list[_LayoutRun], list]:
+    """Every layout's schedule at once, its ranks sharing the machine's cores (predictor.sharing)."""
+    layouts = [SharedLayout(order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),
+                            forward_s=c.forward_s, backward_s=c.backward_s, send_forward_s=c.send_s,
+                            send_backward_s=c.send_back_s,
+                            ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
+                            speed=[group.speed or 1.0 for group in c.groups])
+               for c in costs]
+    runs, orders = [], []
+    for c, layout, (start, end) in zip(costs, layouts, simulate_shared(layouts, sharing)):
+        compute = [0.0] * len(c.groups)
+        for (s, _, _), a, b in zip(layout.order.ops, start, end):
+            compute[s] += b - a
+        stage_end = [end[i] for i in layout.order.last_op]
+        runs.append(_LayoutRun(**c.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute))
+        orders.append((layout.order, start, end))
+    return runs, orders
 
 
 LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
@@ -368,13 +414,12 @@ def _send_time(nbytes: float, blocks: list[StageBlock], s: int, groups: tuple[De
 def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
     """Every simulated operation and activation/gradient send, as trace events."""
     events = []
-    for index, (run, (order, end)) in enumerate(zip(runs, orders)):
+    for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
         p = len(run.groups)
-        for (s, kind, j), finish in zip(order.ops, end):
-            duration = run.backward_s[s] if kind == BACKWARD else run.forward_s[s]
+        for (s, kind, j), begin, finish in zip(order.ops, start, end):
             base = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
             events.append({**base, "kind": "backward" if kind == BACKWARD else "forward",
-                           "start_s": finish - duration, "end_s": finish})
+                           "start_s": begin, "end_s": finish})
             if kind == FORWARD and s < p - 1:
                 events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]})
             if kind == BACKWARD and s > 0:

@@ -2,8 +2,10 @@
 numbers in place of the analytic model's.
 
 Compute: a stage's forward is its layers' measured forwards plus the embedding (first stage) and
-the head with the cross-entropy (last stage); backward likewise, plus the forward again with full
-recomputation. TP collectives are inside the measured times.
+the head with the cross-entropy (last stage); backward likewise. With full recomputation the
+layers take their measured checkpointed times, and the embedding's and head's forwards run again.
+TP collectives are inside the measured times. Where a local run has more ranks than the machine
+has cores, core_sharing() says how the ranks share them (predictor.sharing).
 Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
 whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
 group; the gradient sync goes parameter tensor by parameter tensor: the TP group gathers the
@@ -14,10 +16,13 @@ activations of the micro-batches in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import statistics
 
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
-from hethub.profile.store import LayerProfile, LinkProfile, Profiles
+from hethub.predictor.sharing import CoreSharing
+from hethub.profile.store import LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
@@ -26,15 +31,21 @@ MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
 def profiled_work(profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool) -> tuple[float, float]:
-    """Forward and backward seconds of one micro-batch through a stage, from its measured pieces."""
-    forward = layers * profile.layer_forward_s
-    backward = layers * profile.layer_backward_s
-    if first:
-        forward, backward = forward + profile.embed_forward_s, backward + profile.embed_backward_s
-    if last:
-        forward, backward = forward + profile.head_forward_s, backward + profile.head_backward_s
-    if recompute:  # the runtime checkpoints the whole stage: its forward runs again before the backward
+    """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
+
+    With full recomputation the runtime checkpoints the whole stage: its layers take their
+    measured checkpointed times (forward + backward where the profile lacks them), and the
+    embedding's and head's forwards run again before their backwards.
+    """
+    measured = recompute and None not in (profile.layer_recompute_forward_s, profile.layer_recompute_backward_s)
+    forward = layers * (profile.layer_recompute_forward_s if measured else profile.layer_forward_s)
+    backward = layers * (profile.layer_recompute_backward_s if measured else profile.layer_backward_s)
+    if recompute and not measured:
         backward += forward
+    ends = [(profile.embed_forward_s, profile.embed_backward_s)] * first
+    ends += [(profile.head_forward_s, profile.head_backward_s)] * last
+    for f, b in ends:
+        forward, backward = forward + f, backward + b + (f if recompute else 0.0)
     return forward, backward
 
 
@@ -131,15 +142,60 @@ def profiled_memory(profile: LayerProfile, model: ModelSpec, bytes_per_element: 
     return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
 
 
+def core_sharing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles) -> CoreSharing | None:
+    """How the plan's ranks share the cores of the machine its profiles were measured on, or None
+    where they do not: the profiles are selected for a local run of more ranks at once than that
+    machine has cores (the cores each layer profile records), and hold the plan's layers.
+
+    ``alone``: a layer's measured time with its TP group alone on the machine, as a share of its
+    time with all of the job's ranks at once, averaged over the plan's TP degrees; where the
+    profiles lack the former, the fair share of the cores (cores / ranks).
+    """
+    ranks = profiles.concurrent_ranks
+    measured = [profiles.layer_for(device, model, tp, plan.micro_batch) for device, tp in _device_tps(plan, cluster)]
+    recorded = [p.cores for p in measured if p is not None and p.cores is not None]
+    if not recorded or ranks <= min(recorded):
+        return None
+    shares = []
+    for profile in measured:
+        alone = None if profile is None else profiles.layer(alone_key(profile))
+        if alone is not None:
+            shares.append((alone.layer_forward_s + alone.layer_backward_s)
+                          / (profile.layer_forward_s + profile.layer_backward_s))
+    least = min(tp for _, tp in _device_tps(plan, cluster))
+    return CoreSharing(cores=min(recorded), ranks=ranks, least=least,
+                       alone=min(1.0, statistics.fmean(shares)) if shares else min(recorded) / ranks)
+
+
+def _device_tps(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, int]]:
+    """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are looked up by."""
+    return list(dict.fromkeys((cluster.group(s.group).accelerator.name, s.tp) for p in plan.pipelines
+                              for s in p.stages))
+
+
+def alone_key(profile: LayerProfile) -> LayerKey:
+    """The key of ``profile``'s layers measured with their TP group alone on the machine."""
+    return dataclasses.replace(profile.key, concurrent_ranks=profile.key.tp)
+
+
 def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles) -> list[str]:
     """One line per piece of ``plan`` that ``profiles`` lack, which the prediction prices with the
     analytic model instead."""
     notes: list[str] = []
-    for device, tp in dict.fromkeys((cluster.group(s.group).accelerator.name, s.tp)
-                                    for p in plan.pipelines for s in p.stages):
-        if profiles.layer_for(device, model, tp, plan.micro_batch) is None:
+    for device, tp in _device_tps(plan, cluster):
+        profile = profiles.layer_for(device, model, tp, plan.micro_batch)
+        if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
             notes.append(f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model")
+        elif plan.recompute == "full" and profile.layer_recompute_backward_s is None:
+            notes.append(f"the profile for {profile.key.describe()} has no recomputed layer times: "
+                         f"recomputation taken as the forward again")
+    sharing = core_sharing(plan, cluster, model, profiles)
+    for device, tp in _device_tps(plan, cluster) if sharing else ():
+        profile = profiles.layer_for(device, model, tp, plan.micro_batch)
+        if profile is not None and profiles.layer(alone_key(profile)) is None:
+            notes.append(f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
+                         f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair")
     devices = dict.fromkeys(cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages)
     needed = {r for r in holders(plan, model) if r > 1}
     for device in devices:

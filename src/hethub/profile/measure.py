@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
@@ -105,7 +106,7 @@ def available_cores() -> int:
 
 
 _TIMES = ("layer_forward_s", "layer_backward_s", "embed_forward_s", "embed_backward_s", "head_forward_s",
-          "head_backward_s", "optimizer_s_per_param")
+          "head_backward_s", "optimizer_s_per_param", "layer_recompute_forward_s", "layer_recompute_backward_s")
 
 
 def _in_this_process(fn: Callable, threads: int, *args):
@@ -159,11 +160,17 @@ def _measure_rank(rank: int, world: int, model: ModelSpec, tp: int, micro_batche
             x = x.detach().requires_grad_()
             return head.loss(head(x), tokens), lambda loss: loss.backward()
 
+        def recompute_pass(x=hidden, grad=grad):  # as the runtime's full recomputation runs a stage
+            x = x.detach().requires_grad_()
+            return checkpoint(layers, x, use_reentrant=False), lambda y: y.backward(grad)
+
         layer_f, layer_b = _time_passes(layer_pass, barrier, repeats)
+        recompute_f, recompute_b = _time_passes(recompute_pass, barrier, repeats)
         embed_f, embed_b = _time_passes(embed_pass, barrier, repeats)
         head_f, head_b = _time_passes(head_pass, barrier, repeats)
         one = layers.layers["0"]
         out[b] = {"layer_forward_s": layer_f / timed, "layer_backward_s": layer_b / timed,
+                  "layer_recompute_forward_s": recompute_f / timed, "layer_recompute_backward_s": recompute_b / timed,
                   "embed_forward_s": embed_f, "embed_backward_s": embed_b,
                   "head_forward_s": head_f, "head_backward_s": head_b,
                   "layer_activation_bytes": float(saved_bytes(one, hidden)),
@@ -377,18 +384,20 @@ def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -
 
 def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, tps: Sequence[int],
                     micro_batches: Sequence[int], *, threads: int = 1, concurrent_ranks: int = 1,
-                    ranks_list: Sequence[int] | None = None, repeats: int = REPEATS,
+                    ranks_list: Sequence[int] | None = None, repeats: int = REPEATS, links: bool = True,
                     progress: Callable[[str], None] | None = None) -> Profiles:
-    """Measure what ``directory`` lacks of these layer profiles and of the link profile (with
-    collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it there, and
-    return the directory's profiles."""
+    """Measure what ``directory`` lacks of these layer profiles and (with ``links``) of the link
+    profile (with collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it
+    there, and return the directory's profiles."""
     check_layer_request(model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks)
     folder = Path(directory)
     have = load_profiles(folder) if folder.is_dir() else empty_profiles(str(folder))
     for tp in dict.fromkeys(tps):
-        missing = [b for b in dict.fromkeys(micro_batches) if LayerKey.of(
-            model, device=device_name, dtype=DTYPE, threads=threads, concurrent_ranks=concurrent_ranks, tp=tp,
-            micro_batch=b) not in have.layers]
+        keys = {b: LayerKey.of(model, device=device_name, dtype=DTYPE, threads=threads,
+                               concurrent_ranks=concurrent_ranks, tp=tp, micro_batch=b) for b in micro_batches}
+        # A file written before recomputation was measured counts as missing: measured anew.
+        missing = [b for b, key in keys.items()
+                   if key not in have.layers or have.layers[key].layer_recompute_backward_s is None]
         if missing:
             if progress:
                 progress(f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
@@ -398,7 +407,7 @@ def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, t
                 save_profile(folder, profile)
     ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
     link = have.link(device_name, concurrent_ranks)
-    if link is None or any(r not in link.allreduce for r in ranks_list):
+    if links and (link is None or any(r not in link.allreduce for r in ranks_list)):
         if progress:
             progress(f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
                      f"{max(concurrent_ranks, *ranks_list)} processes")

@@ -101,8 +101,13 @@ class LayerProfile:
     measured_at: str
     """When (ISO 8601), for the record."""
     cores: int | None = None
-    """CPU cores the measuring processes could run on, for the record (None: not recorded): with
-    more ranks at once than cores, the ranks shared them while they were measured."""
+    """CPU cores the measuring processes could run on (None: not recorded): with more ranks at
+    once than cores, the ranks shared them while they were measured (predictor.sharing)."""
+    layer_recompute_forward_s: float | None = None
+    """A layer's forward under full recomputation (activation checkpointing: nothing kept)."""
+    layer_recompute_backward_s: float | None = None
+    """Its backward, the forward it runs again included (None: not measured; the predictor then
+    takes forward + backward)."""
 
 
 Fit = tuple[float, float]
@@ -358,11 +363,13 @@ def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
 
 _LAYER_TIMES = ("layer_forward_s", "layer_backward_s", "embed_forward_s", "embed_backward_s", "head_forward_s",
                 "head_backward_s", "optimizer_s_per_param")
+_RECOMPUTE_TIMES = ("layer_recompute_forward_s", "layer_recompute_backward_s")
+"""Optional: files written before they were measured lack them."""
 
 
 def _parse_layer(data: dict, source: str) -> LayerProfile:
-    fields = Fields(data, source, allowed=("format", "kind", "key", *_LAYER_TIMES, "layer_activation_bytes",
-                                           "layer_param_bytes", "measured_at", "cores"))
+    fields = Fields(data, source, allowed=("format", "kind", "key", *_LAYER_TIMES, *_RECOMPUTE_TIMES,
+                                           "layer_activation_bytes", "layer_param_bytes", "measured_at", "cores"))
     k = Fields(fields.raw("key"), source, "key", allowed=[f.name for f in dataclasses.fields(LayerKey)])
     key = LayerKey(device=k.string("device"), arch=k.choice("arch", ARCHS), hidden=k.positive_int("hidden"),
                    heads=k.positive_int("heads"), kv_heads=k.positive_int("kv_heads"),
@@ -376,7 +383,8 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
     return LayerProfile(key=key, **times, layer_activation_bytes=fields.positive_int("layer_activation_bytes"),
                         layer_param_bytes=fields.positive_int("layer_param_bytes"),
                         measured_at=fields.string("measured_at"),
-                        cores=fields.positive_int("cores") if fields.has("cores") else None)
+                        cores=fields.positive_int("cores") if fields.has("cores") else None,
+                        **{name: _finite_positive(fields, name) for name in _RECOMPUTE_TIMES if fields.has(name)})
 
 
 def _parse_link(data: dict, source: str) -> LinkProfile:
