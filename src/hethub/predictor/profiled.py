@@ -151,8 +151,8 @@ def core_sharing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: P
     time with all of the job's ranks at once, averaged over the plan's TP degrees; where the
     profiles lack the former, the fair share of the cores (cores / ranks).
     """
-    ranks = profiles.concurrent_ranks
-    measured = [profiles.layer_for(device, model, tp, plan.micro_batch) for device, tp in _device_tps(plan, cluster)]
+    ranks, pairs = profiles.concurrent_ranks, _device_tps(plan, cluster)
+    measured = [profiles.layer_for(device, model, tp, plan.micro_batch) for device, tp in pairs]
     recorded = [p.cores for p in measured if p is not None and p.cores is not None]
     if not recorded or ranks <= min(recorded):
         return None
@@ -162,7 +162,7 @@ def core_sharing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: P
         if alone is not None:
             shares.append((alone.layer_forward_s + alone.layer_backward_s)
                           / (profile.layer_forward_s + profile.layer_backward_s))
-    least = min(tp for _, tp in _device_tps(plan, cluster))
+    least = min(tp for _, tp in pairs)
     return CoreSharing(cores=min(recorded), ranks=ranks, least=least,
                        alone=min(1.0, statistics.fmean(shares)) if shares else min(recorded) / ranks)
 
@@ -182,8 +182,11 @@ def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profile
     """One line per piece of ``plan`` that ``profiles`` lack, which the prediction prices with the
     analytic model instead."""
     notes: list[str] = []
+    found: list[LayerProfile] = []
     for device, tp in _device_tps(plan, cluster):
         profile = profiles.layer_for(device, model, tp, plan.micro_batch)
+        if profile is not None:
+            found.append(profile)
         if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
             notes.append(f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model")
@@ -191,9 +194,8 @@ def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profile
             notes.append(f"the profile for {profile.key.describe()} has no recomputed layer times: "
                          f"recomputation taken as the forward again")
     sharing = core_sharing(plan, cluster, model, profiles)
-    for device, tp in _device_tps(plan, cluster) if sharing else ():
-        profile = profiles.layer_for(device, model, tp, plan.micro_batch)
-        if profile is not None and profiles.layer(alone_key(profile)) is None:
+    for profile in found if sharing else ():
+        if profiles.layer(alone_key(profile)) is None:
             notes.append(f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
                          f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair")
     devices = dict.fromkeys(cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages)
