@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hethub.errors import HethubError
+from hethub.runtime.affinity import bind_rank
 
 DEFAULT_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 120.0  # a fresh process imports torch before its first collective
@@ -34,6 +35,7 @@ def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
+    bind_rank(rank, world)  # as the runtime binds a run's ranks
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -21,6 +21,7 @@ from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.progress import ProgressBar
 from hethub.report.trace import write_trace
+from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from hethub.runtime.data import global_batch
 from hethub.runtime.engine import Engine
@@ -40,6 +41,7 @@ def train(run: RunDir, settings: RunSettings, cluster: ClusterSpec, plan: Plan, 
         raise HethubError(f"{run.plan}: the plan needs {topology.world_size} processes, torchrun started {world} "
                           f"(give --nproc-per-node x nodes = {topology.world_size})")
     torch.set_num_threads(1)
+    bind_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
     try:
         rank = dist.get_rank()
