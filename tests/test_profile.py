@@ -4,7 +4,9 @@ profiles, real measurements of the runtime's modules and of gloo links, and `het
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import time
 
 import pytest
 
@@ -285,6 +287,19 @@ def test_measure_layers_times_the_runtimes_modules():
     # At least the layer's input, its attention output and its MLP's three hidden activations, fp32.
     tokens = SMALL.seq_len
     assert profile.layer_activation_bytes >= 4 * tokens * (2 * SMALL.hidden + 3 * SMALL.ffn_hidden)
+
+
+def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
+    from hethub.profile.measure import WARMUP, _time_passes
+
+    calls = itertools.count()
+
+    def one_pass():  # 1 ms a forward, but one of the timed ten stalls for 50 ms
+        time.sleep(0.050 if next(calls) == WARMUP + 3 else 0.001)
+        return None, lambda out: None
+
+    forward, _ = _time_passes(one_pass, lambda: None, 10)
+    assert forward >= (0.050 + 9 * 0.001) / 10  # the plain mean: without the stall it would be ~1 ms
 
 
 def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_size():

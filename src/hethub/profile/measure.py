@@ -1,8 +1,9 @@
 """Measure what the runtime executes: its own stage modules (hethub.runtime.model) forward and
 backward, fp32 on the CPU, and gloo messages and collectives between local processes.
 
-Every time is the mean of several repeats after a warm-up, without the fastest and the slowest
-(measure.typical). A TP degree above 1 is measured in a real gloo group of that many processes,
+Every time is the plain mean of several repeats after a warm-up, the occasional stall included,
+as a run meets it. Each measuring process is bound to its share of the cores, as the runtime
+binds a run's ranks (runtime.affinity). A TP degree above 1 is measured in a real gloo group of that many processes,
 so the layer's collectives are inside its time. ``concurrent_ranks`` processes measure at once
 (4 ranks on a 2-core machine share its cores, and so do their measurements): they start each
 measurement together and then repeat it back to back, as the runtime runs its operations.
@@ -43,7 +44,7 @@ LAYERS_TIMED = 4
 run several layers back to back, whose weights do not all stay in cache."""
 LINK_SIZES = tuple(kib << 10 for kib in (4, 16, 64, 256, 512, 1024, 2048, 4096, 16384))
 """Message sizes measured (bytes): denser where a small model's gradient tensors are."""
-LINK_REPEATS = 7
+LINK_REPEATS = 15
 SMALL_MESSAGE = 1 << 20  # below it a message costs little to repeat, and its latency is noisy
 
 
@@ -130,7 +131,7 @@ def _tp_group(rank: int, world: int, tp: int):
 
 def _measure_rank(rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...],
                   repeats: int) -> dict[int, dict[str, float]]:
-    """On one rank: the typical costs of each micro-batch size (all ranks measure at once)."""
+    """On one rank: the mean costs of each micro-batch size (all ranks measure at once)."""
     group = _tp_group(rank, world, tp) if world > 1 else None
     barrier = dist.barrier if world > 1 else _nothing
     timed = min(model.layers, LAYERS_TIMED)
@@ -186,7 +187,7 @@ def _nothing() -> None:
 
 
 def _time_passes(run: Callable, barrier: Callable, repeats: int) -> tuple[float, float]:
-    """Typical forward and backward seconds of ``run()`` -> (output, backward function).
+    """Mean forward and backward seconds of ``run()`` -> (output, backward function).
 
     The ranks start together and then run their passes back to back, as the runtime does: a
     barrier before every pass would stagger short passes so that they hardly overlap, and
@@ -203,18 +204,10 @@ def _time_passes(run: Callable, barrier: Callable, repeats: int) -> tuple[float,
         if i >= WARMUP:
             forward.append(middle - started)
             backward.append(ended - middle)
-    return typical(forward), typical(backward)
-
-
-def typical(times: Sequence[float]) -> float:
-    """The mean of ``times`` without its extremes. The mean, not the median: with ranks sharing
-    cores, or the operating system's other work, an operation's time varies widely from one run
-    to the next, and what a step adds up is the mean; without the single fastest and slowest,
-    so that one stall does not decide."""
-    ordered = sorted(times)
-    if len(ordered) >= 5:
-        ordered = ordered[1:-1]
-    return statistics.fmean(ordered)
+    # The plain mean, stalls included: what a step adds up. With ranks sharing the cores an
+    # operation now and then takes 2-6x its median (the scheduler), and dropping the extremes
+    # priced 4-rank TP layers up to 13% short.
+    return statistics.fmean(forward), statistics.fmean(backward)
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
@@ -247,7 +240,7 @@ def _optimizer_seconds_per_param(module: torch.nn.Module, barrier: Callable, rep
         started = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - started)
-    return typical(times) / sum(p.numel() for p in params)
+    return statistics.fmean(times) / sum(p.numel() for p in params)
 
 
 # --- links -------------------------------------------------------------------------------------
@@ -316,7 +309,7 @@ _FASTEST_PER_BYTE = 1e-15  # 1 PB/s: "too fast to measure" as a finite bandwidth
 
 def _link_rank(rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[int, ...],
                repeats: int) -> dict[tuple[str, int], dict[int, float]]:
-    """On one rank: typical seconds per size of each measurement this rank leads. Every group
+    """On one rank: mean seconds per size of each measurement this rank leads. Every group
     starts each size together and then repeats its operation back to back, as the runtime's
     gradient sync does."""
     out: dict[tuple[str, int], dict[int, float]] = {}
@@ -354,19 +347,21 @@ def _link_rank(rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[
 
 
 def _series(op: Callable[[], None], repeats: int) -> float:
-    """Every rank starts together, then ``op`` runs back to back: its typical seconds."""
+    """Every rank starts together, then ``op`` runs back to back: its mean seconds, stalls
+    included. Not a trimmed mean: a gloo collective of a few hundred microseconds stalls for
+    milliseconds every few dozen calls, and a gradient sync of ~75 tensors meets those stalls.
+    (Measured here: 40 all-reduces of 768 bytes, 0.27 ms each without the extremes, 0.38 ms
+    each over the whole series.)"""
     dist.barrier()
-    times = []
-    for i in range(1 + repeats):  # the first one warms up
-        started = time.perf_counter()
+    op()  # warms up
+    started = time.perf_counter()
+    for _ in range(repeats):
         op()
-        if i:
-            times.append(time.perf_counter() - started)
-    return typical(times)
+    return (time.perf_counter() - started) / repeats
 
 
 def _repeats(nbytes: int, repeats: int) -> int:
-    return 3 * repeats if nbytes < SMALL_MESSAGE else repeats
+    return 8 * repeats if nbytes < SMALL_MESSAGE else repeats
 
 
 def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -> Callable[[], None]:
