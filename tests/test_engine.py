@@ -11,6 +11,7 @@ from hethub.comm import BRIDGE, Communicator
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, full_state, shard
 from hethub.runtime.topology import build_topology
+from hethub.spec.buckets import BUCKET_BYTES
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 
 SEED, STEPS, LR = 7, 3, 1e-2
@@ -41,11 +42,12 @@ def reference(preset, global_batch):
     return losses, grads
 
 
-def _rank(rank, world, preset, plan_dict):
+def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     spec = load_model(preset)
     plan = parse_plan(plan_dict)
     topology = build_topology(plan, CLUSTER)
-    engine = Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR)
+    engine = Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR,
+                    bucket_bytes=bucket_bytes)
     losses, grads = [], None
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
@@ -79,13 +81,23 @@ PLANS = {
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_layout_matches_the_single_process_reference(name):
+    check_against_reference(name, BUCKET_BYTES)
+
+
+def test_gradients_synced_in_many_small_buckets_match_the_reference_too():
+    # The layouts above fit each sync group in one bucket; a small cap splits every group into
+    # many, some of a single tensor over the cap, across TP, replicas and the tied embedding.
+    check_against_reference("unlike replicas, uneven split, across vendors", 4096)
+
+
+def check_against_reference(name, bucket_bytes):
     preset, fields = PLANS[name]
     plan_dict = {"model": preset, "micro_batch": 1, **fields}
     plan = parse_plan(plan_dict)
     check_plan(plan, CLUSTER, load_model(preset))
     world = build_topology(plan, CLUSTER).world_size
     ref_losses, ref_grads = reference(preset, plan.global_batch)
-    results = run_ranks(_rank, world, preset, plan_dict, timeout_s=120)
+    results = run_ranks(_rank, world, preset, plan_dict, bucket_bytes, timeout_s=120)
     vendors = {CLUSTER.group(s["group"]).accelerator.vendor for p in fields["pipelines"] for s in p["stages"]}
     bridged = sum(moved[BRIDGE] for *_, moved in results)
     # Only a plan whose stages or replicas span vendors moves anything over the bridge.

@@ -28,6 +28,7 @@ from hethub.profile import (
 )
 from hethub.profile.store import local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
+from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 
 TINY = load_model("tiny-llama")
 CPU2 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}, "cpu2")
@@ -216,9 +217,22 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         {"count": 2, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}]})
     (stage,) = predict(dp, CPU2, TINY, profiles=profiles_of(lp, link)).stages
     tensors = param_tensors(TINY, 8, True, True, True)
-    assert len(tensors) == 8 * 9 + 3  # one all-reduce per parameter tensor, as the runtime does
-    expected = sum(link.allreduce_time(n * 4, 2) for _, n, _ in tensors)
-    assert stage.grad_sync_s == pytest.approx(expected)
+    assert len(tensors) == 8 * 9 + 3
+    total = sum(n * 4 for _, n, _ in tensors)
+    assert total < BUCKET_BYTES  # one bucket, one all-reduce, as the runtime does
+    assert stage.grad_sync_s == pytest.approx(link.allreduce_time(total, 2))
+    tp2 = parse_plan({"model": "tiny-llama", "global_batch": 8, "pipelines": [
+        {"count": 2, "stages": [{"group": "cpu", "tp": 2, "layers": 8}]}]})
+    cpu4 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]})
+    (stage,) = predict(tp2, cpu4, TINY, profiles=profiles_of(layer_profile(key_of(tp=2)), link)).stages
+    gathers = sum(link.allgather_time(n * 4, 2) for _, n, sharded in tensors if sharded)
+    assert stage.grad_sync_s == pytest.approx(gathers + link.allreduce_time(total, 2) + link.broadcast_time(total, 2))
+
+
+def test_buckets_hold_consecutive_tensors_up_to_the_cap():
+    assert bucket_bounds([4, 4, 4], cap=8) == [(0, 2), (2, 3)]
+    assert bucket_bounds([3, 20, 3, 3], cap=8) == [(0, 1), (1, 2), (2, 4)]  # one over the cap: its own
+    assert bucket_bounds([], cap=8) == []
 
 
 def test_link_times_interpolate_the_measured_points_and_extend_the_fitted_bandwidth(tmp_path):

@@ -8,9 +8,9 @@ TP collectives are inside the measured times. Where a local run has more ranks t
 has cores, core_sharing() says how the ranks share them (predictor.sharing).
 Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
 whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
-group; the gradient sync goes parameter tensor by parameter tensor: the TP group gathers the
-full gradient, the leaders of every stage holding it all-reduce it, the leader broadcasts it
-back. Memory: weights, gradients and both AdamW moments in the profile's dtype, and the measured
+group; the gradient sync goes in buckets of the tensors with the same holders (spec.buckets):
+the TP group gathers each full gradient, the leaders of every stage holding the bucket
+all-reduce it, the leader broadcasts it back. Memory: weights, gradients and both AdamW moments in the profile's dtype, and the measured
 activations of the micro-batches in flight.
 """
 
@@ -23,6 +23,7 @@ import statistics
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.profile.store import LayerKey, LayerProfile, LinkProfile, Profiles
+from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
@@ -102,26 +103,32 @@ def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
 
 def grad_sync_time(link: LinkProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,
                    single_stage: bool, holders: int, embed_holders: int, bytes_per_element: int) -> float | None:
-    """One rank's gradient sync of a stage, tensor by tensor (None: a collective not measured).
+    """One rank's gradient sync of a stage, as the runtime buckets it (spec.buckets); None where
+    a collective was not measured.
 
     ``holders``: stages (of all replicas) holding each layer; ``embed_holders``: those holding
-    the embedding (with gpt's tied head, the last stages too).
+    the embedding (with gpt's tied head, the last stages too). Tensors with the same holders share
+    buckets; each sharded tensor is first gathered in the TP group, each bucket is all-reduced
+    and then broadcast to the TP group. The runtime fills buckets in full-model name order,
+    priced here in building order: the two differ only in where a bucket of a stage over
+    BUCKET_BYTES ends.
     """
-    total = 0.0
+    by_holders: dict[int, list[tuple[int, bool]]] = {}
     for what, elements, sharded in param_tensors(model, layers, first, last, single_stage):
         ranks = embed_holders if what == "embed" else holders
-        if ranks <= 1:
-            continue
-        nbytes = elements * bytes_per_element
-        parts = [link.allreduce_time(nbytes, ranks)]
+        if ranks > 1:
+            by_holders.setdefault(ranks, []).append((elements * bytes_per_element, sharded))
+    parts = []
+    for ranks, tensors in by_holders.items():
+        sizes = [nbytes for nbytes, _ in tensors]
         if tp > 1:
-            parts.append(link.broadcast_time(nbytes, tp))
-            if sharded:
-                parts.append(link.allgather_time(nbytes, tp))
-        if any(part is None for part in parts):
-            return None
-        total += sum(parts)
-    return total
+            parts += [link.allgather_time(nbytes, tp) for nbytes, sharded in tensors if sharded]
+        for start, stop in bucket_bounds(sizes):
+            bucket = sum(sizes[start:stop])
+            parts.append(link.allreduce_time(bucket, ranks))
+            if tp > 1:
+                parts.append(link.broadcast_time(bucket, tp))
+    return None if None in parts else sum(parts)
 
 
 def optimizer_time(profile: LayerProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,

@@ -372,7 +372,14 @@ def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -
     tensor = torch.zeros(nbytes // 4)
     if kind == "broadcast":
         return lambda: dist.broadcast(tensor, members[0], group=group)
-    return lambda: dist.all_reduce(tensor, group=group)
+
+    def bucket_allreduce() -> None:
+        # As the runtime's gradient sync reduces a bucket: the gradients copied into one flat
+        # buffer, reduced, copied back. The copies cost a quarter of a 14 MB bucket's sync here.
+        flat = torch.cat([tensor.view(-1)])
+        dist.all_reduce(flat, group=group)
+        tensor.copy_(flat)
+    return bucket_allreduce
 
 
 # --- both, incrementally -----------------------------------------------------------------------

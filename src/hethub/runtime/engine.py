@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from hethub.comm import Communicator, group_backend
 from hethub.runtime.model import Stage, full_state, shard, stage_names
 from hethub.runtime.topology import Topology
+from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
 from hethub.spec.schedules import FORWARD, stage_sequence
@@ -35,11 +36,13 @@ class Engine:
 
     def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, comm: Communicator, *, seed: int,
                  lr: float = 1e-3, weight_decay: float = 0.0, devices: list[torch.device] | None = None,
-                 speed: float | None = None) -> None:
+                 speed: float | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         """``devices``: where each rank runs (default: every rank on the CPU); ``speed``: this
-        rank's emulated speed relative to the machine (None: as fast as it runs)."""
+        rank's emulated speed relative to the machine (None: as fast as it runs); ``bucket_bytes``:
+        the gradient sync's bucket cap (spec.buckets)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
+        self.bucket_bytes = bucket_bytes
         self.timeline: list[dict] = []
         self._step_start = 0.0
         self.rank = dist.get_rank()
@@ -181,25 +184,41 @@ class Engine:
     def _sync_gradients(self) -> None:
         """Sum each parameter's gradient over every replica (and the tied head copy) holding it.
 
-        In full-model name order on every rank, so that the collectives of different groups
-        interleave the same way everywhere: gather the full gradient in the TP group, all-reduce
-        it among the holders' leaders, broadcast it back, keep this rank's shard.
+        The parameters held by the same leaders go together, in buckets (spec.buckets): gather
+        each full gradient in the TP group, flatten the bucket, all-reduce it among the holders'
+        leaders, broadcast it back, keep this rank's shards. Buckets go in the order of their
+        first full-model name on every rank, so that the collectives of different groups
+        interleave the same way everywhere.
         """
         tp, tp_rank = len(self.my_tp_ranks), self.my_tp_ranks.index(self.rank)
-        params = sorted(((self.stage.full_name(n), p) for n, p in self.stage.named_parameters()))
+        held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, param in sorted((self.stage.full_name(n), p) for n, p in self.stage.named_parameters()):
+            leaders, _ = self.sync_groups[name]
+            if len(leaders) > 1:
+                held.setdefault(leaders, []).append((name, param))
+        for leaders, params in held.items():
+            group = self.sync_groups[params[0][0]][1]
+            full_bytes = [param.grad.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params]
+            for start, stop in bucket_bounds(full_bytes, self.bucket_bytes):
+                self._sync_bucket(params[start:stop], leaders, group, tp, tp_rank)
+
+    def _sync_bucket(self, params: list[tuple[str, torch.nn.Parameter]], leaders: tuple[int, ...], group,
+                     tp: int, tp_rank: int) -> None:
+        """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one broadcast."""
+        fulls = []
         for name, param in params:
-            leaders, group = self.sync_groups[name]
-            if len(leaders) == 1:
-                continue
-            full = self.gather_full(name, param.grad)
+            fulls.append(self.gather_full(name, param.grad))
             if _shard_dim(name) is not None:  # the all-gather moved tp - 1 shards in
                 self.comm.native(param.grad, tp - 1)
-            if self.rank == self.leader:
-                self.comm.all_reduce(full, leaders, group)
-            if tp > 1:
-                dist.broadcast(full, self.leader, group=self.tp_group)
-                self.comm.native(full)
-            param.grad.copy_(shard(name, full, tp_rank, tp))
+        flat = torch.cat([full.reshape(-1) for full in fulls])
+        if self.rank == self.leader:
+            self.comm.all_reduce(flat, leaders, group)
+        if tp > 1:
+            dist.broadcast(flat, self.leader, group=self.tp_group)
+            self.comm.native(flat)
+        pieces = flat.split([full.numel() for full in fulls])
+        for (name, param), piece, full in zip(params, pieces, fulls, strict=True):
+            param.grad.copy_(shard(name, piece.view_as(full), tp_rank, tp))
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP
