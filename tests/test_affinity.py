@@ -32,3 +32,12 @@ def test_profiling_ranks_are_bound_apart_and_oversubscribed_ones_are_not():
     assert not set(two[0]) & set(two[1])
     many = len(cores) + 1
     assert run_ranks(_my_cores, many, timeout_s=60) == [cores] * many
+
+
+def _session(rank: int, world: int) -> bool:
+    return os.getsid(0) == os.getpid()
+
+
+@pytest.mark.skipif(not hasattr(os, "setsid"), reason="sessions are POSIX")
+def test_profiling_ranks_run_each_in_a_session_of_its_own_as_torchrun_starts_workers():
+    assert run_ranks(_session, 2, timeout_s=60) == [True, True]

@@ -34,6 +34,12 @@ def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Each in a session of its own, as torchrun starts a run's workers: where the kernel groups
+    # the processes of a session for CPU fairness (autogroup), ranks sharing a core are
+    # scheduled as separate groups, which made a 4-rank TP run here 1.5x slower than the same
+    # ranks in one session; the profile measures what the run meets.
+    if hasattr(os, "setsid"):
+        os.setsid()
     torch.set_num_threads(threads)
     bind_rank(rank, world)  # as the runtime binds a run's ranks
     try:
