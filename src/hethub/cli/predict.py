@@ -135,8 +135,10 @@ def describe(prediction: Prediction, plan: Plan, cluster: ClusterSpec, model: Mo
                      f"{s.backward_s * 1e3:.2f}", f"{s.compute_s:.3f}", f"{s.grad_sync_s * 1e3:.1f}",
                      f"{s.memory.total_gb:.1f} / {capacity:g}{flag}"])
     p = prediction
+    params = model.parameter_count()
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"  # local models are millions
     lines = [
-        (f"model {model.name} ({model.parameter_count() / 1e9:.2f}B parameters), plan {source}: "
+        (f"model {model.name} ({size} parameters), plan {source}: "
          f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
          f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices"),
         "",
