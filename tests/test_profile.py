@@ -26,7 +26,7 @@ from hethub.profile import (
     save_profile,
     select_for_run,
 )
-from hethub.profile.store import local_concurrency, profile_path
+from hethub.profile.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 
@@ -193,6 +193,29 @@ def test_a_cached_profile_without_recomputed_times_is_measured_again(tmp_path, m
     monkeypatch.setattr(measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or [])
     measure.ensure_profiles(tmp_path, TINY, "cpu", [1], [1, 2], links=False)
     assert asked == [[1]]
+
+
+def test_a_profile_of_an_older_measuring_method_is_measured_again_and_noted_where_given(tmp_path, monkeypatch):
+    from hethub.profile import measure
+
+    current = layer_profile(key_of(concurrent_ranks=1, micro_batch=2), layer_recompute_forward_s=0.009,
+                            layer_recompute_backward_s=0.031)
+    save_profile(tmp_path, current)
+    for profile in (dataclasses.replace(current, key=key_of(concurrent_ranks=1)), link_profile(1)):
+        path = save_profile(tmp_path, profile)
+        data = json.loads(path.read_text())
+        del data["method"]  # written before the method was recorded
+        path.write_text(json.dumps(data))
+        assert read_profile(path).method == 1 < METHOD
+    asked = []
+    monkeypatch.setattr(measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or [])
+    monkeypatch.setattr(measure, "measure_links", lambda device, ranks, **kw: asked.append(ranks) or link_profile(1))
+    measure.ensure_profiles(tmp_path, TINY, "cpu", [1], [1, 2])
+    assert asked == [[1], [2]]
+    older = [dataclasses.replace(layer_profile(key_of()), method=1), dataclasses.replace(link_profile(), method=1)]
+    notes = missing_profiles(plan_of([("cpu", 4), ("cpu", 4)]), CPU2, TINY, profiles_of(*older))
+    assert [n for n in notes if "measured by an older hethub (method 1, now" in n and "--again" in n] == notes
+    assert len(notes) == 2
 
 
 def test_an_emulated_speed_of_half_doubles_compute():

@@ -22,7 +22,7 @@ import statistics
 
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
-from hethub.profile.store import LayerKey, LayerProfile, LinkProfile, Profiles
+from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -197,6 +197,9 @@ def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profile
         if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
             notes.append(f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model")
+        elif profile.method < METHOD:
+            notes.append(f"the profile for {profile.key.describe()} was measured by an older hethub (method "
+                         f"{profile.method}, now {METHOD}): measure again with hethub profile --again")
         elif plan.recompute == "full" and profile.layer_recompute_backward_s is None:
             notes.append(f"the profile for {profile.key.describe()} has no recomputed layer times: "
                          f"recomputation taken as the forward again")
@@ -213,6 +216,9 @@ def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profile
             notes.append(f"no link profile for {device} with {profiles.concurrent_ranks} rank(s) at once in "
                          f"{profiles.source or 'the profiles'}: analytic communication")
             continue
+        if link.method < METHOD:
+            notes.append(f"the link profile of {device} was measured by an older hethub (method {link.method}, "
+                         f"now {METHOD}): measure again with hethub profile --again")
         tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
         lacking = [f"all-reduce over {r} ranks" for r in sorted(needed) if r not in link.allreduce]
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
 from hethub.profile.store import (
+    METHOD,
     LayerKey,
     LayerProfile,
     LinkProfile,
@@ -399,9 +400,11 @@ def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, t
     for tp in dict.fromkeys(tps):
         keys = {b: LayerKey.of(model, device=device_name, dtype=DTYPE, threads=threads,
                                concurrent_ranks=concurrent_ranks, tp=tp, micro_batch=b) for b in micro_batches}
-        # A file written before recomputation was measured counts as missing: measured anew.
+        # A file written before recomputation was measured, or by an older method, counts as
+        # missing: measured anew.
         missing = [b for b, key in keys.items()
-                   if key not in have.layers or have.layers[key].layer_recompute_backward_s is None]
+                   if key not in have.layers or have.layers[key].layer_recompute_backward_s is None
+                   or have.layers[key].method < METHOD]
         if missing:
             if progress:
                 progress(f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
@@ -411,11 +414,11 @@ def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, t
                 save_profile(folder, profile)
     ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
     link = have.link(device_name, concurrent_ranks)
-    if links and (link is None or any(r not in link.allreduce for r in ranks_list)):
+    if links and (link is None or link.method < METHOD or any(r not in link.allreduce for r in ranks_list)):
         if progress:
             progress(f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
                      f"{max(concurrent_ranks, *ranks_list)} processes")
-        wanted = sorted(set(ranks_list) | set(link.allreduce if link else ()))
+        wanted = sorted(set(ranks_list) | set(link.allreduce if link and link.method == METHOD else ()))
         save_profile(folder, measure_links(device_name, wanted, concurrent_ranks=concurrent_ranks))
     return load_profiles(folder)
 

@@ -27,6 +27,12 @@ from hethub.spec.model import ARCHS, ModelSpec
 
 FORMAT = 1
 """Version of the file format; a file of another version is refused."""
+METHOD = 2
+"""Version of how the numbers are measured (hethub.profile.measure); a file of an older method
+reads, but is measured anew where hethub measures (it would price a run differently) and noted
+where given. 1: files without the field (trimmed means, 4 chained layers, unbound ranks); 2: plain
+means, 8 chained layers, the all-reduce as the bucketed gradient sync runs it, each measuring
+process bound to its cores and in a session of its own, as a run's ranks are."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LAYER, LINK = "layer", "link"
 
@@ -108,6 +114,8 @@ class LayerProfile:
     layer_recompute_backward_s: float | None = None
     """Its backward, the forward it runs again included (None: not measured; the predictor then
     takes forward + backward)."""
+    method: int = METHOD
+    """How it was measured (METHOD)."""
 
 
 Fit = tuple[float, float]
@@ -138,6 +146,8 @@ class LinkProfile:
     measured_at: str
     points: dict[tuple[str, int], Points] = field(default_factory=dict)
     """Measured (bytes, seconds) per (p2p|allreduce|broadcast|allgather, ranks); p2p has ranks 2."""
+    method: int = METHOD
+    """How it was measured (METHOD)."""
 
     def __hash__(self) -> int:
         return hash((self.device, self.concurrent_ranks, self.measured_at))
@@ -369,7 +379,8 @@ _RECOMPUTE_TIMES = ("layer_recompute_forward_s", "layer_recompute_backward_s")
 
 def _parse_layer(data: dict, source: str) -> LayerProfile:
     fields = Fields(data, source, allowed=("format", "kind", "key", *_LAYER_TIMES, *_RECOMPUTE_TIMES,
-                                           "layer_activation_bytes", "layer_param_bytes", "measured_at", "cores"))
+                                           "layer_activation_bytes", "layer_param_bytes", "measured_at", "cores",
+                                           "method"))
     k = Fields(fields.raw("key"), source, "key", allowed=[f.name for f in dataclasses.fields(LayerKey)])
     key = LayerKey(device=k.string("device"), arch=k.choice("arch", ARCHS), hidden=k.positive_int("hidden"),
                    heads=k.positive_int("heads"), kv_heads=k.positive_int("kv_heads"),
@@ -383,19 +394,24 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
     return LayerProfile(key=key, **times, layer_activation_bytes=fields.positive_int("layer_activation_bytes"),
                         layer_param_bytes=fields.positive_int("layer_param_bytes"),
                         measured_at=fields.string("measured_at"),
-                        cores=fields.positive_int("cores") if fields.has("cores") else None,
+                        cores=fields.positive_int("cores") if fields.has("cores") else None, method=_method(fields),
                         **{name: _finite_positive(fields, name) for name in _RECOMPUTE_TIMES if fields.has(name)})
 
 
 def _parse_link(data: dict, source: str) -> LinkProfile:
     fields = Fields(data, source, allowed=("format", "kind", "device", "concurrent_ranks", "p2p_latency_s",
                                            "p2p_bytes_per_s", "allreduce", "broadcast", "allgather", "measured_at",
-                                           "points"))
+                                           "points", "method"))
     collectives = {name: _fits(fields, name) for name in ("allreduce", "broadcast", "allgather")}
     return LinkProfile(device=fields.string("device"), concurrent_ranks=fields.positive_int("concurrent_ranks"),
                        p2p_latency_s=_finite_non_negative(fields, "p2p_latency_s"),
                        p2p_bytes_per_s=_finite_positive(fields, "p2p_bytes_per_s"), **collectives,
-                       measured_at=fields.string("measured_at"), points=_points(fields))
+                       measured_at=fields.string("measured_at"), points=_points(fields), method=_method(fields))
+
+
+def _method(fields: Fields) -> int:
+    """The file's measuring method: 1 where it predates the field."""
+    return fields.positive_int("method") if fields.has("method") else 1
 
 
 def _points(fields: Fields) -> dict[tuple[str, int], Points]:
