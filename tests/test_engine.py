@@ -11,8 +11,8 @@ from hethub.comm import BRIDGE, Communicator
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, full_state, shard
 from hethub.runtime.topology import build_topology
-from hethub.spec.buckets import BUCKET_BYTES
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.buckets import BUCKET_BYTES
 
 SEED, STEPS, LR = 7, 3, 1e-2
 CLUSTER = parse_cluster({"groups": [

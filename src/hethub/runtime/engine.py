@@ -66,6 +66,7 @@ class Engine:
         self.stage.load_full(full_state(spec, seed))
         self.stage.to(self.device)
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
+        self.sync_buckets = self._sync_buckets()
         self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0] if not self.is_first else None
         self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0] if not self.is_last else None
 
@@ -181,26 +182,34 @@ class Engine:
                 self.comm.native(buffer)
         return buffer
 
-    def _sync_gradients(self) -> None:
-        """Sum each parameter's gradient over every replica (and the tied head copy) holding it.
-
-        The parameters held by the same leaders go together, in buckets (spec.buckets): gather
-        each full gradient in the TP group, flatten the bucket, all-reduce it among the holders'
-        leaders, broadcast it back, keep this rank's shards. Buckets go in the order of their
-        first full-model name on every rank, so that the collectives of different groups
-        interleave the same way everywhere.
-        """
-        tp, tp_rank = len(self.my_tp_ranks), self.my_tp_ranks.index(self.rank)
+    def _sync_buckets(self) -> list[tuple[list[tuple[str, torch.nn.Parameter]], tuple[int, ...], object]]:
+        """The gradient sync's buckets, fixed for the engine's life (its parameters are updated in
+        place): (the parameters, the leaders holding them, their group), each bucket of parameters
+        held by the same leaders (spec.buckets), in full-model name order. Buckets go in the order
+        of their first name on every rank, so that the collectives of different groups
+        interleave the same way everywhere."""
+        tp = len(self.my_tp_ranks)
         held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
         for name, param in sorted((self.stage.full_name(n), p) for n, p in self.stage.named_parameters()):
             leaders, _ = self.sync_groups[name]
             if len(leaders) > 1:
                 held.setdefault(leaders, []).append((name, param))
+        buckets = []
         for leaders, params in held.items():
             group = self.sync_groups[params[0][0]][1]
-            full_bytes = [param.grad.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params]
-            for start, stop in bucket_bounds(full_bytes, self.bucket_bytes):
-                self._sync_bucket(params[start:stop], leaders, group, tp, tp_rank)
+            full_bytes = [param.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params]
+            buckets += [(params[start:stop], leaders, group)
+                        for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)]
+        return buckets
+
+    def _sync_gradients(self) -> None:
+        """Sum each parameter's gradient over every replica (and the tied head copy) holding it,
+        bucket by bucket (_sync_buckets): gather each full gradient in the TP group, flatten the
+        bucket, all-reduce it among the holders' leaders, broadcast it back, keep this rank's
+        shards."""
+        tp, tp_rank = len(self.my_tp_ranks), self.my_tp_ranks.index(self.rank)
+        for params, leaders, group in self.sync_buckets:
+            self._sync_bucket(params, leaders, group, tp, tp_rank)
 
     def _sync_bucket(self, params: list[tuple[str, torch.nn.Parameter]], leaders: tuple[int, ...], group,
                      tp: int, tp_rank: int) -> None:
