@@ -10,8 +10,8 @@ Communication, as the runtime (hethub.runtime.engine) does it: the two stages' l
 whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
 group; the gradient sync goes in buckets of the tensors with the same holders (spec.buckets):
 the TP group gathers each full gradient, the leaders of every stage holding the bucket
-all-reduce it, the leader broadcasts it back. Memory: weights, gradients and both AdamW moments in the profile's dtype, and the measured
-activations of the micro-batches in flight.
+all-reduce it, the leader broadcasts it back. Memory: weights, gradients and both AdamW
+moments in the profile's dtype, and the measured activations of the micro-batches in flight.
 """
 
 from __future__ import annotations

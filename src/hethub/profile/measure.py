@@ -3,8 +3,9 @@ backward, fp32 on the CPU, and gloo messages and collectives between local proce
 
 Every time is the plain mean of several repeats after a warm-up, the occasional stall included,
 as a run meets it. Each measuring process is bound to its share of the cores, as the runtime
-binds a run's ranks (runtime.affinity). A TP degree above 1 is measured in a real gloo group of that many processes,
-so the layer's collectives are inside its time. ``concurrent_ranks`` processes measure at once
+binds a run's ranks (runtime.affinity), and runs in a session of its own (profile.spawn). A TP
+degree above 1 is measured in a real gloo group of that many processes, so the layer's
+collectives are inside its time. ``concurrent_ranks`` processes measure at once
 (4 ranks on a 2-core machine share its cores, and so do their measurements): they start each
 measurement together and then repeat it back to back, as the runtime runs its operations.
 """
