@@ -17,7 +17,9 @@ from hethub.spec import ClusterSpec, ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
 
 
-def _best(plans, cluster: ClusterSpec, model: ModelSpec) -> tuple[Plan | None, Prediction | None, int]:
+def _best(
+    plans, cluster: ClusterSpec, model: ModelSpec
+) -> tuple[Plan | None, Prediction | None, int]:
     best_plan = best = None
     count = 0
     for plan in plans:
@@ -56,11 +58,22 @@ def megatron_uniform(cluster: ClusterSpec, model: ModelSpec, global_batch: int, 
                         continue
                     base, extra = divmod(total, replicas)
                     layers = uniform_layers(model.layers, p)
-                    spec = tuple(StageSpec(group=g, tp=tp, layers=n) for g, n in zip(stages, layers))
+                    spec = tuple(
+                        StageSpec(group=g, tp=tp, layers=n) for g, n in zip(stages, layers)
+                    )
                     parts = [(replicas - extra, base), (extra, base + 1)]
-                    yield Plan(model=model_ref, global_batch=global_batch, micro_batch=micro_batch,
-                               recompute=recompute, pipelines=tuple(PipelineLayout(count=c, micro_batches=m, stages=spec)
-                                                                    for c, m in parts if c))
+                    yield Plan(
+                        model=model_ref,
+                        global_batch=global_batch,
+                        micro_batch=micro_batch,
+                        recompute=recompute,
+                        pipelines=tuple(
+                            PipelineLayout(count=c, micro_batches=m, stages=spec)
+                            for c, m in parts
+                            if c
+                        ),
+                    )
+
     plan, prediction, _ = _best(plans(), cluster, model)
     return plan, prediction
 
@@ -84,7 +97,9 @@ def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, m
     every = {g.name: homogeneous(g, model, MAX_STAGES) for g in cluster.groups}
     structures = [(layout,) for layouts in every.values() for layout in layouts]
     structures += combinations(every)
-    structures += mixed(cluster, model, {g.name: tp_degrees(g, model) for g in cluster.groups}, MAX_STAGES, every)
+    structures += mixed(
+        cluster, model, {g.name: tp_degrees(g, model) for g in cluster.groups}, MAX_STAGES, every
+    )
     structures = list(dict.fromkeys(structures))
 
     def plans():
@@ -93,19 +108,48 @@ def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, m
                 total = global_batch // micro_batch
                 counts = [layout.count for layout in structure]
                 for shares in _compositions(total, len(structure), counts):
-                    splits = [list(_compositions(model.layers, len(layout.slots))) for layout in structure]
+                    splits = [
+                        list(_compositions(model.layers, len(layout.slots))) for layout in structure
+                    ]
                     for chosen in itertools.product(*splits):
-                        yield _plan(structure, chosen, shares, micro_batch, recompute, global_batch, model_ref)
+                        yield _plan(
+                            structure,
+                            chosen,
+                            shares,
+                            micro_batch,
+                            recompute,
+                            global_batch,
+                            model_ref,
+                        )
+
     return _best(plans(), cluster, model)
 
 
-def _plan(structure: tuple[Layout, ...], splits, shares, micro_batch: int, recompute: str, global_batch: int,
-          model_ref: str) -> Plan:
+def _plan(
+    structure: tuple[Layout, ...],
+    splits,
+    shares,
+    micro_batch: int,
+    recompute: str,
+    global_batch: int,
+    model_ref: str,
+) -> Plan:
     pipelines = []
     for layout, split, share in zip(structure, splits, shares):
-        stages = tuple(StageSpec(group=slot.group, tp=slot.tp, layers=n) for slot, n in zip(layout.slots, split))
+        stages = tuple(
+            StageSpec(group=slot.group, tp=slot.tp, layers=n)
+            for slot, n in zip(layout.slots, split)
+        )
         base, extra = divmod(share, layout.count)
-        pipelines += [PipelineLayout(count=c, micro_batches=m, stages=stages)
-                      for c, m in ((layout.count - extra, base), (extra, base + 1)) if c]
-    return Plan(model=model_ref, global_batch=global_batch, micro_batch=micro_batch, recompute=recompute,
-                pipelines=tuple(pipelines))
+        pipelines += [
+            PipelineLayout(count=c, micro_batches=m, stages=stages)
+            for c, m in ((layout.count - extra, base), (extra, base + 1))
+            if c
+        ]
+    return Plan(
+        model=model_ref,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        recompute=recompute,
+        pipelines=tuple(pipelines),
+    )

@@ -56,11 +56,17 @@ def main() -> int:
         mapes = per_file_mape(to_cal(x), rows)
         return sum(mapes.values()) / len(mapes)
 
-    x0 = [math.log(v / (1 - v)) if n in FRACTIONS else math.log(v) for n, v in
-          ((n, getattr(start, n)) for n in names)]
+    x0 = [
+        math.log(v / (1 - v)) if n in FRACTIONS else math.log(v)
+        for n, v in ((n, getattr(start, n)) for n in names)
+    ]
     print(f"start: {per_file_mape(start, rows)}", file=sys.stderr)
-    result = minimize(objective, x0, method="Nelder-Mead",
-                      options={"maxiter": args.iterations, "xatol": 1e-3, "fatol": 1e-3})
+    result = minimize(
+        objective,
+        x0,
+        method="Nelder-Mead",
+        options={"maxiter": args.iterations, "xatol": 1e-3, "fatol": 1e-3},
+    )
     fitted = to_cal(result.x)
     print(f"fitted: {per_file_mape(fitted, rows)}", file=sys.stderr)
     print("calibration:")

@@ -32,10 +32,29 @@ MODEL, GLOBAL_BATCH = "local-llama", 16
 def planned(workdir: Path, name: str, cluster: dict, profiles: Path) -> dict:
     """`hethub plan` on this machine's profiles for ``cluster``: the plan, as a dict."""
     (workdir / f"{name}.cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
-    done = subprocess.run([sys.executable, "-m", "hethub", "plan", "--cluster", f"{name}.cluster.yaml", "--model",
-                           MODEL, "--global-batch", str(GLOBAL_BATCH), "--profiles", str(profiles.resolve()),
-                           "--out", f"{name}.yaml"], cwd=workdir, capture_output=True, text=True, timeout=600,
-                          check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hethub",
+            "plan",
+            "--cluster",
+            f"{name}.cluster.yaml",
+            "--model",
+            MODEL,
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--profiles",
+            str(profiles.resolve()),
+            "--out",
+            f"{name}.yaml",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if done.returncode:
         raise SystemExit(f"hethub plan for {name} failed:\n{done.stderr[-3000:]}")
     return yaml.safe_load((workdir / f"{name}.yaml").read_text())
@@ -43,8 +62,12 @@ def planned(workdir: Path, name: str, cluster: dict, profiles: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="steps per run, the first a warm-up (default 6)")
-    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="steps per run, the first a warm-up (default 6)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="keep the runs here (default: a temporary folder)"
+    )
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-hetero-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -56,18 +79,46 @@ def main() -> int:
 
     # This machine's profiles for every micro-batch size the planner tries, alone and two at once.
     for concurrent in (1, 2):
-        subprocess.run([sys.executable, "-m", "hethub", "profile", "--model", MODEL, "--micro-batch", "1,2,4",
-                        "--concurrent-ranks", str(concurrent), "--out", str(profiles)], check=True,
-                       stdout=subprocess.DEVNULL, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hethub",
+                "profile",
+                "--model",
+                MODEL,
+                "--micro-batch",
+                "1,2,4",
+                "--concurrent-ranks",
+                str(concurrent),
+                "--out",
+                str(profiles),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=600,
+        )
     runs, alone = {}, {}
     for name, group in groups.items():
         solo = {"groups": [group]}
-        alone[name] = validate(workdir, f"{name}-alone", solo, planned(workdir, f"{name}-alone", solo, profiles),
-                               args.steps, profiles)
+        alone[name] = validate(
+            workdir,
+            f"{name}-alone",
+            solo,
+            planned(workdir, f"{name}-alone", solo, profiles),
+            args.steps,
+            profiles,
+        )
     best = planned(workdir, "planner", cluster, profiles)
-    uniform = {"model": MODEL, "global_batch": GLOBAL_BATCH, "micro_batch": best["micro_batch"],
-               "recompute": best.get("recompute", "none"),
-               "pipelines": [{"count": 1, "stages": [stage("fast", 1, layers // 2), stage("slow", 1, layers // 2)]}]}
+    uniform = {
+        "model": MODEL,
+        "global_batch": GLOBAL_BATCH,
+        "micro_batch": best["micro_batch"],
+        "recompute": best.get("recompute", "none"),
+        "pipelines": [
+            {"count": 1, "stages": [stage("fast", 1, layers // 2), stage("slow", 1, layers // 2)]}
+        ],
+    }
     # The uniform split must be a plan the cluster can run with the planner's micro-batch: it is.
     runs["planner"] = validate(workdir, "planner", cluster, best, args.steps, profiles)
     runs["uniform"] = validate(workdir, "uniform", cluster, uniform, args.steps, profiles)
@@ -79,23 +130,42 @@ def main() -> int:
 
     bound = sum(speed(r, "measured_iteration_s") for r in alone.values())
     bound_predicted = sum(speed(r, "predicted_iteration_s") for r in alone.values())
-    print(f"emulated cluster local-hetero: fast at 1.0x, slow at 0.5x this machine (compute stretched); {MODEL}, "
-          f"global batch {GLOBAL_BATCH}; measured = median of {args.steps - 1} steps after a warm-up")
+    print(
+        f"emulated cluster local-hetero: fast at 1.0x, slow at 0.5x this machine (compute stretched); {MODEL}, "
+        f"global batch {GLOBAL_BATCH}; measured = median of {args.steps - 1} steps after a warm-up"
+    )
     print(f"planner's plan: {parse_plan(best).summary()}")
     print(f"{'run':<22} {'measured tokens/s':>18} {'predicted tokens/s':>19}")
-    for label, report in [("planner's plan", runs["planner"]), ("uniform split 4/4", runs["uniform"]),
-                          ("fast group alone", alone["fast"]), ("slow group alone", alone["slow"])]:
-        print(f"{label:<22} {speed(report, 'measured_iteration_s'):>18,.0f} {speed(report, 'predicted_iteration_s'):>19,.0f}")
-    planner_speed, uniform_speed = speed(runs["planner"], "measured_iteration_s"), speed(runs["uniform"], "measured_iteration_s")
-    print(f"upper bound (fast alone + slow alone): measured {bound:,.0f} tokens/s, predicted {bound_predicted:,.0f}")
-    print(f"planner vs uniform split: {planner_speed / uniform_speed:.3f}x measured, "
-          f"{speed(runs['planner'], 'predicted_iteration_s') / speed(runs['uniform'], 'predicted_iteration_s'):.3f}x "
-          f"predicted")
-    print(f"planner vs fast group alone: {planner_speed / speed(alone['fast'], 'measured_iteration_s'):.3f}x measured")
+    for label, report in [
+        ("planner's plan", runs["planner"]),
+        ("uniform split 4/4", runs["uniform"]),
+        ("fast group alone", alone["fast"]),
+        ("slow group alone", alone["slow"]),
+    ]:
+        print(
+            f"{label:<22} {speed(report, 'measured_iteration_s'):>18,.0f} {speed(report, 'predicted_iteration_s'):>19,.0f}"
+        )
+    planner_speed, uniform_speed = (
+        speed(runs["planner"], "measured_iteration_s"),
+        speed(runs["uniform"], "measured_iteration_s"),
+    )
+    print(
+        f"upper bound (fast alone + slow alone): measured {bound:,.0f} tokens/s, predicted {bound_predicted:,.0f}"
+    )
+    print(
+        f"planner vs uniform split: {planner_speed / uniform_speed:.3f}x measured, "
+        f"{speed(runs['planner'], 'predicted_iteration_s') / speed(runs['uniform'], 'predicted_iteration_s'):.3f}x "
+        f"predicted"
+    )
+    print(
+        f"planner vs fast group alone: {planner_speed / speed(alone['fast'], 'measured_iteration_s'):.3f}x measured"
+    )
     print(f"planner's efficiency: {100 * planner_speed / bound:.1f}% of the measured upper bound")
     met = planner_speed > uniform_speed
-    print(f"target (planner beats the uniform split as measured): {'met' if met else 'MISSED'}; "
-          f"{time.perf_counter() - started:.0f} s in all")
+    print(
+        f"target (planner beats the uniform split as measured): {'met' if met else 'MISSED'}; "
+        f"{time.perf_counter() - started:.0f} s in all"
+    )
     return 0 if met else 1
 
 

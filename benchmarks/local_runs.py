@@ -11,17 +11,41 @@ from pathlib import Path
 import yaml
 
 
-def validate(workdir: Path, name: str, cluster: dict, plan: dict, steps: int, profiles: Path) -> dict:
+def validate(
+    workdir: Path, name: str, cluster: dict, plan: dict, steps: int, profiles: Path
+) -> dict:
     """`hethub validate --json` of ``plan`` on ``cluster``; its final object."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / f"{name}.cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
     (workdir / f"{name}.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
-    done = subprocess.run([sys.executable, "-m", "hethub", "validate", "--cluster", f"{name}.cluster.yaml",
-                           "--plan", f"{name}.yaml", "--steps", str(steps), "--profiles", str(profiles.resolve()),
-                           "--json", "--run-dir", f"runs/{name}"],
-                          cwd=workdir, capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hethub",
+            "validate",
+            "--cluster",
+            f"{name}.cluster.yaml",
+            "--plan",
+            f"{name}.yaml",
+            "--steps",
+            str(steps),
+            "--profiles",
+            str(profiles.resolve()),
+            "--json",
+            "--run-dir",
+            f"runs/{name}",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     if done.returncode:
-        raise SystemExit(f"{name}: hethub validate failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"{name}: hethub validate failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
     return json.loads(done.stdout.splitlines()[-1])
 
 

@@ -36,38 +36,90 @@ EXAMPLES = {
 }
 SIX = list(EXAMPLES)[:6]
 
-SMALL_LLAMA = {"arch": "llama", "hidden": 2048, "layers": 6, "heads": 16, "kv_heads": 4, "vocab": 32000,
-               "seq_len": 2048}
-SMALL_GPT = {"arch": "gpt", "hidden": 1536, "layers": 6, "heads": 12, "vocab": 50304, "seq_len": 1024}
+SMALL_LLAMA = {
+    "arch": "llama",
+    "hidden": 2048,
+    "layers": 6,
+    "heads": 16,
+    "kv_heads": 4,
+    "vocab": 32000,
+    "seq_len": 2048,
+}
+SMALL_GPT = {
+    "arch": "gpt",
+    "hidden": 1536,
+    "layers": 6,
+    "heads": 12,
+    "vocab": 50304,
+    "seq_len": 1024,
+}
 SMALL_CASES = [  # (name, model, global batch, groups): at most 16 devices, two or three kinds
     ("a100 + mi210, 4 + 4", SMALL_LLAMA, 8, [("nv", "a100-40gb", 4), ("amd", "mi210", 4)]),
     ("h100 + 910b, 4 + 8", SMALL_LLAMA, 8, [("nv", "h100", 4), ("asc", "ascend-910b", 8)]),
     ("rtx4090 + l40s, 8 + 8", SMALL_GPT, 16, [("g", "rtx4090", 8), ("l", "l40s", 8)]),
-    ("v100 + a100 + mi250x, 2 + 2 + 4", SMALL_GPT, 8, [("v", "v100", 2), ("a", "a100-80gb", 2), ("m", "mi250x", 4)]),
-    ("mi300x + gaudi2 + h20, 2 + 2 + 4", SMALL_LLAMA, 8, [("m", "mi300x", 2), ("g", "gaudi2", 2), ("h", "h20", 4)]),
+    (
+        "v100 + a100 + mi250x, 2 + 2 + 4",
+        SMALL_GPT,
+        8,
+        [("v", "v100", 2), ("a", "a100-80gb", 2), ("m", "mi250x", 4)],
+    ),
+    (
+        "mi300x + gaudi2 + h20, 2 + 2 + 4",
+        SMALL_LLAMA,
+        8,
+        [("m", "mi300x", 2), ("g", "gaudi2", 2), ("h", "h20", 4)],
+    ),
 ]
 
 
 def plan_command(cluster: str, model: str, global_batch: int) -> tuple[dict, float]:
     """Run the whole `hethub plan` command as a user would; its JSON and its wall time."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "hethub", "plan", "--cluster", str(CLUSTERS / f"{cluster}.yaml"),
-                           "--model", model, "--global-batch", str(global_batch), "--json",
-                           "--out", f"/tmp/hethub-bench-{cluster}.yaml"],
-                          capture_output=True, text=True, check=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hethub",
+            "plan",
+            "--cluster",
+            str(CLUSTERS / f"{cluster}.yaml"),
+            "--model",
+            model,
+            "--global-batch",
+            str(global_batch),
+            "--json",
+            "--out",
+            f"/tmp/hethub-bench-{cluster}.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(done.stdout), time.perf_counter() - started
 
 
-def scenario(name: str, cluster: str, model: str, global_batch: int, target: float, seconds: float,
-             kinds: int | None = None) -> bool:
+def scenario(
+    name: str,
+    cluster: str,
+    model: str,
+    global_batch: int,
+    target: float,
+    seconds: float,
+    kinds: int | None = None,
+) -> bool:
     result, wall = plan_command(cluster, model, global_batch)
     used = {s["group"] for p in result["plan"]["pipelines"] for s in p["stages"]}
-    ok = result["efficiency"] >= target and wall <= seconds and (kinds is None or len(used) >= kinds)
-    print(f"{name}: {model}, global batch {global_batch}: {result['prediction']['tokens_per_s']:,.0f} tokens/s "
-          f"= {100 * result['efficiency']:.2f}% of the upper bound {result['upper_bound_tokens_per_s']:,.0f} "
-          f"(target >= {100 * target:.1f}%); kinds used {len(used)}; {wall:.1f} s wall for the whole command "
-          f"(target <= {seconds:g} s), {result['candidates_evaluated']} plans predicted: "
-          f"{'met' if ok else 'MISSED'}")
+    ok = (
+        result["efficiency"] >= target and wall <= seconds and (kinds is None or len(used) >= kinds)
+    )
+    print(
+        f"{name}: {model}, global batch {global_batch}: {result['prediction']['tokens_per_s']:,.0f} tokens/s "
+        f"= {100 * result['efficiency']:.2f}% of the upper bound {result['upper_bound_tokens_per_s']:,.0f} "
+        f"(target >= {100 * target:.1f}%); kinds used {len(used)}; {wall:.1f} s wall for the whole command "
+        f"(target <= {seconds:g} s), {result['candidates_evaluated']} plans predicted: "
+        f"{'met' if ok else 'MISSED'}"
+    )
     return ok
 
 
@@ -76,24 +128,34 @@ def quality() -> bool:
     ok = True
     for name, model_fields, global_batch, groups in SMALL_CASES:
         model = parse_model(model_fields, name, "small")
-        cluster = parse_cluster({"groups": [{"name": g, "accelerator": a, "devices_per_node": d}
-                                            for g, a, d in groups]}, name)
+        cluster = parse_cluster(
+            {
+                "groups": [
+                    {"name": g, "accelerator": a, "devices_per_node": d} for g, a, d in groups
+                ]
+            },
+            name,
+        )
         started = time.perf_counter()
         _, best, count = exhaustive_best(cluster, model, global_batch, "small")
         enumerate_s = time.perf_counter() - started
         found = search(cluster, model, global_batch, model_ref="small")
         ratio = found.best.prediction.tokens_per_s / best.tokens_per_s
         ok &= ratio >= 0.99
-        print(f"  {name}: exhaustive best {best.tokens_per_s:,.0f} tokens/s ({count:,} plans, {enumerate_s:.1f} s); "
-              f"planner {found.best.prediction.tokens_per_s:,.0f} ({found.search_time_s:.2f} s): "
-              f"{100 * ratio:.2f}% of the best (target >= 99%)")
+        print(
+            f"  {name}: exhaustive best {best.tokens_per_s:,.0f} tokens/s ({count:,} plans, {enumerate_s:.1f} s); "
+            f"planner {found.best.prediction.tokens_per_s:,.0f} ({found.search_time_s:.2f} s): "
+            f"{100 * ratio:.2f}% of the best (target >= 99%)"
+        )
     return ok
 
 
 def examples() -> bool:
     print("\nevery example cluster: planner vs the upper bound and two baselines (same predictor)")
-    header = (f"{'cluster':<18} {'model':<10} {'upper bound':>13} {'planner':>11} {'eff.':>7} {'search':>7} "
-              f"{'vs uniform':>10} {'vs fastest alone':>16}")
+    header = (
+        f"{'cluster':<18} {'model':<10} {'upper bound':>13} {'planner':>11} {'eff.':>7} {'search':>7} "
+        f"{'vs uniform':>10} {'vs fastest alone':>16}"
+    )
     print(header)
     print("-" * len(header))
     ok = True
@@ -108,25 +170,45 @@ def examples() -> bool:
         vs_uniform = best / uniform.tokens_per_s if uniform else float("inf")
         ok &= vs_uniform >= 1.0 and best >= fastest
         rows[name] = (bound, best, found.search_time_s)
-        print(f"{name:<18} {model_name:<10} {bound:>13,.0f} {best:>11,.0f} {100 * best / bound:>6.2f}% "
-              f"{found.search_time_s:>6.1f}s {f'{vs_uniform:.3f}x' if uniform else 'none fits':>10} "
-              f"{best / fastest:>15.3f}x")
+        print(
+            f"{name:<18} {model_name:<10} {bound:>13,.0f} {best:>11,.0f} {100 * best / bound:>6.2f}% "
+            f"{found.search_time_s:>6.1f}s {f'{vs_uniform:.3f}x' if uniform else 'none fits':>10} "
+            f"{best / fastest:>15.3f}x"
+        )
     print("\nthe six combinations of accelerator kinds:")
     for name in SIX:
         bound, best, seconds = rows[name]
-        print(f"  {name:<18} upper bound {bound:>11,.0f} tokens/s, plan {best:>11,.0f}, "
-              f"efficiency {100 * best / bound:6.2f}%, search {seconds:.2f} s")
+        print(
+            f"  {name:<18} upper bound {bound:>11,.0f} tokens/s, plan {best:>11,.0f}, "
+            f"efficiency {100 * best / bound:6.2f}%, search {seconds:.2f} s"
+        )
     return ok
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-exhaustive", action="store_true", help="leave out the (slow) exhaustive comparison")
+    parser.add_argument(
+        "--skip-exhaustive", action="store_true", help="leave out the (slow) exhaustive comparison"
+    )
     args = parser.parse_args()
     results = {
-        "paper scenario": scenario("paper scenario (hethub-768: 128 MI250X + 640 910B-class)", "hethub-768",
-                                   "llama-140b", 2048, 0.975, 10),
-        "scale": scenario("scale (4 kinds x 1,024 devices)", "four-kinds-4096", "llama-70b", 4096, 0.95, 60, kinds=4),
+        "paper scenario": scenario(
+            "paper scenario (hethub-768: 128 MI250X + 640 910B-class)",
+            "hethub-768",
+            "llama-140b",
+            2048,
+            0.975,
+            10,
+        ),
+        "scale": scenario(
+            "scale (4 kinds x 1,024 devices)",
+            "four-kinds-4096",
+            "llama-70b",
+            4096,
+            0.95,
+            60,
+            kinds=4,
+        ),
     }
     if not args.skip_exhaustive:
         results["quality"] = quality()

@@ -21,7 +21,9 @@ from hethub.predictor import predict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worst", type=int, default=1, help="rows with the largest error to print per file")
+    parser.add_argument(
+        "--worst", type=int, default=1, help="rows with the largest error to print per file"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     errors = defaultdict(list)
@@ -34,10 +36,14 @@ def main() -> int:
         ok &= mape <= 8.0
         print(f"{name}: {len(items)} rows, MAPE {mape:.2f}%  (target <= 8%)")
         for error, predicted, row in sorted(items, key=lambda item: -item[0])[: args.worst]:
-            print(f"  worst: {row.describe()} measured {row.measured_s * 1e3:.1f} ms, "
-                  f"predicted {predicted * 1e3:.1f} ms, error {100 * error:.1f}%")
-    print(f"predicted {sum(map(len, errors.values()))} rows in {time.perf_counter() - started:.2f} s; "
-          f"{'target met' if ok else 'TARGET MISSED'}")
+            print(
+                f"  worst: {row.describe()} measured {row.measured_s * 1e3:.1f} ms, "
+                f"predicted {predicted * 1e3:.1f} ms, error {100 * error:.1f}%"
+            )
+    print(
+        f"predicted {sum(map(len, errors.values()))} rows in {time.perf_counter() - started:.2f} s; "
+        f"{'target met' if ok else 'TARGET MISSED'}"
+    )
     return 0 if ok else 1
 
 

@@ -28,10 +28,21 @@ def plan_768(shift: int) -> dict:
     acc[1] -= shift % 2
     acc[-2] += shift % 2
     return {
-        "model": "llama-140b", "global_batch": 384, "micro_batch": 1, "recompute": "full",
+        "model": "llama-140b",
+        "global_batch": 384,
+        "micro_batch": 1,
+        "recompute": "full",
         "pipelines": [
-            {"count": 1, "micro_batches": 64, "stages": [{"group": "amd", "tp": 8, "layers": n} for n in amd]},
-            {"count": 5, "micro_batches": 64, "stages": [{"group": "acc_b", "tp": 8, "layers": n} for n in acc]},
+            {
+                "count": 1,
+                "micro_batches": 64,
+                "stages": [{"group": "amd", "tp": 8, "layers": n} for n in amd],
+            },
+            {
+                "count": 5,
+                "micro_batches": 64,
+                "stages": [{"group": "acc_b", "tp": 8, "layers": n} for n in acc],
+            },
         ],
     }
 
@@ -45,8 +56,10 @@ def main() -> int:
     for plan in plans:
         check_plan(plan, cluster, model)
     first = predict(plans[0], cluster, model)
-    print(f"plan: {first.devices} devices, 2 kinds, 16 stages, 64 micro-batches per replica; "
-          f"predicted {first.iteration_time_s:.2f} s/step, {first.tokens_per_s:,.0f} tokens/s")
+    print(
+        f"plan: {first.devices} devices, 2 kinds, 16 stages, 64 micro-batches per replica; "
+        f"predicted {first.iteration_time_s:.2f} s/step, {first.tokens_per_s:,.0f} tokens/s"
+    )
     count, started = 0, time.perf_counter()
     while time.perf_counter() - started < args.seconds:
         for plan in plans:
@@ -54,8 +67,10 @@ def main() -> int:
         count += len(plans)
     elapsed = time.perf_counter() - started
     rate = count / elapsed
-    print(f"{count} predictions in {elapsed:.2f} s: {rate:,.0f} predictions/s on one core "
-          f"({1e3 / rate:.3f} ms each); target >= 1,000: {'met' if rate >= 1000 else 'MISSED'}")
+    print(
+        f"{count} predictions in {elapsed:.2f} s: {rate:,.0f} predictions/s on one core "
+        f"({1e3 / rate:.3f} ms each); target >= 1,000: {'met' if rate >= 1000 else 'MISSED'}"
+    )
     return 0 if rate >= 1000 else 1
 
 

@@ -27,16 +27,38 @@ from hethub.runtime.model import Stage, full_state
 from hethub.runtime.topology import build_topology
 from hethub.spec import parse_cluster, parse_model, parse_plan
 
-MODEL = {"arch": "llama", "hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "vocab": 256, "seq_len": 256}
+MODEL = {
+    "arch": "llama",
+    "hidden": 512,
+    "layers": 8,
+    "heads": 8,
+    "kv_heads": 8,
+    "vocab": 256,
+    "seq_len": 256,
+}
 MICRO_BATCH, MICRO_BATCHES = 2, 8
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
-PLAN = {"model": "bench", "global_batch": MICRO_BATCH * MICRO_BATCHES, "micro_batch": MICRO_BATCH, "pipelines": [
-    {"count": 1, "stages": [{"group": "cpu", "tp": 1, "layers": 4}, {"group": "cpu", "tp": 1, "layers": 4}]}]}
+PLAN = {
+    "model": "bench",
+    "global_batch": MICRO_BATCH * MICRO_BATCHES,
+    "micro_batch": MICRO_BATCH,
+    "pipelines": [
+        {
+            "count": 1,
+            "stages": [
+                {"group": "cpu", "tp": 1, "layers": 4},
+                {"group": "cpu", "tp": 1, "layers": 4},
+            ],
+        }
+    ],
+}
 
 
 def batch(spec, step):
     gen = torch.Generator().manual_seed(step)
-    return torch.randint(0, spec.vocab, (MICRO_BATCH * MICRO_BATCHES, spec.seq_len + 1), generator=gen)
+    return torch.randint(
+        0, spec.vocab, (MICRO_BATCH * MICRO_BATCHES, spec.seq_len + 1), generator=gen
+    )
 
 
 def hethub_rank(spec, steps):
@@ -61,7 +83,10 @@ def torch_rank(spec, steps):
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
 
     def loss_fn(logits, targets):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, spec.vocab), targets.reshape(-1)
+        )
+
     schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     times = []
@@ -82,7 +107,9 @@ def torch_rank(spec, steps):
 def _entry(rank, port, which, steps, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     spec = parse_model(MODEL, "bench", "bench")
     times = (hethub_rank if which == "hethub" else torch_rank)(spec, steps)
     out[(which, rank)] = times
@@ -102,7 +129,9 @@ def pipeline_seconds(which, steps):
             if p.is_alive():
                 p.kill()
                 raise TimeoutError(f"{which} pipeline did not finish")
-        steady = [max(a, b) for a, b in zip(out[(which, 0)], out[(which, 1)])][2:]  # two warm-up steps
+        steady = [max(a, b) for a, b in zip(out[(which, 0)], out[(which, 1)])][
+            2:
+        ]  # two warm-up steps
         return sorted(steady)[len(steady) // 2]
 
 
@@ -133,12 +162,16 @@ def main() -> int:
     theirs = pipeline_seconds("torch", args.steps)
     alone = single_process_seconds(args.steps)
     ratio = theirs / ours
-    print(f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, seq {MODEL['seq_len']}; "
-          f"{MICRO_BATCHES} micro-batches of {MICRO_BATCH}; 2 ranks x 1 thread, median of {args.steps - 2} steps")
+    print(
+        f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, seq {MODEL['seq_len']}; "
+        f"{MICRO_BATCHES} micro-batches of {MICRO_BATCH}; 2 ranks x 1 thread, median of {args.steps - 2} steps"
+    )
     print(f"hethub 1F1B:                    {ours:.3f} s/step, {tokens / ours:,.0f} tokens/s")
     print(f"torch.distributed.pipelining:   {theirs:.3f} s/step, {tokens / theirs:,.0f} tokens/s")
     print(f"one process (1 thread):         {alone:.3f} s/step, {tokens / alone:,.0f} tokens/s")
-    print(f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): {'met' if ratio >= 0.95 else 'MISSED'}")
+    print(
+        f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): {'met' if ratio >= 0.95 else 'MISSED'}"
+    )
     print(f"2-stage pipeline speed-up over one process: {alone / ours:.2f}x")
     return 0 if ratio >= 0.95 else 1
 

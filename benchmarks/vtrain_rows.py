@@ -37,13 +37,17 @@ class Row:
 
     def describe(self) -> str:
         p = self.plan.pipelines[0]
-        return (f"{self.file}:{self.line} h={self.model.hidden} L={self.model.layers} gb={self.plan.global_batch} "
-                f"mb={self.plan.micro_batch} tp={p.stages[0].tp} dp={p.count} pp={len(p.stages)}")
+        return (
+            f"{self.file}:{self.line} h={self.model.hidden} L={self.model.layers} gb={self.plan.global_batch} "
+            f"mb={self.plan.micro_batch} tp={p.stages[0].tp} dp={p.count} pp={len(p.stages)}"
+        )
 
 
 def load_rows(data: Path = DATA) -> list[Row]:
     if not data.is_dir():
-        raise SystemExit(f"{data}: the measured data set is missing (expected ../shared/data beside the repo)")
+        raise SystemExit(
+            f"{data}: the measured data set is missing (expected ../shared/data beside the repo)"
+        )
     rows = []
     for name in FILES:
         with open(data / name, newline="") as handle:
@@ -53,19 +57,53 @@ def load_rows(data: Path = DATA) -> list[Row]:
 
 
 def _row(name: str, line: int, raw: dict[str, str]) -> Row:
-    gpus, tp, dp, pp = (int(raw[k]) for k in ("# GPUs", "tensor parallelism", "data parallelism",
-                                               "pipeline parallelism"))
+    gpus, tp, dp, pp = (
+        int(raw[k])
+        for k in ("# GPUs", "tensor parallelism", "data parallelism", "pipeline parallelism")
+    )
     layers = int(raw["# layers"])
-    model = parse_model({"arch": "gpt", "hidden": int(raw["hidden size"]), "layers": layers,
-                         "heads": int(raw["attention heads"]), "vocab": 51200,
-                         "seq_len": int(raw["sequence length"])}, f"{name}:{line}", "gpt")
-    cluster = parse_cluster({"groups": [{"name": "a100", "accelerator": "a100-80gb", "nodes": math.ceil(gpus / 8),
-                                         "devices_per_node": 8, "network_gbps": 800}]}, f"{name}:{line}")
+    model = parse_model(
+        {
+            "arch": "gpt",
+            "hidden": int(raw["hidden size"]),
+            "layers": layers,
+            "heads": int(raw["attention heads"]),
+            "vocab": 51200,
+            "seq_len": int(raw["sequence length"]),
+        },
+        f"{name}:{line}",
+        "gpt",
+    )
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "a100",
+                    "accelerator": "a100-80gb",
+                    "nodes": math.ceil(gpus / 8),
+                    "devices_per_node": 8,
+                    "network_gbps": 800,
+                }
+            ]
+        },
+        f"{name}:{line}",
+    )
     global_batch, micro_batch = int(raw["global batch"]), int(raw["micro batch"])
-    plan = parse_plan({
-        "model": "gpt", "global_batch": global_batch, "micro_batch": micro_batch, "recompute": "full",
-        "pipelines": [{"count": dp, "micro_batches": global_batch // (dp * micro_batch),
-                       "stages": [{"group": "a100", "tp": tp, "layers": layers // pp}] * pp}],
-    }, f"{name}:{line}")
+    plan = parse_plan(
+        {
+            "model": "gpt",
+            "global_batch": global_batch,
+            "micro_batch": micro_batch,
+            "recompute": "full",
+            "pipelines": [
+                {
+                    "count": dp,
+                    "micro_batches": global_batch // (dp * micro_batch),
+                    "stages": [{"group": "a100", "tp": tp, "layers": layers // pp}] * pp,
+                }
+            ],
+        },
+        f"{name}:{line}",
+    )
     check_plan(plan, cluster, model, f"{name}:{line}", tp_within_node=False)
     return Row(name, line, plan, cluster, model, float(raw["iteration time (ms)"]) / 1e3)

@@ -22,9 +22,13 @@ def free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # ranks share the cores: thread pools spinning against each other cost ~3x
+    torch.set_num_threads(
+        1
+    )  # ranks share the cores: thread pools spinning against each other cost ~3x
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+        )
         results[rank] = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - every failure goes back to the test as text
         results[rank] = ("error", traceback.format_exc())
@@ -39,7 +43,10 @@ def run_ranks(fn, world: int, *args, timeout_s: float = TIMEOUT_S) -> list:
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, port, fn, args, results))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         for p in procs:

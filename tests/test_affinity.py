@@ -23,8 +23,10 @@ def _my_cores(rank: int, world: int) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and 2 cores to bind 2 ranks apart")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux and 2 cores to bind 2 ranks apart",
+)
 def test_profiling_ranks_are_bound_apart_and_oversubscribed_ones_are_not():
     cores = sorted(os.sched_getaffinity(0))
     two = run_ranks(_my_cores, 2, timeout_s=60)

@@ -28,9 +28,15 @@ from hethub.runtime.topology import build_topology
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 
 SEED, STEPS, LR = 7, 4, 1e-2
-CLUSTER = parse_cluster({"groups": [
-    {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
-    {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4}]}, "test")
+CLUSTER = parse_cluster(
+    {
+        "groups": [
+            {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+            {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4},
+        ]
+    },
+    "test",
+)
 
 
 def stage(group, tp, layers):
@@ -42,24 +48,43 @@ def plan_dict(preset, global_batch, pipelines):
 
 
 # Plan A: PP 3/5 whose first stage is TP 2. Plan B: two unlike replicas, PP 6/2 and one stage.
-LLAMA_A = plan_dict("tiny-llama", 2, [
-    {"count": 1, "micro_batches": 2, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}])
-LLAMA_B = plan_dict("tiny-llama", 2, [
-    {"count": 1, "micro_batches": 1, "stages": [stage("nv", 1, 6), stage("nv", 1, 2)]},
-    {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]}])
+LLAMA_A = plan_dict(
+    "tiny-llama",
+    2,
+    [{"count": 1, "micro_batches": 2, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}],
+)
+LLAMA_B = plan_dict(
+    "tiny-llama",
+    2,
+    [
+        {"count": 1, "micro_batches": 1, "stages": [stage("nv", 1, 6), stage("nv", 1, 2)]},
+        {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]},
+    ],
+)
 # GPT with its tied head on a TP 2 stage without the embedding; then two unlike replicas (TP 2
 # and TP 1), each with the head on the embedding's stage. Every plan here has 3 ranks, so that
 # one job (one process start) runs several.
-GPT_A = plan_dict("tiny-gpt", 2, [
-    {"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 2, 4)]}])
-GPT_B = plan_dict("tiny-gpt", 2, [
-    {"count": 1, "micro_batches": 1, "stages": [stage("nv", 2, 8)]},
-    {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]}])
+GPT_A = plan_dict(
+    "tiny-gpt",
+    2,
+    [{"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 2, 4)]}],
+)
+GPT_B = plan_dict(
+    "tiny-gpt",
+    2,
+    [
+        {"count": 1, "micro_batches": 1, "stages": [stage("nv", 2, 8)]},
+        {"count": 1, "micro_batches": 1, "stages": [stage("amd", 1, 8)]},
+    ],
+)
 
 
 def batches(spec, global_batch):
     gen = torch.Generator().manual_seed(123)
-    return [torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen) for _ in range(STEPS)]
+    return [
+        torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen)
+        for _ in range(STEPS)
+    ]
 
 
 def world_size(plan):
@@ -78,7 +103,8 @@ def _snapshot(engine):
     for n, p in engine.stage.named_parameters():
         state = engine.optimizer.state[p]
         out[engine.stage.full_name(n)] = [p.detach().clone()] + [
-            state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+            state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")
+        ]
     return out
 
 
@@ -88,7 +114,9 @@ def _job(rank, world, results, runs):
     ("load", path), ("refused", path[, another hidden]), ("tied",). The results, tensors and
     all, go back in a file (torch.save) rather than through the multiprocessing manager."""
     torch.set_num_threads(1)  # a thread per rank: several ranks' thread pools on 2 cores spin
-    torch.save([_run(rank, label, plan, script) for label, plan, script in runs], f"{results}/{rank}.pt")
+    torch.save(
+        [_run(rank, label, plan, script) for label, plan, script in runs], f"{results}/{rank}.pt"
+    )
 
 
 def job(root, runs):
@@ -128,9 +156,11 @@ def _run(rank, label, plan, script):
             except HethubError as error:
                 out["errors"].append(str(error))
         elif action == "tied":  # the full embedding, as each rank holding a copy of it has it
-            out["tied"] = [engine.gather_full(engine.stage.full_name(n), p.detach())
-                           for n, p in sorted(engine.stage.named_parameters(), key=lambda item: item[0])
-                           if engine.stage.full_name(n) == "embed.weight"]
+            out["tied"] = [
+                engine.gather_full(engine.stage.full_name(n), p.detach())
+                for n, p in sorted(engine.stage.named_parameters(), key=lambda item: item[0])
+                if engine.stage.full_name(n) == "embed.weight"
+            ]
     out["final"] = _snapshot(engine)
     return out
 
@@ -138,8 +168,10 @@ def _run(rank, label, plan, script):
 def read(path):
     """Every tensor of a checkpoint, read in this process without the code under test."""
     metadata = dcp.FileSystemReader(path).read_metadata()
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in metadata.state_dict_metadata.items()}
+    state = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in metadata.state_dict_metadata.items()
+    }
     with warnings.catch_warnings():  # DCP warns that it reads in one process: it is meant to
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -171,27 +203,62 @@ def jobs(tmp_path_factory):
        GPT B: resume from GPT A's step 2, 2 steps, save."""
     root = tmp_path_factory.mktemp("checkpoints")
     a, again, gpt_a, gpt_b = (str(root / name) for name in ("a", "again", "gpt-a", "gpt-b"))
-    plain, first, gpt_first = job(root, [
-        ("llama A", LLAMA_A, train(0, 1, 2, 3)),
-        ("llama A", LLAMA_A, train(0, 1) + [("save", a, 2)] + train(2, 3) + [("save", a, 4)]),
-        ("gpt A", GPT_A, train(0, 1) + [("tied",), ("save", gpt_a, 2)] + train(2, 3)
-         + [("save", gpt_a, 4), ("load", str(step_dir(gpt_a, 2)))] + train(2, 3))])
+    plain, first, gpt_first = job(
+        root,
+        [
+            ("llama A", LLAMA_A, train(0, 1, 2, 3)),
+            ("llama A", LLAMA_A, train(0, 1) + [("save", a, 2)] + train(2, 3) + [("save", a, 4)]),
+            (
+                "gpt A",
+                GPT_A,
+                train(0, 1)
+                + [("tied",), ("save", gpt_a, 2)]
+                + train(2, 3)
+                + [("save", gpt_a, 4), ("load", str(step_dir(gpt_a, 2)))]
+                + train(2, 3),
+            ),
+        ],
+    )
     out = {"root": Path(a), "plain": plain, "first": first, "gpt_first": gpt_first}
-    out.update(saved2=read(step_dir(a, 2)), saved4=read(step_dir(a, 4)), gpt_saved2=read(step_dir(gpt_a, 2)))
+    out.update(
+        saved2=read(step_dir(a, 2)),
+        saved4=read(step_dir(a, 4)),
+        gpt_saved2=read(step_dir(gpt_a, 2)),
+    )
     # A crash before the rename: DCP files, no meta.json, under a temporary name and a final one.
     for leftover in ("step-000009.tmp-x", "step-000011"):
         shutil.copytree(step_dir(a, 2), Path(a) / leftover)
         (Path(a) / leftover / "meta.json").unlink()
     out["latest"] = latest_checkpoint(Path(a))
-    out["again"], out["other"], out["gpt_other"] = job(root, [
-        ("llama A", LLAMA_A, [
-            ("refused", f"{a}/step-000009.tmp-x"), ("refused", f"{a}/step-000011"),
-            ("refused", str(step_dir(a, 99))), ("refused", str(step_dir(a, 2)), 128),
-            ("load", str(step_dir(a, 2)))] + train(2, 3) + [("save", again, 4)]),
-        ("llama B", LLAMA_B, [("load", str(step_dir(a, 2)))] + train(2, 3) + [("save", a, 4)]),
-        ("gpt B", GPT_B, [("load", str(step_dir(gpt_a, 2)))] + train(2, 3) + [("save", gpt_b, 4)])])
-    out.update(again4=read(step_dir(again, 4)), other4=read(step_dir(a, 4)),
-               gpt_other4=read(step_dir(gpt_b, 4)))
+    out["again"], out["other"], out["gpt_other"] = job(
+        root,
+        [
+            (
+                "llama A",
+                LLAMA_A,
+                [
+                    ("refused", f"{a}/step-000009.tmp-x"),
+                    ("refused", f"{a}/step-000011"),
+                    ("refused", str(step_dir(a, 99))),
+                    ("refused", str(step_dir(a, 2)), 128),
+                    ("load", str(step_dir(a, 2))),
+                ]
+                + train(2, 3)
+                + [("save", again, 4)],
+            ),
+            ("llama B", LLAMA_B, [("load", str(step_dir(a, 2)))] + train(2, 3) + [("save", a, 4)]),
+            (
+                "gpt B",
+                GPT_B,
+                [("load", str(step_dir(gpt_a, 2)))] + train(2, 3) + [("save", gpt_b, 4)],
+            ),
+        ],
+    )
+    out.update(
+        again4=read(step_dir(again, 4)),
+        other4=read(step_dir(a, 4)),
+        gpt_other4=read(step_dir(gpt_b, 4)),
+    )
     return out
 
 
@@ -216,7 +283,9 @@ def assert_holds_shards(ranks, saved, when, step):
         for name, (weight, exp_avg, exp_avg_sq, counter) in rank[when].items():
             assert torch.equal(weight, shard(name, saved[f"model/{name}"], tp_rank, tp)), name
             for moment, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                assert torch.equal(tensor, shard(name, saved[f"optim/{name}/{moment}"], tp_rank, tp)), name
+                assert torch.equal(
+                    tensor, shard(name, saved[f"optim/{name}/{moment}"], tp_rank, tp)
+                ), name
             # AdamW's own step counter: a float32 CPU scalar.
             assert counter.dtype == torch.float32 and counter.shape == () and counter.item() == step
 
@@ -224,7 +293,9 @@ def assert_holds_shards(ranks, saved, when, step):
 def test_resume_under_another_plan_matches_the_uninterrupted_run(jobs):
     assert_holds_shards(jobs["other"], jobs["saved2"], "loaded", 2)
     for rank in jobs["other"]:
-        torch.testing.assert_close(rank["losses"], jobs["plain"][0]["losses"][2:], rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            rank["losses"], jobs["plain"][0]["losses"][2:], rtol=1e-5, atol=0
+        )
     # Plan B's step-4 checkpoint, written over plan A's, is what B's ranks hold: its replicas
     # and TP ranks gathered and deduplicated right.
     assert_holds_shards(jobs["other"], jobs["other4"], "final", 4)
@@ -247,7 +318,11 @@ def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
     assert jobs["latest"] == step_dir(root, 4)
     # B replaced step 4 in place and left nothing behind but the planted leftovers.
     assert sorted(p.name for p in root.iterdir()) == [
-        "step-000002", "step-000004", "step-000009.tmp-x", "step-000011"]
+        "step-000002",
+        "step-000004",
+        "step-000009.tmp-x",
+        "step-000011",
+    ]
     incomplete = "is incomplete: no meta.json (its save did not finish)"
     for rank in jobs["again"]:
         tmp, no_meta, missing, _ = rank["errors"]
@@ -261,8 +336,14 @@ def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
     assert str(refused.value) == f"checkpoint {root / 'step-000011'} {incomplete}"
     assert latest_checkpoint(tmp_path / "none") is None
     assert latest_checkpoint(tmp_path) is None
-    for name, meta in [("step-000003", True), ("step-000010", False), ("step-000012.tmp-ab", True),
-                       ("step-000013.old-ab", True), ("notes", True), ("step-000002", True)]:
+    for name, meta in [
+        ("step-000003", True),
+        ("step-000010", False),
+        ("step-000012.tmp-ab", True),
+        ("step-000013.old-ab", True),
+        ("notes", True),
+        ("step-000002", True),
+    ]:
         (tmp_path / name).mkdir()
         if meta:
             (tmp_path / name / "meta.json").write_text(json.dumps({"step": 0}))
@@ -271,8 +352,10 @@ def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
 
 def test_a_checkpoint_of_another_model_is_refused_on_every_rank(jobs):
     path = step_dir(jobs["root"], 2)
-    message = (f"checkpoint {path} holds embed.weight of shape [256, 64], the model needs "
-               "[256, 128]: it was written for another model")
+    message = (
+        f"checkpoint {path} holds embed.weight of shape [256, 64], the model needs "
+        "[256, 128]: it was written for another model"
+    )
     assert {rank["errors"][3] for rank in jobs["again"]} == {message}
 
 

@@ -15,25 +15,42 @@ import yaml
 
 from hethub.cli import main
 
-ONE_GROUP = {"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8}]}
-TWO_GROUPS = {"groups": [
-    {"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8},
-    {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 8},
-]}
+ONE_GROUP = {
+    "groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8}]
+}
+TWO_GROUPS = {
+    "groups": [
+        {"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8},
+        {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 8},
+    ]
+}
 
 
 def tiny_plan(**changes) -> dict:
     """A valid plan of tiny-gpt (8 layers, 4 heads) on group nv; ``changes`` replace top-level fields."""
-    plan = {"model": "tiny-gpt", "global_batch": 8, "micro_batch": 1,
-            "pipelines": [{"count": 1, "stages": [{"group": "nv", "tp": 2, "layers": 5},
-                                                  {"group": "nv", "tp": 2, "layers": 3}]}]}
+    plan = {
+        "model": "tiny-gpt",
+        "global_batch": 8,
+        "micro_batch": 1,
+        "pipelines": [
+            {
+                "count": 1,
+                "stages": [
+                    {"group": "nv", "tp": 2, "layers": 5},
+                    {"group": "nv", "tp": 2, "layers": 3},
+                ],
+            }
+        ],
+    }
     plan.update(changes)
     return plan
 
 
 def write(folder: Path, name: str, content) -> str:
     path = folder / name
-    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+    path.write_text(
+        content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False)
+    )
     return str(path)
 
 
@@ -44,7 +61,9 @@ def run_cli(capsys, args: list[str]) -> tuple[int, str, str]:
     except SystemExit as exc:  # argparse's own errors
         code = exc.code
     except Exception as exc:  # noqa: BLE001 - the CLI must never let one escape
-        pytest.fail(f"an exception escaped hethub predict (the user would see a traceback): {exc!r}")
+        pytest.fail(
+            f"an exception escaped hethub predict (the user would see a traceback): {exc!r}"
+        )
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -65,7 +84,12 @@ def assert_error(capsys, args: list[str], *fragments: str) -> str:
 
 
 def plan_args(tmp_path: Path, plan: dict | str, cluster: dict | str = ONE_GROUP) -> list[str]:
-    return ["--cluster", write(tmp_path, "cluster.yaml", cluster), "--plan", write(tmp_path, "plan.yaml", plan)]
+    return [
+        "--cluster",
+        write(tmp_path, "cluster.yaml", cluster),
+        "--plan",
+        write(tmp_path, "plan.yaml", plan),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,99 +108,199 @@ def test_yaml_syntax_error_in_plan(tmp_path, capsys) -> None:
 
 def test_missing_cluster_file(tmp_path, capsys) -> None:
     missing = str(tmp_path / "nope.yaml")
-    assert_error(capsys, ["--cluster", missing, "--plan", write(tmp_path, "plan.yaml", tiny_plan())],
-                 missing, "cluster file not found")
+    assert_error(
+        capsys,
+        ["--cluster", missing, "--plan", write(tmp_path, "plan.yaml", tiny_plan())],
+        missing,
+        "cluster file not found",
+    )
 
 
 def test_missing_plan_file(tmp_path, capsys) -> None:
     missing = str(tmp_path / "nope-plan.yaml")
-    assert_error(capsys, ["--cluster", write(tmp_path, "cluster.yaml", ONE_GROUP), "--plan", missing],
-                 missing, "plan file not found")
+    assert_error(
+        capsys,
+        ["--cluster", write(tmp_path, "cluster.yaml", ONE_GROUP), "--plan", missing],
+        missing,
+        "plan file not found",
+    )
 
 
 def test_cluster_file_not_a_mapping(tmp_path, capsys) -> None:
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(), "- just\n- a list\n"),
-                 "cluster.yaml", "<top level>", "must be a mapping")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), "- just\n- a list\n"),
+        "cluster.yaml",
+        "<top level>",
+        "must be a mapping",
+    )
 
 
 def test_unknown_accelerator_with_suggestion(tmp_path, capsys) -> None:
-    cluster = {"groups": [{"name": "nv", "accelerator": "a100-80", "nodes": 1, "devices_per_node": 8}]}
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(), cluster),
-                 "cluster.yaml", "groups[0].accelerator", "'a100-80'", "unknown accelerator",
-                 "did you mean 'a100-80gb'")
+    cluster = {
+        "groups": [{"name": "nv", "accelerator": "a100-80", "nodes": 1, "devices_per_node": 8}]
+    }
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), cluster),
+        "cluster.yaml",
+        "groups[0].accelerator",
+        "'a100-80'",
+        "unknown accelerator",
+        "did you mean 'a100-80gb'",
+    )
 
 
 def test_unknown_inline_vendor_with_suggestion(tmp_path, capsys) -> None:
-    cluster = {"groups": [{"name": "nv", "devices_per_node": 8, "accelerator": {
-        "name": "x", "vendor": "nvida", "bf16_tflops": 100, "memory_gb": 40}}]}
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(), cluster),
-                 "cluster.yaml", "groups[0].accelerator.vendor", "'nvida'", "must be one of",
-                 "did you mean 'nvidia'")
+    cluster = {
+        "groups": [
+            {
+                "name": "nv",
+                "devices_per_node": 8,
+                "accelerator": {
+                    "name": "x",
+                    "vendor": "nvida",
+                    "bf16_tflops": 100,
+                    "memory_gb": 40,
+                },
+            }
+        ]
+    }
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), cluster),
+        "cluster.yaml",
+        "groups[0].accelerator.vendor",
+        "'nvida'",
+        "must be one of",
+        "did you mean 'nvidia'",
+    )
 
 
 def test_unknown_preset_in_plan(tmp_path, capsys) -> None:
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(model="llama-7")),
-                 "plan.yaml", "model", "'llama-7'", "not a preset", "did you mean 'llama-7b'")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(model="llama-7")),
+        "plan.yaml",
+        "model",
+        "'llama-7'",
+        "not a preset",
+        "did you mean 'llama-7b'",
+    )
 
 
 def test_unknown_preset_in_model_flag(tmp_path, capsys) -> None:
-    args = ["--cluster", write(tmp_path, "cluster.yaml", ONE_GROUP), "--model", "tiny-gtp",
-            "--micro-batch", "1", "--global-batch", "8"]
+    args = [
+        "--cluster",
+        write(tmp_path, "cluster.yaml", ONE_GROUP),
+        "--model",
+        "tiny-gtp",
+        "--micro-batch",
+        "1",
+        "--global-batch",
+        "8",
+    ]
     assert_error(capsys, args, "--model", "'tiny-gtp'", "not a preset", "did you mean 'tiny-gpt'")
 
 
 def test_unknown_field_in_plan_with_suggestion(tmp_path, capsys) -> None:
     plan = tiny_plan()
     plan["micro_batchs"] = plan.pop("micro_batch")
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "micro_batchs", "unknown field", "did you mean 'micro_batch'")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "micro_batchs",
+        "unknown field",
+        "did you mean 'micro_batch'",
+    )
 
 
 def test_unknown_field_in_plan_stage_with_suggestion(tmp_path, capsys) -> None:
     plan = tiny_plan(pipelines=[{"stages": [{"group": "nv", "tp": 1, "layer": 8}]}])
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[0].layer", "unknown field", "did you mean 'layers'")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[0].layer",
+        "unknown field",
+        "did you mean 'layers'",
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Non-positive numbers
 
 
-@pytest.mark.parametrize(("field", "value"), [("nodes", 0), ("devices_per_node", 0), ("nodes", -2),
-                                              ("devices_per_node", -8)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("nodes", 0), ("devices_per_node", 0), ("nodes", -2), ("devices_per_node", -8)],
+)
 def test_non_positive_cluster_numbers(tmp_path, capsys, field: str, value: int) -> None:
-    cluster = {"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8}]}
+    cluster = {
+        "groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8}]
+    }
     cluster["groups"][0][field] = value
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(), cluster),
-                 "cluster.yaml", f"groups[0].{field} = {value}", "must be a positive integer")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), cluster),
+        "cluster.yaml",
+        f"groups[0].{field} = {value}",
+        "must be a positive integer",
+    )
 
 
 @pytest.mark.parametrize(("field", "value"), [("tp", 0), ("layers", 0), ("tp", -1)])
 def test_non_positive_stage_numbers(tmp_path, capsys, field: str, value: int) -> None:
     plan = tiny_plan()
     plan["pipelines"][0]["stages"][0][field] = value
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", f"pipelines[0].stages[0].{field} = {value}", "must be a positive integer")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        f"pipelines[0].stages[0].{field} = {value}",
+        "must be a positive integer",
+    )
 
 
-@pytest.mark.parametrize(("field", "value"), [("micro_batch", 0), ("global_batch", 0), ("global_batch", -8)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("micro_batch", 0), ("global_batch", 0), ("global_batch", -8)]
+)
 def test_non_positive_plan_numbers(tmp_path, capsys, field: str, value: int) -> None:
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(**{field: value})),
-                 "plan.yaml", f"{field} = {value}", "must be a positive integer")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(**{field: value})),
+        "plan.yaml",
+        f"{field} = {value}",
+        "must be a positive integer",
+    )
 
 
 def test_non_positive_layers_in_model_file(tmp_path, capsys) -> None:
-    write(tmp_path, "mini.yaml", {"arch": "gpt", "hidden": 64, "layers": 0, "heads": 4, "vocab": 256,
-                                  "seq_len": 64})
-    assert_error(capsys, plan_args(tmp_path, tiny_plan(model="mini.yaml")),
-                 "mini.yaml", "layers = 0", "must be a positive integer")
+    write(
+        tmp_path,
+        "mini.yaml",
+        {"arch": "gpt", "hidden": 64, "layers": 0, "heads": 4, "vocab": 256, "seq_len": 64},
+    )
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(model="mini.yaml")),
+        "mini.yaml",
+        "layers = 0",
+        "must be a positive integer",
+    )
 
 
 def test_non_integer_tp(tmp_path, capsys) -> None:
     plan = tiny_plan()
     plan["pipelines"][0]["stages"][0]["tp"] = "two"
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[0].tp = 'two'", "must be a positive integer")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[0].tp = 'two'",
+        "must be a positive integer",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,67 +310,129 @@ def test_non_integer_tp(tmp_path, capsys) -> None:
 def test_layers_must_sum_to_the_model(tmp_path, capsys) -> None:
     plan = tiny_plan()
     plan["pipelines"][0]["stages"][1]["layers"] = 2  # 5 + 2 = 7, tiny-gpt has 8
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[*].layers", "'5+2'", "must sum to the model's 8 layers")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[*].layers",
+        "'5+2'",
+        "must sum to the model's 8 layers",
+    )
 
 
 def test_explicit_micro_batches_must_sum_to_global_batch(tmp_path, capsys) -> None:
     plan = tiny_plan(global_batch=64)
     plan["pipelines"][0].update(count=2, micro_batches=16)  # 2 x 16 x 1 = 32 != 64
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "global_batch = 64", "must equal the sum", "= 32")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "global_batch = 64",
+        "must equal the sum",
+        "= 32",
+    )
 
 
 def test_omitted_micro_batches_must_divide_evenly(tmp_path, capsys) -> None:
     plan = tiny_plan(global_batch=10)
     plan["pipelines"][0]["count"] = 3  # 10 sequences over 3 replicas
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "global_batch = 10", "must divide evenly", "3 replica")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "global_batch = 10",
+        "must divide evenly",
+        "3 replica",
+    )
 
 
 def test_tp_above_devices_per_node(tmp_path, capsys) -> None:
     # llama-7b has 32 heads, so tp 16 divides them: only the node rule is broken.
-    plan = {"model": "llama-7b", "global_batch": 8,
-            "pipelines": [{"stages": [{"group": "nv", "tp": 16, "layers": 32}]}]}
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[0].tp = 16", "devices_per_node (8)", "'nv'")
+    plan = {
+        "model": "llama-7b",
+        "global_batch": 8,
+        "pipelines": [{"stages": [{"group": "nv", "tp": 16, "layers": 32}]}],
+    }
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[0].tp = 16",
+        "devices_per_node (8)",
+        "'nv'",
+    )
 
 
 def test_tp_must_divide_heads(tmp_path, capsys) -> None:
     # tiny-gpt has 4 heads; tp 8 fits the node of 8 devices.
     plan = tiny_plan(pipelines=[{"stages": [{"group": "nv", "tp": 8, "layers": 8}]}])
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[0].tp = 8", "must divide the model's heads (4)")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[0].tp = 8",
+        "must divide the model's heads (4)",
+    )
 
 
 def test_tp_must_divide_kv_heads(tmp_path, capsys) -> None:
     # tiny-llama has 4 heads but 2 KV heads.
-    plan = tiny_plan(model="tiny-llama", pipelines=[{"stages": [{"group": "nv", "tp": 4, "layers": 8}]}])
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "pipelines[0].stages[0].tp = 4", "kv_heads (2)")
+    plan = tiny_plan(
+        model="tiny-llama", pipelines=[{"stages": [{"group": "nv", "tp": 4, "layers": 8}]}]
+    )
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "pipelines[0].stages[0].tp = 4",
+        "kv_heads (2)",
+    )
 
 
 def test_plan_names_a_group_the_cluster_lacks(tmp_path, capsys) -> None:
     plan = tiny_plan()
     plan["pipelines"][0]["stages"][1]["group"] = "amdd"
-    assert_error(capsys, plan_args(tmp_path, plan, TWO_GROUPS),
-                 "plan.yaml", "pipelines[0].stages[1].group = 'amdd'", "no such group",
-                 "did you mean 'amd'")
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan, TWO_GROUPS),
+        "plan.yaml",
+        "pipelines[0].stages[1].group = 'amdd'",
+        "no such group",
+        "did you mean 'amd'",
+    )
 
 
 def test_plan_uses_more_devices_than_the_group_has(tmp_path, capsys) -> None:
     # 3 replicas x 8 devices = 24 of group nv, which has 2 nodes x 8 = 16.
-    plan = tiny_plan(global_batch=24, pipelines=[{"count": 3, "stages": [{"group": "nv", "tp": 4, "layers": 4},
-                                                                         {"group": "nv", "tp": 4, "layers": 4}]}])
-    assert_error(capsys, plan_args(tmp_path, plan),
-                 "plan.yaml", "24 devices", "'nv'", "at most the group's 16 devices")
+    plan = tiny_plan(
+        global_batch=24,
+        pipelines=[
+            {
+                "count": 3,
+                "stages": [
+                    {"group": "nv", "tp": 4, "layers": 4},
+                    {"group": "nv", "tp": 4, "layers": 4},
+                ],
+            }
+        ],
+    )
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml",
+        "24 devices",
+        "'nv'",
+        "at most the group's 16 devices",
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Shorthand flags
 
 
-def shorthand(tmp_path: Path, *flags: str, cluster: dict = ONE_GROUP, model: str = "tiny-gpt") -> list[str]:
+def shorthand(
+    tmp_path: Path, *flags: str, cluster: dict = ONE_GROUP, model: str = "tiny-gpt"
+) -> list[str]:
     return ["--cluster", write(tmp_path, "cluster.yaml", cluster), "--model", model, *flags]
 
 
@@ -259,7 +445,9 @@ def test_shorthand_zero(tmp_path, capsys, flag: str) -> None:
 
 def test_shorthand_global_batch_not_divisible(tmp_path, capsys) -> None:
     args = shorthand(tmp_path, "--dp", "2", "--micro-batch", "4", "--global-batch", "12")
-    assert_error(capsys, args, "--global-batch = 12", "must be a multiple of --dp x --micro-batch", "8")
+    assert_error(
+        capsys, args, "--global-batch = 12", "must be a multiple of --dp x --micro-batch", "8"
+    )
 
 
 def test_shorthand_on_a_two_group_cluster(tmp_path, capsys) -> None:
@@ -273,7 +461,9 @@ def test_plan_together_with_shorthand(tmp_path, capsys) -> None:
 
 
 def test_shorthand_tp_above_node(tmp_path, capsys) -> None:
-    args = shorthand(tmp_path, "--tp", "16", "--micro-batch", "1", "--global-batch", "8", model="llama-7b")
+    args = shorthand(
+        tmp_path, "--tp", "16", "--micro-batch", "1", "--global-batch", "8", model="llama-7b"
+    )
     assert_error(capsys, args, "command line", "tp = 16", "devices_per_node (8)")
 
 
@@ -293,9 +483,24 @@ def test_trace_path_that_cannot_be_written(tmp_path, capsys) -> None:
 
 
 def test_plan_that_does_not_fit_is_still_predicted(tmp_path, capsys) -> None:
-    cluster = {"groups": [{"name": "a100", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8}]}
-    args = ["--cluster", write(tmp_path, "cluster.yaml", cluster), "--model", "llama-70b",
-            "--tp", "1", "--pp", "1", "--micro-batch", "1", "--global-batch", "4", "--json"]
+    cluster = {
+        "groups": [{"name": "a100", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8}]
+    }
+    args = [
+        "--cluster",
+        write(tmp_path, "cluster.yaml", cluster),
+        "--model",
+        "llama-70b",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--micro-batch",
+        "1",
+        "--global-batch",
+        "4",
+        "--json",
+    ]
     code, out, err = run_cli(capsys, args)
     assert code == 0, err
     assert err == ""
@@ -309,8 +514,14 @@ def test_json_output_keys(tmp_path, capsys) -> None:
     assert code == 0, err
     assert err == ""
     result = json.loads(out)
-    for key in ("iteration_time_s", "tokens_per_s", "model_tflops_per_device", "peak_memory_gb", "fits",
-                "stages"):
+    for key in (
+        "iteration_time_s",
+        "tokens_per_s",
+        "model_tflops_per_device",
+        "peak_memory_gb",
+        "fits",
+        "stages",
+    ):
         assert key in result, key
     assert result["fits"] is True
     assert result["iteration_time_s"] > 0 and result["tokens_per_s"] > 0
@@ -318,20 +529,28 @@ def test_json_output_keys(tmp_path, capsys) -> None:
     for stage, layers in zip(result["stages"], (5, 3)):
         for key in ("group", "accelerator", "tp", "layers", "compute_s", "memory_gb"):
             assert key in stage, key
-        assert (stage["group"], stage["accelerator"], stage["tp"], stage["layers"]) == \
-            ("nv", "a100-80gb", 2, layers)
+        assert (stage["group"], stage["accelerator"], stage["tp"], stage["layers"]) == (
+            "nv",
+            "a100-80gb",
+            2,
+            layers,
+        )
         assert stage["compute_s"] > 0 and stage["memory_gb"] > 0
 
 
 def test_plan_model_path_is_relative_to_the_plan(tmp_path, capsys, monkeypatch) -> None:
     folder = tmp_path / "plans"
     folder.mkdir()
-    write(folder, "mini.yaml", {"arch": "gpt", "hidden": 64, "layers": 8, "heads": 4, "vocab": 256,
-                                "seq_len": 64})
+    write(
+        folder,
+        "mini.yaml",
+        {"arch": "gpt", "hidden": 64, "layers": 8, "heads": 4, "vocab": 256, "seq_len": 64},
+    )
     plan = write(folder, "plan.yaml", tiny_plan(model="mini.yaml"))
     monkeypatch.chdir(tmp_path)  # not the plan's folder
-    code, out, err = run_cli(capsys, ["--cluster", write(tmp_path, "cluster.yaml", ONE_GROUP),
-                                      "--plan", plan, "--json"])
+    code, out, err = run_cli(
+        capsys, ["--cluster", write(tmp_path, "cluster.yaml", ONE_GROUP), "--plan", plan, "--json"]
+    )
     assert code == 0, err
     assert json.loads(out)["stages"][0]["layers"] == 5
 
@@ -343,9 +562,26 @@ def test_plan_model_path_is_relative_to_the_plan(tmp_path, capsys, monkeypatch) 
 def test_subprocess_missing_cluster_file(tmp_path) -> None:
     missing = tmp_path / "no-cluster.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "hethub", "predict", "--cluster", str(missing), "--model", "tiny-gpt",
-         "--micro-batch", "1", "--global-batch", "8"],
-        check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "hethub",
+            "predict",
+            "--cluster",
+            str(missing),
+            "--model",
+            "tiny-gpt",
+            "--micro-batch",
+            "1",
+            "--global-batch",
+            "8",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.splitlines()

@@ -36,14 +36,19 @@ def test_batches_are_seeded_and_plan_independent():
     a, b = global_batch(corpus, 3, 4, 16, seed=5), global_batch(corpus, 3, 4, 16, seed=5)
     assert torch.equal(a, b) and a.shape == (4, 17)
     assert not torch.equal(a, global_batch(corpus, 4, 4, 16, seed=5))
-    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 16, dtype=torch.long))  # contiguous windows
+    assert torch.equal(
+        a[:, 1:] - a[:, :-1], torch.ones(4, 16, dtype=torch.long)
+    )  # contiguous windows
 
 
-@pytest.mark.parametrize("setup,needle", [
-    (lambda p: p / "missing.txt", "no such file or folder"),
-    (lambda p: (p / "empty.txt").write_text("") or p / "empty.txt", "empty"),
-    (lambda p: (p / "d").mkdir() or p / "d", "no text files"),
-])
+@pytest.mark.parametrize(
+    "setup,needle",
+    [
+        (lambda p: p / "missing.txt", "no such file or folder"),
+        (lambda p: (p / "empty.txt").write_text("") or p / "empty.txt", "empty"),
+        (lambda p: (p / "d").mkdir() or p / "d", "no text files"),
+    ],
+)
 def test_bad_data_is_one_clear_error(tmp_path, setup, needle):
     with pytest.raises(HethubError, match=needle):
         load_tokens(setup(tmp_path))
@@ -58,9 +63,32 @@ def test_data_shorter_than_a_batch_or_beyond_the_vocabulary_is_refused():
 
 def test_train_refuses_bad_data_before_starting_any_process(tmp_path):
     (tmp_path / "c.yaml").write_text("groups: [{name: g, accelerator: cpu, devices_per_node: 2}]\n")
-    (tmp_path / "p.yaml").write_text("model: tiny-llama\nglobal_batch: 2\npipelines: [{stages: [{group: g, layers: 8}]}]\n")
+    (tmp_path / "p.yaml").write_text(
+        "model: tiny-llama\nglobal_batch: 2\npipelines: [{stages: [{group: g, layers: 8}]}]\n"
+    )
     (tmp_path / "short.txt").write_text("too short")
-    done = subprocess.run([sys.executable, "-m", "hethub", "train", "--cluster", "c.yaml", "--plan", "p.yaml",
-                           "--data", "short.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2 and "shorter than one batch" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hethub",
+            "train",
+            "--cluster",
+            "c.yaml",
+            "--plan",
+            "p.yaml",
+            "--data",
+            "short.txt",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (
+        done.returncode == 2
+        and "shorter than one batch" in done.stderr
+        and "Traceback" not in done.stderr
+    )
     assert done.stderr.count("\n") == 1

@@ -15,14 +15,23 @@ from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
 
 SEED, STEPS, LR = 7, 3, 1e-2
-CLUSTER = parse_cluster({"groups": [
-    {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
-    {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4}]}, "test")
+CLUSTER = parse_cluster(
+    {
+        "groups": [
+            {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+            {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4},
+        ]
+    },
+    "test",
+)
 
 
 def batches(spec, global_batch):
     gen = torch.Generator().manual_seed(123)
-    return [torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen) for _ in range(STEPS)]
+    return [
+        torch.randint(0, spec.vocab, (global_batch, spec.seq_len + 1), generator=gen)
+        for _ in range(STEPS)
+    ]
 
 
 def reference(preset, global_batch):
@@ -46,13 +55,23 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     spec = load_model(preset)
     plan = parse_plan(plan_dict)
     topology = build_topology(plan, CLUSTER)
-    engine = Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR,
-                    bucket_bytes=bucket_bytes)
+    engine = Engine(
+        plan,
+        topology,
+        spec,
+        Communicator(topology, CLUSTER),
+        seed=SEED,
+        lr=LR,
+        bucket_bytes=bucket_bytes,
+    )
     losses, grads = [], None
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
         if grads is None:
-            grads = {engine.stage.full_name(n): p.grad.clone() for n, p in engine.stage.named_parameters()}
+            grads = {
+                engine.stage.full_name(n): p.grad.clone()
+                for n, p in engine.stage.named_parameters()
+            }
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     me = topology.ranks[rank]
@@ -64,18 +83,58 @@ def stage(group, tp, layers):
 
 
 PLANS = {
-    "pp 5/3": ("tiny-llama", {"global_batch": 4, "pipelines": [
-        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 5), stage("nv", 1, 3)]}]}),
-    "tp 2": ("tiny-gpt", {"global_batch": 2, "pipelines": [{"count": 1, "stages": [stage("nv", 2, 8)]}]}),
-    "pp x tp, tp 2 then 1": ("tiny-llama", {"global_batch": 4, "pipelines": [
-        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}]}),
-    "unlike replicas, uneven split, across vendors": ("tiny-gpt", {"global_batch": 5, "pipelines": [
-        {"count": 1, "micro_batches": 3, "stages": [stage("nv", 1, 4), stage("amd", 1, 4)]},
-        {"count": 1, "micro_batches": 2, "stages": [stage("amd", 2, 8)]}]}),
-    "two identical replicas (dp 2) of pp 4/4": ("tiny-gpt", {"global_batch": 4, "pipelines": [
-        {"count": 2, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 1, 4)]}]}),
-    "recompute, gpipe": ("tiny-llama", {"global_batch": 4, "recompute": "full", "schedule": "gpipe", "pipelines": [
-        {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 2), stage("amd", 1, 6)]}]}),
+    "pp 5/3": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "pipelines": [
+                {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 5), stage("nv", 1, 3)]}
+            ],
+        },
+    ),
+    "tp 2": (
+        "tiny-gpt",
+        {"global_batch": 2, "pipelines": [{"count": 1, "stages": [stage("nv", 2, 8)]}]},
+    ),
+    "pp x tp, tp 2 then 1": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "pipelines": [
+                {"count": 1, "micro_batches": 4, "stages": [stage("nv", 2, 3), stage("nv", 1, 5)]}
+            ],
+        },
+    ),
+    "unlike replicas, uneven split, across vendors": (
+        "tiny-gpt",
+        {
+            "global_batch": 5,
+            "pipelines": [
+                {"count": 1, "micro_batches": 3, "stages": [stage("nv", 1, 4), stage("amd", 1, 4)]},
+                {"count": 1, "micro_batches": 2, "stages": [stage("amd", 2, 8)]},
+            ],
+        },
+    ),
+    "two identical replicas (dp 2) of pp 4/4": (
+        "tiny-gpt",
+        {
+            "global_batch": 4,
+            "pipelines": [
+                {"count": 2, "micro_batches": 2, "stages": [stage("nv", 1, 4), stage("nv", 1, 4)]}
+            ],
+        },
+    ),
+    "recompute, gpipe": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "recompute": "full",
+            "schedule": "gpipe",
+            "pipelines": [
+                {"count": 1, "micro_batches": 4, "stages": [stage("nv", 1, 2), stage("amd", 1, 6)]}
+            ],
+        },
+    ),
 }
 
 
@@ -98,14 +157,20 @@ def check_against_reference(name, bucket_bytes):
     world = build_topology(plan, CLUSTER).world_size
     ref_losses, ref_grads = reference(preset, plan.global_batch)
     results = run_ranks(_rank, world, preset, plan_dict, bucket_bytes, timeout_s=120)
-    vendors = {CLUSTER.group(s["group"]).accelerator.vendor for p in fields["pipelines"] for s in p["stages"]}
+    vendors = {
+        CLUSTER.group(s["group"]).accelerator.vendor
+        for p in fields["pipelines"]
+        for s in p["stages"]
+    }
     bridged = sum(moved[BRIDGE] for *_, moved in results)
     # Only a plan whose stages or replicas span vendors moves anything over the bridge.
     assert (bridged > 0) == (len(vendors) > 1)
     for losses, grads, tp_rank, tp, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for full_name, grad in grads.items():
-            torch.testing.assert_close(grad, shard(full_name, ref_grads[full_name], tp_rank, tp), msg=full_name)
+            torch.testing.assert_close(
+                grad, shard(full_name, ref_grads[full_name], tp_rank, tp), msg=full_name
+            )
 
 
 def _dies_or_trains(rank, world, preset, plan_dict):
@@ -113,6 +178,7 @@ def _dies_or_trains(rank, world, preset, plan_dict):
     import time as clock
 
     import torch.distributed as dist
+
     spec = load_model(preset)
     plan = parse_plan(plan_dict)
     topology = build_topology(plan, CLUSTER)

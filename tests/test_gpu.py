@@ -19,10 +19,31 @@ def _rank(rank, world):
     from hethub.spec import load_model, parse_cluster, parse_plan
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as on the CPU reference
-    cluster = parse_cluster({"groups": [{"name": "gpu", "accelerator": "h100", "devices_per_node": 1},
-                                        {"name": "cpu", "accelerator": "cpu", "devices_per_node": 1}]}, "gpu test")
-    plan = parse_plan({"model": "tiny-llama", "global_batch": 4, "micro_batch": 1, "pipelines": [
-        {"count": 1, "stages": [{"group": "gpu", "tp": 1, "layers": 4}, {"group": "cpu", "tp": 1, "layers": 4}]}]})
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {"name": "gpu", "accelerator": "h100", "devices_per_node": 1},
+                {"name": "cpu", "accelerator": "cpu", "devices_per_node": 1},
+            ]
+        },
+        "gpu test",
+    )
+    plan = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 4,
+            "micro_batch": 1,
+            "pipelines": [
+                {
+                    "count": 1,
+                    "stages": [
+                        {"group": "gpu", "tp": 1, "layers": 4},
+                        {"group": "cpu", "tp": 1, "layers": 4},
+                    ],
+                }
+            ],
+        }
+    )
     spec = load_model("tiny-llama")
     topology = build_topology(plan, cluster)
     devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
@@ -33,7 +54,10 @@ def _rank(rank, world):
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
         if grads is None:
-            grads = {engine.stage.full_name(n): p.grad.cpu().clone() for n, p in engine.stage.named_parameters()}
+            grads = {
+                engine.stage.full_name(n): p.grad.cpu().clone()
+                for n, p in engine.stage.named_parameters()
+            }
         engine.optimizer.step()
         engine.optimizer.zero_grad()
     return losses, grads, comm.bytes[BRIDGE]

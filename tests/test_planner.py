@@ -21,10 +21,28 @@ from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, par
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from baselines import exhaustive_best, megatron_uniform
 
-SMALL = parse_model({"arch": "llama", "hidden": 2048, "layers": 6, "heads": 16, "kv_heads": 4, "vocab": 32000,
-                     "seq_len": 2048}, "test", "small")
-TWO_KINDS = parse_cluster({"groups": [{"name": "nv", "accelerator": "a100-40gb", "devices_per_node": 4},
-                                      {"name": "amd", "accelerator": "mi210", "devices_per_node": 4}]}, "test")
+SMALL = parse_model(
+    {
+        "arch": "llama",
+        "hidden": 2048,
+        "layers": 6,
+        "heads": 16,
+        "kv_heads": 4,
+        "vocab": 32000,
+        "seq_len": 2048,
+    },
+    "test",
+    "small",
+)
+TWO_KINDS = parse_cluster(
+    {
+        "groups": [
+            {"name": "nv", "accelerator": "a100-40gb", "devices_per_node": 4},
+            {"name": "amd", "accelerator": "mi210", "devices_per_node": 4},
+        ]
+    },
+    "test",
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -34,9 +52,11 @@ def test_partitioner_is_optimal_on_every_enumerable_case(data, p, m):
     per_layer = data.draw(st.lists(st.floats(0.1, 3.0), min_size=p, max_size=p))
     extra = data.draw(st.lists(st.floats(0.0, 2.0), min_size=p, max_size=p))
     caps = data.draw(st.lists(st.integers(1, layers), min_size=p, max_size=p))
-    costs = [pipeline_cost(list(split), per_layer, extra, m)
-             for split in itertools.product(range(1, layers + 1), repeat=p)
-             if sum(split) == layers and all(n <= c for n, c in zip(split, caps))]
+    costs = [
+        pipeline_cost(list(split), per_layer, extra, m)
+        for split in itertools.product(range(1, layers + 1), repeat=p)
+        if sum(split) == layers and all(n <= c for n, c in zip(split, caps))
+    ]
     found = partition_layers(layers, per_layer, extra, caps, m)
     if not costs:
         assert found is None
@@ -48,15 +68,26 @@ def test_partitioner_is_optimal_on_every_enumerable_case(data, p, m):
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_batch_split_finishes_the_slowest_replica_as_early_as_possible(data):
-    layouts = [ReplicaTiming(data.draw(st.integers(1, 2)), data.draw(st.floats(0.1, 2.0)), data.draw(st.floats(0, 3)))
-               for _ in range(data.draw(st.integers(1, 2)))]
+    layouts = [
+        ReplicaTiming(
+            data.draw(st.integers(1, 2)), data.draw(st.floats(0.1, 2.0)), data.draw(st.floats(0, 3))
+        )
+        for _ in range(data.draw(st.integers(1, 2)))
+    ]
     replicas = [layout for layout in layouts for _ in range(layout.count)]
     total = data.draw(st.integers(len(replicas), 12))
     shares = split_micro_batches(total, layouts)
     assert sum(c * m for parts in shares for c, m in parts) == total
-    got = max(layout.fill_s + m * layout.bottleneck_s for parts, layout in zip(shares, layouts) for _, m in parts)
-    best = min(max(l.fill_s + m * l.bottleneck_s for l, m in zip(replicas, ms))
-               for ms in itertools.product(range(1, total + 1), repeat=len(replicas)) if sum(ms) == total)
+    got = max(
+        layout.fill_s + m * layout.bottleneck_s
+        for parts, layout in zip(shares, layouts)
+        for _, m in parts
+    )
+    best = min(
+        max(l.fill_s + m * l.bottleneck_s for l, m in zip(replicas, ms))
+        for ms in itertools.product(range(1, total + 1), repeat=len(replicas))
+        if sum(ms) == total
+    )
     assert got == pytest.approx(best, rel=1e-12)
 
 
@@ -75,10 +106,27 @@ def test_planner_beats_both_baselines():
 
 
 def test_no_returned_plan_exceeds_device_memory():
-    tight = parse_cluster({"groups": [{"name": "small", "accelerator": "rtx3090", "devices_per_node": 8},
-                                      {"name": "big", "accelerator": "a100-80gb", "devices_per_node": 8}]}, "t")
-    model = parse_model({"arch": "llama", "hidden": 4096, "layers": 16, "heads": 32, "vocab": 32000,
-                         "seq_len": 4096}, "t", "m")
+    tight = parse_cluster(
+        {
+            "groups": [
+                {"name": "small", "accelerator": "rtx3090", "devices_per_node": 8},
+                {"name": "big", "accelerator": "a100-80gb", "devices_per_node": 8},
+            ]
+        },
+        "t",
+    )
+    model = parse_model(
+        {
+            "arch": "llama",
+            "hidden": 4096,
+            "layers": 16,
+            "heads": 32,
+            "vocab": 32000,
+            "seq_len": 4096,
+        },
+        "t",
+        "m",
+    )
     found = search(tight, model, 32, model_ref="m")
     assert found.ranked
     for ranked in found.ranked:
@@ -111,14 +159,42 @@ CLUSTER_YAML = """groups:
 
 def test_plan_file_round_trip_gives_the_same_prediction(tmp_path, capsys):
     cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
-    model = _write(tmp_path, "small.yaml", "arch: llama\nhidden: 2048\nlayers: 6\nheads: 16\nkv_heads: 4\n"
-                                          "vocab: 32000\nseq_len: 2048\n")
+    model = _write(
+        tmp_path,
+        "small.yaml",
+        "arch: llama\nhidden: 2048\nlayers: 6\nheads: 16\nkv_heads: 4\n"
+        "vocab: 32000\nseq_len: 2048\n",
+    )
     out = tmp_path / "plans" / "plan.yaml"
-    assert main(["plan", "--cluster", cluster, "--model", model, "--global-batch", "8", "--out", str(out),
-                 "--json", "--top", "3"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                cluster,
+                "--model",
+                model,
+                "--global-batch",
+                "8",
+                "--out",
+                str(out),
+                "--json",
+                "--top",
+                "3",
+            ]
+        )
+        == 0
+    )
     planned = json.loads(capsys.readouterr().out)
-    for key in ("plan", "prediction", "upper_bound_tokens_per_s", "upper_bound_groups", "efficiency",
-                "search_time_s", "candidates_evaluated"):
+    for key in (
+        "plan",
+        "prediction",
+        "upper_bound_tokens_per_s",
+        "upper_bound_groups",
+        "efficiency",
+        "search_time_s",
+        "candidates_evaluated",
+    ):
         assert key in planned
     assert 0 < planned["efficiency"] <= 1.0 + 1e-9
     assert load_plan(out).to_dict() == planned["plan"]
@@ -129,8 +205,25 @@ def test_plan_file_round_trip_gives_the_same_prediction(tmp_path, capsys):
 def test_seq_len_override_writes_the_model_beside_the_plan(tmp_path, capsys):
     cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "--cluster", cluster, "--model", "llama-7b", "--global-batch", "16", "--seq-len", "1024",
-                 "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--cluster",
+                cluster,
+                "--model",
+                "llama-7b",
+                "--global-batch",
+                "16",
+                "--seq-len",
+                "1024",
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     planned = json.loads(capsys.readouterr().out)
     assert load_plan(out).model == "plan.model.yaml"
     assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
@@ -147,31 +240,65 @@ def _error(capsys, argv) -> str:
 
 
 def test_no_fit_names_the_closest_overflow(tmp_path, capsys):
-    cluster = _write(tmp_path, "tiny.yaml", "groups: [{name: g, accelerator: rtx3090, devices_per_node: 2}]\n")
-    message = _error(capsys, ["plan", "--cluster", cluster, "--model", "llama-70b", "--global-batch", "8",
-                              "--out", str(tmp_path / "p.yaml")])
-    assert "no plan fits in memory" in message and "GB over" in message and "'g'" in message and "rtx3090" in message
+    cluster = _write(
+        tmp_path, "tiny.yaml", "groups: [{name: g, accelerator: rtx3090, devices_per_node: 2}]\n"
+    )
+    message = _error(
+        capsys,
+        [
+            "plan",
+            "--cluster",
+            cluster,
+            "--model",
+            "llama-70b",
+            "--global-batch",
+            "8",
+            "--out",
+            str(tmp_path / "p.yaml"),
+        ],
+    )
+    assert (
+        "no plan fits in memory" in message
+        and "GB over" in message
+        and "'g'" in message
+        and "rtx3090" in message
+    )
     assert not (tmp_path / "p.yaml").exists()
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--global-batch", "0"], "--global-batch = 0"),
-    (["--global-batch", "8", "--seq-len", "-1"], "--seq-len = -1"),
-    (["--global-batch", "8", "--time-limit", "0"], "--time-limit = 0"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--global-batch", "0"], "--global-batch = 0"),
+        (["--global-batch", "8", "--seq-len", "-1"], "--seq-len = -1"),
+        (["--global-batch", "8", "--time-limit", "0"], "--time-limit = 0"),
+    ],
+)
 def test_bad_flags_are_one_clear_line(tmp_path, capsys, argv, needle):
     cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
     assert needle in _error(capsys, ["plan", "--cluster", cluster, "--model", "tiny-llama", *argv])
 
 
 def test_missing_cluster_is_one_clear_line(tmp_path, capsys):
-    message = _error(capsys, ["plan", "--cluster", str(tmp_path / "nope.yaml"), "--model", "tiny-llama",
-                              "--global-batch", "8"])
+    message = _error(
+        capsys,
+        [
+            "plan",
+            "--cluster",
+            str(tmp_path / "nope.yaml"),
+            "--model",
+            "tiny-llama",
+            "--global-batch",
+            "8",
+        ],
+    )
     assert "nope.yaml" in message and "not found" in message
 
 
 def test_examples_parse_and_the_paper_scenario_has_768_devices():
-    clusters = sorted((Path(__file__).resolve().parents[1] / "examples" / "clusters").glob("*.yaml"))
+    clusters = sorted(
+        (Path(__file__).resolve().parents[1] / "examples" / "clusters").glob("*.yaml")
+    )
     assert len(clusters) >= 7
     for path in clusters:
         load_cluster(path)
@@ -181,10 +308,26 @@ def test_examples_parse_and_the_paper_scenario_has_768_devices():
 
 def test_time_limit_stops_the_search_with_the_best_so_far_or_a_clear_error(tmp_path, capsys):
     cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
-    code = main(["plan", "--cluster", cluster, "--model", "llama-7b", "--global-batch", "16", "--json",
-                 "--time-limit", "0.001", "--out", str(tmp_path / "p.yaml")])
+    code = main(
+        [
+            "plan",
+            "--cluster",
+            cluster,
+            "--model",
+            "llama-7b",
+            "--global-batch",
+            "16",
+            "--json",
+            "--time-limit",
+            "0.001",
+            "--out",
+            str(tmp_path / "p.yaml"),
+        ]
+    )
     captured = capsys.readouterr()
-    if code == 0:  # something was found before the limit: it is a fitting plan, and said to be cut short
+    if (
+        code == 0
+    ):  # something was found before the limit: it is a fitting plan, and said to be cut short
         assert json.loads(captured.out)["timed_out"] is True
     else:
         assert code == 2 and "ran out of time" in captured.err and "Traceback" not in captured.err
@@ -194,6 +337,7 @@ def test_progress_bar_draws_one_line_and_clears_it():
     import io
 
     from hethub.report.progress import ProgressBar
+
     stream = io.StringIO()
     bar = ProgressBar(stream, width=10)
     bar.update("phase", 0, 4)

@@ -10,12 +10,36 @@ from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.spec import lookup, parse_cluster, parse_model
 
-CAL = Calibration(matmul_efficiency=0.5, matmul_half_dim=64, matmul_ramp_us=10, memory_efficiency=0.5,
-                  launch_us=5, link_efficiency=0.5, network_efficiency=0.25, collective_latency_us=2,
-                  step_overhead_ms=1)
-GPT = parse_model({"arch": "gpt", "hidden": 1024, "layers": 4, "heads": 16, "vocab": 1000, "seq_len": 512}, "", "g")
-LLAMA = parse_model({"arch": "llama", "hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 4, "ffn_hidden": 2816,
-                     "vocab": 1000, "seq_len": 512}, "", "l")
+CAL = Calibration(
+    matmul_efficiency=0.5,
+    matmul_half_dim=64,
+    matmul_ramp_us=10,
+    memory_efficiency=0.5,
+    launch_us=5,
+    link_efficiency=0.5,
+    network_efficiency=0.25,
+    collective_latency_us=2,
+    step_overhead_ms=1,
+)
+GPT = parse_model(
+    {"arch": "gpt", "hidden": 1024, "layers": 4, "heads": 16, "vocab": 1000, "seq_len": 512},
+    "",
+    "g",
+)
+LLAMA = parse_model(
+    {
+        "arch": "llama",
+        "hidden": 1024,
+        "layers": 4,
+        "heads": 16,
+        "kv_heads": 4,
+        "ffn_hidden": 2816,
+        "vocab": 1000,
+        "seq_len": 512,
+    },
+    "",
+    "l",
+)
 A100 = lookup("a100-80gb")
 
 
@@ -23,7 +47,9 @@ def test_calibration_comes_from_the_catalog_and_is_physical():
     cal = default_calibration()
     for name in ("matmul_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency"):
         assert 0 < getattr(cal, name) <= 1, name
-    assert len([f for f in dataclasses.fields(cal) if f.init]) <= 9  # about eight fitted scalars, no more
+    assert (
+        len([f for f in dataclasses.fields(cal) if f.init]) <= 9
+    )  # about eight fitted scalars, no more
 
 
 def test_gemm_time_efficiency_rises_with_the_narrowest_dimension():
@@ -40,14 +66,23 @@ def test_gpt_layer_gemms_by_hand():
     b, s, h, t = 2, 512, 1024, 2
     tokens = b * s
     gemms = compute.layer_gemms(GPT, t, b)
-    assert [f for f, _ in gemms] == pytest.approx([
-        2 * tokens * h * 3 * h / t, 2 * tokens * s * h / t, 2 * tokens * s * h / t, 2 * tokens * h * h / t,
-        2 * tokens * h * 4 * h / t, 2 * tokens * 4 * h * h / t])
+    assert [f for f, _ in gemms] == pytest.approx(
+        [
+            2 * tokens * h * 3 * h / t,
+            2 * tokens * s * h / t,
+            2 * tokens * s * h / t,
+            2 * tokens * h * h / t,
+            2 * tokens * h * 4 * h / t,
+            2 * tokens * 4 * h * h / t,
+        ]
+    )
     # Narrowest dimensions: QKV 1536 wide per rank, attention over 64 channels per head, projection
     # over h/t input channels, MLP over 4h/t.
     assert [d for _, d in gemms] == [1024, 64, 64, 512, 1024, 1024]
     # The classic 24 b s h^2 + 4 b s^2 h per layer forward.
-    assert sum(f for f, _ in compute.layer_gemms(GPT, 1, b)) == pytest.approx(24 * b * s * h * h + 4 * b * s * s * h)
+    assert sum(f for f, _ in compute.layer_gemms(GPT, 1, b)) == pytest.approx(
+        24 * b * s * h * h + 4 * b * s * s * h
+    )
 
 
 def test_llama_layer_gemms_count_grouped_query_attention_and_swiglu():
@@ -60,12 +95,21 @@ def test_llama_layer_gemms_count_grouped_query_attention_and_swiglu():
 def test_gpt_layer_memory_traffic_by_hand():
     b, s, h, a, t = 1, 512, 1024, 16, 1
     tokens = b * s
-    elements = 4 * tokens * h + 6 * tokens * h + 4.5 * b * a * s * s + 2 * tokens * h + 6 * tokens * h + 8 * tokens * h
+    elements = (
+        4 * tokens * h
+        + 6 * tokens * h
+        + 4.5 * b * a * s * s
+        + 2 * tokens * h
+        + 6 * tokens * h
+        + 8 * tokens * h
+    )
     assert compute.layer_memory_bytes(GPT, t, b) == pytest.approx(2 * elements)
 
 
 def test_layer_takes_the_larger_of_host_and_device_time():
-    tiny = parse_model({"arch": "gpt", "hidden": 64, "layers": 1, "heads": 4, "vocab": 100, "seq_len": 16}, "", "t")
+    tiny = parse_model(
+        {"arch": "gpt", "hidden": 64, "layers": 1, "heads": 4, "vocab": 100, "seq_len": 16}, "", "t"
+    )
     slow_host = dataclasses.replace(CAL, launch_us=1000)
     cost = compute.layer_cost(tiny, A100, slow_host, 1, 1, False, 0.0)
     assert cost.forward_s == pytest.approx(compute.FORWARD_OPS["gpt"] * 1000e-6)  # launch-bound
@@ -86,33 +130,57 @@ def test_ring_allreduce_by_hand():
 
 
 def _cluster(**group):
-    base = {"name": "g", "accelerator": "a100-80gb", "nodes": 4, "devices_per_node": 8, "network_gbps": 800}
+    base = {
+        "name": "g",
+        "accelerator": "a100-80gb",
+        "nodes": 4,
+        "devices_per_node": 8,
+        "network_gbps": 800,
+    }
     return parse_cluster({"groups": [{**base, **group}]}, "test")
 
 
 def test_allreduce_inside_a_node_uses_the_link_and_across_nodes_is_hierarchical():
     group = _cluster().groups[0]
     link = 300e9 * 0.5
-    assert comm.group_allreduce_time(8e6, 8, group, CAL) == pytest.approx(comm.ring_allreduce_time(8e6, 8, link, CAL))
+    assert comm.group_allreduce_time(8e6, 8, group, CAL) == pytest.approx(
+        comm.ring_allreduce_time(8e6, 8, link, CAL)
+    )
     # 32 ranks over 4 nodes: ring of 8 on the link, then a ring of 4 over 1/8 of the bytes on each
     # device's share of the network (800 Gbit/s / 8 / 8 devices = 12.5 GB/s, at 0.25 efficiency).
     network = 800 / 8 / 8 * 1e9 * 0.25
-    expected = comm.ring_allreduce_time(8e6, 8, link, CAL) + comm.ring_allreduce_time(1e6, 4, network, CAL)
+    expected = comm.ring_allreduce_time(8e6, 8, link, CAL) + comm.ring_allreduce_time(
+        1e6, 4, network, CAL
+    )
     assert comm.group_allreduce_time(8e6, 32, group, CAL) == pytest.approx(expected)
 
 
 def test_bridge_between_vendors_is_three_copies_in_series():
-    cluster = parse_cluster({"groups": [
-        {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8},
-        {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 8}], "cross_group_gbps": 640}, "t")
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8},
+                {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 8},
+            ],
+            "cross_group_gbps": 640,
+        },
+        "t",
+    )
     nv, amd = cluster.groups
     network = 640 / 8 / 8 * 1e9 * 0.25  # per device share of the link between the groups
     bridge = 1 / (1 / 32e9 + 1 / network + 1 / 32e9)
     assert comm.cross_group_bw(cluster, nv, amd, CAL) == pytest.approx(bridge)
     assert comm.is_bridged(nv, amd)
-    same = parse_cluster({"groups": [
-        {"name": "a", "accelerator": "a100-80gb", "devices_per_node": 8},
-        {"name": "b", "accelerator": "h100", "devices_per_node": 8}], "cross_group_gbps": 640}, "t")
+    same = parse_cluster(
+        {
+            "groups": [
+                {"name": "a", "accelerator": "a100-80gb", "devices_per_node": 8},
+                {"name": "b", "accelerator": "h100", "devices_per_node": 8},
+            ],
+            "cross_group_gbps": 640,
+        },
+        "t",
+    )
     assert comm.cross_group_bw(same, *same.groups, CAL) == pytest.approx(network)
     assert comm.p2p_time(1e6, 1e9, CAL) == pytest.approx(1e-3 + 2e-6)
 
@@ -122,17 +190,46 @@ def test_stage_memory_by_hand():
     b, s, h, a, t = 2, 512, 1024, 16, 2
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     assert memory.layer_activation_bytes(GPT, t, b) == pytest.approx(per_layer)
-    mem = memory.stage_memory(GPT, layers=2, tp=t, position=0, stages=2, micro_batches=8, micro_batch=b,
-                              recompute=False, schedule="1f1b")
+    mem = memory.stage_memory(
+        GPT,
+        layers=2,
+        tp=t,
+        position=0,
+        stages=2,
+        micro_batches=8,
+        micro_batch=b,
+        recompute=False,
+        schedule="1f1b",
+    )
     params = (2 * GPT.layer_params() + GPT.embedding_params()) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
     assert mem.weights_gb + mem.grads_gb + mem.optimizer_gb == pytest.approx(params * 18 / 1e9)
-    assert mem.activations_gb == pytest.approx(2 * 2 * per_layer / 1e9)  # 1F1B: stage 0 of 2 holds 2
-    recomputed = memory.stage_memory(GPT, layers=2, tp=t, position=0, stages=2, micro_batches=8, micro_batch=b,
-                                     recompute=True, schedule="1f1b")
+    assert mem.activations_gb == pytest.approx(
+        2 * 2 * per_layer / 1e9
+    )  # 1F1B: stage 0 of 2 holds 2
+    recomputed = memory.stage_memory(
+        GPT,
+        layers=2,
+        tp=t,
+        position=0,
+        stages=2,
+        micro_batches=8,
+        micro_batch=b,
+        recompute=True,
+        schedule="1f1b",
+    )
     assert recomputed.activations_gb == pytest.approx((2 * 2 * s * b * h * 2 + per_layer) / 1e9)
-    gpipe = memory.stage_memory(GPT, layers=2, tp=t, position=0, stages=2, micro_batches=8, micro_batch=b,
-                                recompute=False, schedule="gpipe")
+    gpipe = memory.stage_memory(
+        GPT,
+        layers=2,
+        tp=t,
+        position=0,
+        stages=2,
+        micro_batches=8,
+        micro_batch=b,
+        recompute=False,
+        schedule="gpipe",
+    )
     assert gpipe.activations_gb == pytest.approx(8 * 2 * per_layer / 1e9)
 
 

@@ -31,37 +31,74 @@ from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 
 TINY = load_model("tiny-llama")
-CPU2 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}, "cpu2")
+CPU2 = parse_cluster(
+    {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}, "cpu2"
+)
 
 
 def key_of(model=TINY, **overrides) -> LayerKey:
-    fields = {"device": "cpu", "dtype": "fp32", "threads": 1, "concurrent_ranks": 2, "tp": 1, "micro_batch": 1}
+    fields = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "threads": 1,
+        "concurrent_ranks": 2,
+        "tp": 1,
+        "micro_batch": 1,
+    }
     fields.update(overrides)
     return LayerKey.of(model, **fields)
 
 
 def layer_profile(key: LayerKey, **times) -> LayerProfile:
-    values = {"layer_forward_s": 0.010, "layer_backward_s": 0.020, "embed_forward_s": 0.001,
-              "embed_backward_s": 0.002, "head_forward_s": 0.003, "head_backward_s": 0.004,
-              "optimizer_s_per_param": 1e-9, "layer_activation_bytes": 1_000_000, "layer_param_bytes": 200_000}
+    values = {
+        "layer_forward_s": 0.010,
+        "layer_backward_s": 0.020,
+        "embed_forward_s": 0.001,
+        "embed_backward_s": 0.002,
+        "head_forward_s": 0.003,
+        "head_backward_s": 0.004,
+        "optimizer_s_per_param": 1e-9,
+        "layer_activation_bytes": 1_000_000,
+        "layer_param_bytes": 200_000,
+    }
     values.update(times)
     return LayerProfile(key=key, **values, measured_at="2025-01-01T00:00:00+00:00")
 
 
 def link_profile(concurrent_ranks=2) -> LinkProfile:
     fit = (1e-4, 1e9)
-    return LinkProfile(device="cpu", concurrent_ranks=concurrent_ranks, p2p_latency_s=5e-5, p2p_bytes_per_s=2e9,
-                       allreduce={2: fit}, broadcast={2: fit}, allgather={2: fit}, measured_at="2025-01-01")
+    return LinkProfile(
+        device="cpu",
+        concurrent_ranks=concurrent_ranks,
+        p2p_latency_s=5e-5,
+        p2p_bytes_per_s=2e9,
+        allreduce={2: fit},
+        broadcast={2: fit},
+        allgather={2: fit},
+        measured_at="2025-01-01",
+    )
 
 
 def plan_of(stages, count=1, micro_batches=4, micro_batch=1, recompute="none"):
-    return parse_plan({"model": "tiny-llama", "global_batch": count * micro_batches * micro_batch,
-                       "micro_batch": micro_batch, "recompute": recompute,
-                       "pipelines": [{"count": count, "micro_batches": micro_batches,
-                                      "stages": [{"group": g, "tp": 1, "layers": n} for g, n in stages]}]})
+    return parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": count * micro_batches * micro_batch,
+            "micro_batch": micro_batch,
+            "recompute": recompute,
+            "pipelines": [
+                {
+                    "count": count,
+                    "micro_batches": micro_batches,
+                    "stages": [{"group": g, "tp": 1, "layers": n} for g, n in stages],
+                }
+            ],
+        }
+    )
 
 
 # --- the store ---------------------------------------------------------------------------------
+
 
 def test_profiles_round_trip_and_match_only_their_exact_key(tmp_path):
     layer, link = layer_profile(key_of()), link_profile()
@@ -79,13 +116,23 @@ def test_profiles_round_trip_and_match_only_their_exact_key(tmp_path):
     assert profiles.select(concurrent_ranks=2, dtype="bf16").layer_for("cpu", TINY, 1, 1) is None
     assert selected.layer_for("cpu", TINY, 1, 2) is None
     assert selected.layer_for("a100", TINY, 1, 1) is None
-    for change in ({"seq_len": 128}, {"hidden": 128}, {"ffn_hidden": 352}, {"kv_heads": 4}, {"vocab": 512}):
+    for change in (
+        {"seq_len": 128},
+        {"hidden": 128},
+        {"ffn_hidden": 352},
+        {"kv_heads": 4},
+        {"vocab": 512},
+    ):
         assert selected.layer_for("cpu", dataclasses.replace(TINY, **change), 1, 1) is None, change
-    assert selected.layer_for("cpu", dataclasses.replace(TINY, layers=4, name="other"), 1, 1) == layer
+    assert (
+        selected.layer_for("cpu", dataclasses.replace(TINY, layers=4, name="other"), 1, 1) == layer
+    )
 
 
 def test_recomputed_layer_times_round_trip_and_older_files_without_them_still_load(tmp_path):
-    measured = layer_profile(key_of(), layer_recompute_forward_s=0.009, layer_recompute_backward_s=0.031)
+    measured = layer_profile(
+        key_of(), layer_recompute_forward_s=0.009, layer_recompute_backward_s=0.031
+    )
     save_profile(tmp_path, measured)
     assert load_profiles(tmp_path).layer(measured.key) == measured
     older = layer_profile(key_of(micro_batch=2))
@@ -102,17 +149,22 @@ def test_a_tp_group_computes_at_once_so_its_key_counts_its_ranks():
 
 
 def test_concurrency_is_the_plans_devices_on_cpus_only():
-    gpus = parse_cluster({"groups": [{"name": "g", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8}]})
+    gpus = parse_cluster(
+        {"groups": [{"name": "g", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 8}]}
+    )
     assert local_concurrency(CPU2, 2) == 2 and local_concurrency(gpus, 8) == 1
     assert select_for_run(empty_profiles(), CPU2, 2).concurrent_ranks == 2
 
 
-@pytest.mark.parametrize(("text", "named"), [
-    ("{not json", "not valid JSON at line 1"),
-    (json.dumps({"format": 1, "kind": "layer"}), "key = None: is required"),
-    (json.dumps({"format": 7, "kind": "layer"}), "format = 7"),
-    (json.dumps({"format": 1, "kind": "bogus"}), "kind = 'bogus'"),
-])
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("{not json", "not valid JSON at line 1"),
+        (json.dumps({"format": 1, "kind": "layer"}), "key = None: is required"),
+        (json.dumps({"format": 7, "kind": "layer"}), "format = 7"),
+        (json.dumps({"format": 1, "kind": "bogus"}), "kind = 'bogus'"),
+    ],
+)
 def test_a_malformed_profile_file_is_an_error_naming_the_file_and_field(tmp_path, text, named):
     path = tmp_path / "layer-cpu-broken.json"
     path.write_text(text)
@@ -148,6 +200,7 @@ def test_two_files_of_one_key_are_refused(tmp_path):
 
 # --- the predictor and the planner -------------------------------------------------------------
 
+
 def profiles_of(*items):
     return empty_profiles("test").merged(list(items)).select(concurrent_ranks=2)
 
@@ -163,7 +216,9 @@ def test_stage_times_come_from_the_profile():
     assert last.backward_s == pytest.approx(3 * lp.layer_backward_s + lp.head_backward_s)
     params = 5 * TINY.layer_params() + TINY.embedding_params()
     assert first.optimizer_s == pytest.approx(params * lp.optimizer_s_per_param)
-    recomputed = predict(plan_of([("cpu", 5), ("cpu", 3)], recompute="full"), CPU2, TINY, profiles=profiles)
+    recomputed = predict(
+        plan_of([("cpu", 5), ("cpu", 3)], recompute="full"), CPU2, TINY, profiles=profiles
+    )
     assert recomputed.stages[0].backward_s == pytest.approx(first.backward_s + first.forward_s)
     # fp32 everywhere: weights, gradients, two moments, and the measured activations in flight.
     in_flight = 2
@@ -179,7 +234,9 @@ def test_recomputation_takes_the_measured_checkpointed_times():
     assert first.backward_s == pytest.approx(5 * 0.035 + lp.embed_backward_s + lp.embed_forward_s)
     assert last.backward_s == pytest.approx(3 * 0.035 + lp.head_backward_s + lp.head_forward_s)
     assert not missing_profiles(plan, CPU2, TINY, profiles_of(lp, link_profile()))
-    (note,) = missing_profiles(plan, CPU2, TINY, profiles_of(layer_profile(key_of()), link_profile()))
+    (note,) = missing_profiles(
+        plan, CPU2, TINY, profiles_of(layer_profile(key_of()), link_profile())
+    )
     assert "no recomputed layer times" in note
 
 
@@ -187,19 +244,32 @@ def test_a_cached_profile_without_recomputed_times_is_measured_again(tmp_path, m
     from hethub.profile import measure
 
     save_profile(tmp_path, layer_profile(key_of(concurrent_ranks=1)))  # an older file
-    save_profile(tmp_path, layer_profile(key_of(concurrent_ranks=1, micro_batch=2), layer_recompute_forward_s=0.009,
-                                         layer_recompute_backward_s=0.031))
+    save_profile(
+        tmp_path,
+        layer_profile(
+            key_of(concurrent_ranks=1, micro_batch=2),
+            layer_recompute_forward_s=0.009,
+            layer_recompute_backward_s=0.031,
+        ),
+    )
     asked = []
-    monkeypatch.setattr(measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or [])
+    monkeypatch.setattr(
+        measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or []
+    )
     measure.ensure_profiles(tmp_path, TINY, "cpu", [1], [1, 2], links=False)
     assert asked == [[1]]
 
 
-def test_a_profile_of_an_older_measuring_method_is_measured_again_and_noted_where_given(tmp_path, monkeypatch):
+def test_a_profile_of_an_older_measuring_method_is_measured_again_and_noted_where_given(
+    tmp_path, monkeypatch
+):
     from hethub.profile import measure
 
-    current = layer_profile(key_of(concurrent_ranks=1, micro_batch=2), layer_recompute_forward_s=0.009,
-                            layer_recompute_backward_s=0.031)
+    current = layer_profile(
+        key_of(concurrent_ranks=1, micro_batch=2),
+        layer_recompute_forward_s=0.009,
+        layer_recompute_backward_s=0.031,
+    )
     save_profile(tmp_path, current)
     for profile in (dataclasses.replace(current, key=key_of(concurrent_ranks=1)), link_profile(1)):
         path = save_profile(tmp_path, profile)
@@ -208,25 +278,47 @@ def test_a_profile_of_an_older_measuring_method_is_measured_again_and_noted_wher
         path.write_text(json.dumps(data))
         assert read_profile(path).method == 1 < METHOD
     asked = []
-    monkeypatch.setattr(measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or [])
-    monkeypatch.setattr(measure, "measure_links", lambda device, ranks, **kw: asked.append(ranks) or link_profile(1))
+    monkeypatch.setattr(
+        measure, "measure_layers", lambda model, device, tps, micro, **kw: asked.append(micro) or []
+    )
+    monkeypatch.setattr(
+        measure, "measure_links", lambda device, ranks, **kw: asked.append(ranks) or link_profile(1)
+    )
     measure.ensure_profiles(tmp_path, TINY, "cpu", [1], [1, 2])
     assert asked == [[1], [2]]
-    older = [dataclasses.replace(layer_profile(key_of()), method=1), dataclasses.replace(link_profile(), method=1)]
+    older = [
+        dataclasses.replace(layer_profile(key_of()), method=1),
+        dataclasses.replace(link_profile(), method=1),
+    ]
     notes = missing_profiles(plan_of([("cpu", 4), ("cpu", 4)]), CPU2, TINY, profiles_of(*older))
-    assert [n for n in notes if "measured by an older hethub (method 1, now" in n and "--again" in n] == notes
+    assert [
+        n for n in notes if "measured by an older hethub (method 1, now" in n and "--again" in n
+    ] == notes
     assert len(notes) == 2
 
 
 def test_an_emulated_speed_of_half_doubles_compute():
     lp = layer_profile(key_of())
-    slow = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2,
-                                      "speed": 0.5}]})
+    slow = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "cpu",
+                    "accelerator": "cpu",
+                    "nodes": 1,
+                    "devices_per_node": 2,
+                    "speed": 0.5,
+                }
+            ]
+        }
+    )
     plan = plan_of([("cpu", 4), ("cpu", 4)])
     full = predict(plan, CPU2, TINY, profiles=profiles_of(lp)).stages
     half = predict(plan, slow, TINY, profiles=profiles_of(lp)).stages
     for a, b in zip(full, half):
-        assert b.forward_s == pytest.approx(2 * a.forward_s) and b.backward_s == pytest.approx(2 * a.backward_s)
+        assert b.forward_s == pytest.approx(2 * a.forward_s) and b.backward_s == pytest.approx(
+            2 * a.backward_s
+        )
     analytic = predict(plan, slow, TINY).stages[0]
     assert analytic.forward_s == pytest.approx(2 * predict(plan, CPU2, TINY).stages[0].forward_s)
 
@@ -236,31 +328,55 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
     result = predict(plan_of([("cpu", 4), ("cpu", 4)]), CPU2, TINY, profiles=profiles_of(lp, link))
     activation = 1 * TINY.seq_len * TINY.hidden * 4  # whole, fp32, leader to leader
     assert result.stages[0].send_s == pytest.approx(link.p2p_time(activation))
-    dp = parse_plan({"model": "tiny-llama", "global_batch": 8, "pipelines": [
-        {"count": 2, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}]})
+    dp = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 8,
+            "pipelines": [{"count": 2, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}],
+        }
+    )
     (stage,) = predict(dp, CPU2, TINY, profiles=profiles_of(lp, link)).stages
     tensors = param_tensors(TINY, 8, True, True, True)
     assert len(tensors) == 8 * 9 + 3
     total = sum(n * 4 for _, n, _ in tensors)
     assert total < BUCKET_BYTES  # one bucket, one all-reduce, as the runtime does
     assert stage.grad_sync_s == pytest.approx(link.allreduce_time(total, 2))
-    tp2 = parse_plan({"model": "tiny-llama", "global_batch": 8, "pipelines": [
-        {"count": 2, "stages": [{"group": "cpu", "tp": 2, "layers": 8}]}]})
-    cpu4 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]})
-    (stage,) = predict(tp2, cpu4, TINY, profiles=profiles_of(layer_profile(key_of(tp=2)), link)).stages
+    tp2 = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 8,
+            "pipelines": [{"count": 2, "stages": [{"group": "cpu", "tp": 2, "layers": 8}]}],
+        }
+    )
+    cpu4 = parse_cluster(
+        {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}
+    )
+    (stage,) = predict(
+        tp2, cpu4, TINY, profiles=profiles_of(layer_profile(key_of(tp=2)), link)
+    ).stages
     gathers = sum(link.allgather_time(n * 4, 2) for _, n, sharded in tensors if sharded)
-    assert stage.grad_sync_s == pytest.approx(gathers + link.allreduce_time(total, 2) + link.broadcast_time(total, 2))
+    assert stage.grad_sync_s == pytest.approx(
+        gathers + link.allreduce_time(total, 2) + link.broadcast_time(total, 2)
+    )
 
 
 def test_buckets_hold_consecutive_tensors_up_to_the_cap():
     assert bucket_bounds([4, 4, 4], cap=8) == [(0, 2), (2, 3)]
-    assert bucket_bounds([3, 20, 3, 3], cap=8) == [(0, 1), (1, 2), (2, 4)]  # one over the cap: its own
+    assert bucket_bounds([3, 20, 3, 3], cap=8) == [
+        (0, 1),
+        (1, 2),
+        (2, 4),
+    ]  # one over the cap: its own
     assert bucket_bounds([], cap=8) == []
 
 
 def test_link_times_interpolate_the_measured_points_and_extend_the_fitted_bandwidth(tmp_path):
-    link = dataclasses.replace(link_profile(), points={("allreduce", 2): ((1000, 1e-3), (3000, 5e-3))})
-    assert link.allreduce_time(500, 2) == pytest.approx(1e-3)  # below the points: the smallest's time
+    link = dataclasses.replace(
+        link_profile(), points={("allreduce", 2): ((1000, 1e-3), (3000, 5e-3))}
+    )
+    assert link.allreduce_time(500, 2) == pytest.approx(
+        1e-3
+    )  # below the points: the smallest's time
     assert link.allreduce_time(2000, 2) == pytest.approx(3e-3)
     assert link.allreduce_time(3000 + 1e9, 2) == pytest.approx(5e-3 + 1.0)  # fitted 1 GB/s beyond
     assert link.broadcast_time(2000, 2) == pytest.approx(1e-4 + 2000 / 1e9)  # no points: the line
@@ -281,11 +397,21 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))
     assert len(notes) == 2 and notes[0].startswith("no profile for cpu tp=1 micro-batch 1")
     assert "no link profile for cpu with 2 rank(s) at once" in notes[1]
-    cpu4 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]})
-    dp4 = parse_plan({"model": "tiny-llama", "global_batch": 4, "pipelines": [
-        {"count": 4, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}]})
-    four = empty_profiles().merged([layer_profile(key_of(concurrent_ranks=4)), link_profile(4)]).select(
-        concurrent_ranks=4)
+    cpu4 = parse_cluster(
+        {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}
+    )
+    dp4 = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 4,
+            "pipelines": [{"count": 4, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}],
+        }
+    )
+    four = (
+        empty_profiles()
+        .merged([layer_profile(key_of(concurrent_ranks=4)), link_profile(4)])
+        .select(concurrent_ranks=4)
+    )
     (note,) = missing_profiles(dp4, cpu4, TINY, four)
     assert "lacks all-reduce over 4 ranks" in note
     analytic_sync = predict(dp4, cpu4, TINY).stages[0].grad_sync_s
@@ -294,7 +420,9 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
 
 def test_the_planner_prices_with_the_profiles():
     lp, link = layer_profile(key_of()), link_profile()
-    profiles = profiles_of(lp, link, layer_profile(key_of(micro_batch=2)), layer_profile(key_of(micro_batch=4)))
+    profiles = profiles_of(
+        lp, link, layer_profile(key_of(micro_batch=2)), layer_profile(key_of(micro_batch=4))
+    )
     result = search(CPU2, TINY, 8, model_ref="tiny-llama", profiles=profiles)
     best = result.best
     assert best.prediction == predict(best.plan, CPU2, TINY, profiles=profiles)
@@ -303,18 +431,31 @@ def test_the_planner_prices_with_the_profiles():
 
 # --- measuring ---------------------------------------------------------------------------------
 
-SMALL = parse_model({"arch": "llama", "hidden": 256, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 128},
-                    "test", "small")
+SMALL = parse_model(
+    {"arch": "llama", "hidden": 256, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 128},
+    "test",
+    "small",
+)
 
 
 def test_measure_layers_times_the_runtimes_modules():
     from hethub.profile.measure import measure_layers
 
     (profile,) = measure_layers(SMALL, "cpu", [1], [1], repeats=3)
-    assert profile.key == LayerKey.of(SMALL, device="cpu", dtype="fp32", threads=1, concurrent_ranks=1, tp=1,
-                                      micro_batch=1)
-    times = [getattr(profile, f) for f in ("layer_forward_s", "layer_backward_s", "embed_forward_s",
-                                           "embed_backward_s", "head_forward_s", "head_backward_s")]
+    assert profile.key == LayerKey.of(
+        SMALL, device="cpu", dtype="fp32", threads=1, concurrent_ranks=1, tp=1, micro_batch=1
+    )
+    times = [
+        getattr(profile, f)
+        for f in (
+            "layer_forward_s",
+            "layer_backward_s",
+            "embed_forward_s",
+            "embed_backward_s",
+            "head_forward_s",
+            "head_backward_s",
+        )
+    ]
     assert all(t > 0 for t in times) and profile.optimizer_s_per_param > 0
     assert profile.layer_backward_s > profile.layer_forward_s  # two GEMMs per forward GEMM
     # Under recomputation the backward runs the forward again.
@@ -336,7 +477,9 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
         return None, lambda out: None
 
     forward, _ = _time_passes(one_pass, lambda: None, 10)
-    assert forward >= (0.050 + 9 * 0.001) / 10  # the plain mean: without the stall it would be ~1 ms
+    assert (
+        forward >= (0.050 + 9 * 0.001) / 10
+    )  # the plain mean: without the stall it would be ~1 ms
 
 
 def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_size():
@@ -346,16 +489,31 @@ def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_si
     latency, bandwidth = fit_latency_bandwidth(points)
     assert latency == pytest.approx(2e-4) and bandwidth == pytest.approx(3e9)
     assert fit_latency_bandwidth([(n, 1e-3) for n in (4096, 1 << 20)])[0] == pytest.approx(1e-3)
-    assert non_decreasing([(4096, 5e-4), (65536, 2e-4), (1 << 20, 9e-4)]) == ((4096, 2e-4), (65536, 2e-4),
-                                                                              (1 << 20, 9e-4))
+    assert non_decreasing([(4096, 5e-4), (65536, 2e-4), (1 << 20, 9e-4)]) == (
+        (4096, 2e-4),
+        (65536, 2e-4),
+        (1 << 20, 9e-4),
+    )
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     """`hethub profile` once for the module: tp 1 here, tp 2 in two processes, links in two more."""
     out = tmp_path_factory.mktemp("profiles")
-    code = main(["profile", "--model", "tiny-llama", "--tp", "1,2", "--micro-batch", "1,2", "--out", str(out),
-                 "--json"])
+    code = main(
+        [
+            "profile",
+            "--model",
+            "tiny-llama",
+            "--tp",
+            "1,2",
+            "--micro-batch",
+            "1,2",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     assert code == 0
     return out
 
@@ -379,38 +537,76 @@ def test_profiling_again_measures_only_what_is_missing(profiled, monkeypatch, ca
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured again")
+
     monkeypatch.setattr(measure, "measure_layers", refuse)
     monkeypatch.setattr(measure, "measure_links", refuse)
-    assert main(["profile", "--model", "tiny-llama", "--tp", "2,1", "--micro-batch", "2", "--out", str(profiled)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                "tiny-llama",
+                "--tp",
+                "2,1",
+                "--micro-batch",
+                "2",
+                "--out",
+                str(profiled),
+            ]
+        )
+        == 0
+    )
     assert "kept" in capsys.readouterr().out
 
 
 def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
     cluster = tmp_path / "cpu1.yaml"
-    cluster.write_text("groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 1}\n")
-    args = ["predict", "--cluster", str(cluster), "--model", "tiny-llama", "--micro-batch", "2",
-            "--global-batch", "8", "--json"]
+    cluster.write_text(
+        "groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 1}\n"
+    )
+    args = [
+        "predict",
+        "--cluster",
+        str(cluster),
+        "--model",
+        "tiny-llama",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "8",
+        "--json",
+    ]
     assert main([*args, "--profiles", str(profiled)]) == 0
     out, err = capsys.readouterr()
     (stage,) = json.loads(out)["stages"]
     lp = load_profiles(profiled).select(concurrent_ranks=1).layer_for("cpu", TINY, 1, 2)
-    assert stage["forward_s"] == pytest.approx(8 * lp.layer_forward_s + lp.embed_forward_s + lp.head_forward_s)
+    assert stage["forward_s"] == pytest.approx(
+        8 * lp.layer_forward_s + lp.embed_forward_s + lp.head_forward_s
+    )
     assert err == ""
     # Two devices: two ranks at once, which these profiles lack: the analytic model, and a note each.
-    cluster.write_text("groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 2}\n")
+    cluster.write_text(
+        "groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 2}\n"
+    )
     assert main([*args, "--pp", "2", "--profiles", str(profiled)]) == 0
     out, err = capsys.readouterr()
     assert err.count("hethub predict: note: no ") == 2 and "2 ranks at once" in err
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--tp", "3"], "--tp = 3: must divide the model's heads (4)"),
-    (["--micro-batch", "0"], "--micro-batch = '0': must be positive integers"),
-    (["--tp", "two"], "--tp = 'two': must be positive integers"),
-    (["--tp", "2", "--concurrent-ranks", "3"], "--concurrent-ranks = 3: must be a multiple of --tp 2"),
-    (["--device", "a100-80gb"], "--device = 'a100-80gb': a nvidia accelerator"),
-    (["--threads", "1,2"], "--threads = 1,2: give one thread count"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "3"], "--tp = 3: must divide the model's heads (4)"),
+        (["--micro-batch", "0"], "--micro-batch = '0': must be positive integers"),
+        (["--tp", "two"], "--tp = 'two': must be positive integers"),
+        (
+            ["--tp", "2", "--concurrent-ranks", "3"],
+            "--concurrent-ranks = 3: must be a multiple of --tp 2",
+        ),
+        (["--device", "a100-80gb"], "--device = 'a100-80gb': a nvidia accelerator"),
+        (["--threads", "1,2"], "--threads = 1,2: give one thread count"),
+    ],
+)
 def test_profile_errors_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     assert main(["profile", "--model", "tiny-llama", "--out", str(tmp_path / "p"), *flags]) == 2
     err = capsys.readouterr().err
@@ -422,8 +618,26 @@ def test_unknown_model_and_missing_profiles_exit_2(tmp_path, capsys):
     assert main(["profile", "--model", "nope"]) == 2
     assert "model = 'nope': not a preset" in capsys.readouterr().err
     cluster = tmp_path / "c.yaml"
-    cluster.write_text("groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 1}\n")
-    assert main(["predict", "--cluster", str(cluster), "--model", "tiny-llama", "--micro-batch", "1",
-                 "--global-batch", "2", "--profiles", str(tmp_path / "none")]) == 2
+    cluster.write_text(
+        "groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 1}\n"
+    )
+    assert (
+        main(
+            [
+                "predict",
+                "--cluster",
+                str(cluster),
+                "--model",
+                "tiny-llama",
+                "--micro-batch",
+                "1",
+                "--global-batch",
+                "2",
+                "--profiles",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "profile directory not found" in err and err.count("\n") == 1

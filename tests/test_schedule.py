@@ -26,8 +26,13 @@ def _draw_stages(data, p):
 
 
 @settings(max_examples=200, deadline=None)
-@given(p=st.integers(1, 12), m=st.integers(1, 64), f=durations, b=durations,
-       schedule=st.sampled_from(["1f1b", "gpipe"]))
+@given(
+    p=st.integers(1, 12),
+    m=st.integers(1, 64),
+    f=durations,
+    b=durations,
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+)
 def test_uniform_stages_without_communication_match_the_closed_form(p, m, f, b, schedule):
     order = schedule_order(schedule, p, m)
     end = simulate(order, [f] * p, [b] * p, [0.0] * (p - 1), [0.0] * (p - 1))
@@ -35,7 +40,12 @@ def test_uniform_stages_without_communication_match_the_closed_form(p, m, f, b, 
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), p=st.integers(1, 10), m=st.integers(1, 48), schedule=st.sampled_from(["1f1b", "gpipe"]))
+@given(
+    data=st.data(),
+    p=st.integers(1, 10),
+    m=st.integers(1, 48),
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+)
 def test_jumping_over_the_steady_state_is_exact(data, p, m, schedule):
     f, b, sends = _draw_stages(data, p)
     order = schedule_order(schedule, p, m)
@@ -87,7 +97,12 @@ def test_bottleneck_stage_sets_the_steady_state():
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), p=st.integers(1, 6), m=st.integers(1, 120), schedule=st.sampled_from(["1f1b", "gpipe"]))
+@given(
+    data=st.data(),
+    p=st.integers(1, 6),
+    m=st.integers(1, 120),
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+)
 def test_stage_end_times_of_a_long_schedule_equal_the_full_simulation(data, p, m, schedule):
     f, b, sends = _draw_stages(data, p)
     order = schedule_order(schedule, p, m)

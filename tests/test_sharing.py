@@ -26,14 +26,28 @@ durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
 
 def layout(schedule, f, b, sends, m, ranks=None, speed=None):
     p = len(f)
-    return SharedLayout(order=schedule_order(schedule, p, m), forward_s=f, backward_s=b, send_forward_s=sends,
-                        send_backward_s=sends, ranks=ranks or [1] * p, speed=speed or [1.0] * p)
+    return SharedLayout(
+        order=schedule_order(schedule, p, m),
+        forward_s=f,
+        backward_s=b,
+        send_forward_s=sends,
+        send_backward_s=sends,
+        ranks=ranks or [1] * p,
+        speed=speed or [1.0] * p,
+    )
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), p=st.integers(1, 5), m=st.integers(1, 12), schedule=st.sampled_from(["1f1b", "gpipe"]),
-       slow=st.booleans())
-def test_without_a_speed_up_from_fewer_ranks_it_is_the_fixed_duration_simulation(data, p, m, schedule, slow):
+@given(
+    data=st.data(),
+    p=st.integers(1, 5),
+    m=st.integers(1, 12),
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+    slow=st.booleans(),
+)
+def test_without_a_speed_up_from_fewer_ranks_it_is_the_fixed_duration_simulation(
+    data, p, m, schedule, slow
+):
     # alone = 1: an operation takes as long whoever else computes, so durations are fixed; an
     # emulated speed splits each into computing and sleeping without changing its length.
     f = data.draw(st.lists(durations, min_size=p, max_size=p))
@@ -41,7 +55,9 @@ def test_without_a_speed_up_from_fewer_ranks_it_is_the_fixed_duration_simulation
     sends = data.draw(st.lists(st.floats(0, 1), min_size=p - 1, max_size=p - 1))
     speed = [0.5 if slow and s % 2 else 1.0 for s in range(p)]
     shared = layout(schedule, f, b, sends, m, speed=speed)
-    (start, end), = simulate_shared([shared], CoreSharing(cores=1, ranks=p + 1, least=1, alone=1.0))
+    ((start, end),) = simulate_shared(
+        [shared], CoreSharing(cores=1, ranks=p + 1, least=1, alone=1.0)
+    )
     expected = simulate(shared.order, f, b, sends, sends, every_op=True)
     assert end == pytest.approx(expected, rel=1e-9, abs=1e-12)
     for (s, kind, _), a, z in zip(shared.order.ops, start, end):
@@ -80,20 +96,26 @@ def test_an_emulated_stage_sleeps_without_taking_a_core():
 def test_a_replicated_stage_counts_all_of_its_ranks():
     sharing = CoreSharing(cores=2, ranks=4, least=1, alone=0.25)
     wide = layout("1f1b", [1.0], [0.0], [], 1, ranks=[4])
-    (_, end), = simulate_shared([wide], sharing)
+    ((_, end),) = simulate_shared([wide], sharing)
     assert end[0] == pytest.approx(1.0)  # four ranks computing: as measured
     narrow = layout("1f1b", [1.0], [0.0], [], 1, ranks=[2])
-    (_, end), = simulate_shared([narrow], sharing)
+    ((_, end),) = simulate_shared([narrow], sharing)
     assert end[0] == pytest.approx(0.5)  # two: a third of the way from alone (0.25) to all (1)
 
 
-CPU4 = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}, "cpu4")
+CPU4 = parse_cluster(
+    {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}, "cpu4"
+)
 
 
 def four_on_two(*, with_alone=True):
     """Profiles of a 2-core machine for a local run of 4 ranks (and, ``with_alone``, of 1 rank)."""
-    many = layer_profile(key_of(concurrent_ranks=4), layer_forward_s=0.024, layer_backward_s=0.040, cores=2)
-    alone = layer_profile(key_of(concurrent_ranks=1), layer_forward_s=0.010, layer_backward_s=0.018, cores=2)
+    many = layer_profile(
+        key_of(concurrent_ranks=4), layer_forward_s=0.024, layer_backward_s=0.040, cores=2
+    )
+    alone = layer_profile(
+        key_of(concurrent_ranks=1), layer_forward_s=0.010, layer_backward_s=0.018, cores=2
+    )
     items = [many, link_profile(4)] + ([alone] if with_alone else [])
     return empty_profiles("test").merged(items).select(concurrent_ranks=4)
 
@@ -102,29 +124,47 @@ def test_the_sharing_comes_from_the_profiles_of_all_ranks_and_of_one_alone():
     plan = plan_of([("cpu", 1)] * 4, micro_batches=8)
     sharing = core_sharing(plan, CPU4, TINY, four_on_two())
     assert sharing == CoreSharing(cores=2, ranks=4, least=1, alone=pytest.approx(0.028 / 0.064))
-    assert core_sharing(plan, CPU4, TINY, four_on_two(with_alone=False)).alone == 0.5  # the fair share
+    assert (
+        core_sharing(plan, CPU4, TINY, four_on_two(with_alone=False)).alone == 0.5
+    )  # the fair share
     assert not missing_profiles(plan, CPU4, TINY, four_on_two())
-    note, = missing_profiles(plan, CPU4, TINY, four_on_two(with_alone=False))
+    (note,) = missing_profiles(plan, CPU4, TINY, four_on_two(with_alone=False))
     assert "1 rank at once" in note and "share of the 2 cores is taken as fair" in note
     two = dataclasses.replace(four_on_two(), concurrent_ranks=2)
     assert core_sharing(plan_of([("cpu", 2)] * 2), CPU4, TINY, two) is None  # a core per rank
-    unrecorded = empty_profiles("test").merged([layer_profile(key_of(concurrent_ranks=4))]).select(concurrent_ranks=4)
-    assert core_sharing(plan, CPU4, TINY, unrecorded) is None  # cores not recorded: nothing to share
+    unrecorded = (
+        empty_profiles("test")
+        .merged([layer_profile(key_of(concurrent_ranks=4))])
+        .select(concurrent_ranks=4)
+    )
+    assert (
+        core_sharing(plan, CPU4, TINY, unrecorded) is None
+    )  # cores not recorded: nothing to share
 
 
 def test_a_pipeline_of_more_ranks_than_cores_is_predicted_faster_through_its_fill_and_drain():
     plan = plan_of([("cpu", 1)] * 4, micro_batches=8)
     shared = predict(plan, CPU4, TINY, profiles=four_on_two(), timeline=True)
     # The same profiles with no core count recorded: every operation takes its all-at-once time.
-    unshared = empty_profiles("test").merged([dataclasses.replace(p, cores=None) for p in four_on_two().layers.values()]
-                                             + [link_profile(4)]).select(concurrent_ranks=4)
+    unshared = (
+        empty_profiles("test")
+        .merged(
+            [dataclasses.replace(p, cores=None) for p in four_on_two().layers.values()]
+            + [link_profile(4)]
+        )
+        .select(concurrent_ranks=4)
+    )
     fixed = predict(plan, CPU4, TINY, profiles=unshared)
     assert [s.forward_s for s in shared.stages] == [s.forward_s for s in fixed.stages]
     # Fewer ranks computing in the fill and drain go faster than the profiled all-at-once time...
     assert shared.iteration_time_s < fixed.iteration_time_s
     # ...but never faster than alone (0.028 s of 0.064 s), and never slower than all at once.
     for stage in shared.stages:
-        ops = [e for e in shared.timeline if e["stage"] == stage.position and e["kind"] in ("forward", "backward")]
+        ops = [
+            e
+            for e in shared.timeline
+            if e["stage"] == stage.position and e["kind"] in ("forward", "backward")
+        ]
         assert stage.compute_s == pytest.approx(sum(e["end_s"] - e["start_s"] for e in ops))
         nominal = 8 * (stage.forward_s + stage.backward_s)
         assert 0.028 / 0.064 * nominal <= stage.compute_s < nominal
@@ -134,15 +174,35 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
     # The planner skips a plan whose lower bound is above the best step so far; with ranks sharing
     # the cores, a plan of fewer ranks than the machine was profiled for computes faster than its
     # profiled durations, and its bound must shrink with it, or the skip could lose the best plan.
-    profiles = empty_profiles("test").merged([
-        layer_profile(key_of(concurrent_ranks=c, micro_batch=b), layer_forward_s=0.006 * c,
-                      layer_backward_s=0.012 * c, cores=2)
-        for c in (1, 2, 4) for b in (1, 2, 4)] + [link_profile(4)]).select(concurrent_ranks=4)
-    state = _Search(CPU4, TINY, "tiny-llama", 16, float("inf"), None, default_calibration(), profiles)
+    profiles = (
+        empty_profiles("test")
+        .merged(
+            [
+                layer_profile(
+                    key_of(concurrent_ranks=c, micro_batch=b),
+                    layer_forward_s=0.006 * c,
+                    layer_backward_s=0.012 * c,
+                    cores=2,
+                )
+                for c in (1, 2, 4)
+                for b in (1, 2, 4)
+            ]
+            + [link_profile(4)]
+        )
+        .select(concurrent_ranks=4)
+    )
+    state = _Search(
+        CPU4, TINY, "tiny-llama", 16, float("inf"), None, default_calibration(), profiles
+    )
     checked = 0
     for b in (1, 2, 4):
-        setting = Setting(model=TINY, calibration=default_calibration(), micro_batch=b, recompute=False,
-                          profiles=profiles)
+        setting = Setting(
+            model=TINY,
+            calibration=default_calibration(),
+            micro_batch=b,
+            recompute=False,
+            profiles=profiles,
+        )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):
             draft = _draft(state, setting, (layout,))
             if draft is not None:

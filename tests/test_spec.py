@@ -25,12 +25,15 @@ from hethub.spec.plan import PipelineLayout, StageSpec, uniform_layers
 # Model presets and parameter counts
 
 
-@pytest.mark.parametrize(("name", "expected", "tolerance"), [
-    ("llama-7b", 6.74e9, 0.01),
-    ("llama-13b", 13.0e9, 0.01),
-    ("llama-70b", 69.0e9, 0.01),
-    ("llama-140b", 140e9, 0.02),
-])
+@pytest.mark.parametrize(
+    ("name", "expected", "tolerance"),
+    [
+        ("llama-7b", 6.74e9, 0.01),
+        ("llama-13b", 13.0e9, 0.01),
+        ("llama-70b", 69.0e9, 0.01),
+        ("llama-140b", 140e9, 0.02),
+    ],
+)
 def test_llama_preset_parameter_counts(name: str, expected: float, tolerance: float) -> None:
     model = load_model(name)
     assert model.arch == "llama"
@@ -55,12 +58,22 @@ def test_preset_names_are_case_insensitive() -> None:
 
 def test_gpt_parameter_count_by_hand() -> None:
     vocab, seq, h, layers, heads = 1000, 128, 96, 3, 4
-    model = parse_model({"arch": "gpt", "hidden": h, "layers": layers, "heads": heads,
-                         "vocab": vocab, "seq_len": seq}, "test", "small-gpt")
+    model = parse_model(
+        {
+            "arch": "gpt",
+            "hidden": h,
+            "layers": layers,
+            "heads": heads,
+            "vocab": vocab,
+            "seq_len": seq,
+        },
+        "test",
+        "small-gpt",
+    )
     assert model.ffn_hidden == 4 * h
     assert model.kv_heads == heads
-    embeddings = vocab * h + seq * h            # tokens + learned positions (head is tied)
-    per_layer = 12 * h * h + 13 * h             # qkv+out 4h^2+4h, mlp 8h^2+5h, two layernorms 4h
+    embeddings = vocab * h + seq * h  # tokens + learned positions (head is tied)
+    per_layer = 12 * h * h + 13 * h  # qkv+out 4h^2+4h, mlp 8h^2+5h, two layernorms 4h
     final_layernorm = 2 * h
     assert model.layer_params() == per_layer
     assert model.parameter_count() == embeddings + layers * per_layer + final_layernorm
@@ -70,17 +83,28 @@ def test_gpt_parameter_count_by_hand() -> None:
 
 def test_llama_parameter_count_by_hand_with_gqa() -> None:
     vocab, seq, h, layers, heads, kv_heads, ffn = 500, 64, 128, 2, 8, 2, 352
-    model = parse_model({"arch": "llama", "hidden": h, "layers": layers, "heads": heads,
-                         "kv_heads": kv_heads, "ffn_hidden": ffn, "vocab": vocab, "seq_len": seq},
-                        "test", "small-llama")
-    head_dim = h // heads                       # 16
-    kv = kv_heads * head_dim                    # 32: K and V are narrower than Q
+    model = parse_model(
+        {
+            "arch": "llama",
+            "hidden": h,
+            "layers": layers,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "ffn_hidden": ffn,
+            "vocab": vocab,
+            "seq_len": seq,
+        },
+        "test",
+        "small-llama",
+    )
+    head_dim = h // heads  # 16
+    kv = kv_heads * head_dim  # 32: K and V are narrower than Q
     attention = h * h + h * kv + h * kv + h * h  # q, k, v, o; no biases
-    mlp = 3 * h * ffn                           # gate, up, down (SwiGLU)
-    norms = 2 * h                               # two RMSNorm weights
+    mlp = 3 * h * ffn  # gate, up, down (SwiGLU)
+    norms = 2 * h  # two RMSNorm weights
     per_layer = attention + mlp + norms
-    embedding = vocab * h                       # no learned positions (rotary)
-    head = h + vocab * h                        # final RMSNorm + untied output head
+    embedding = vocab * h  # no learned positions (rotary)
+    head = h + vocab * h  # final RMSNorm + untied output head
     assert model.kv_hidden == kv
     assert model.layer_params() == per_layer
     assert model.parameter_count() == embedding + layers * per_layer + head
@@ -90,22 +114,49 @@ def test_llama_parameter_count_by_hand_with_gqa() -> None:
 
 def test_llama_ffn_rule() -> None:
     assert llama_ffn_hidden(4096) == 11008
-    model = parse_model({"arch": "llama", "hidden": 4096, "layers": 1, "heads": 32, "vocab": 32000,
-                         "seq_len": 4096}, "test", "x")
-    assert model.ffn_hidden == 11008       # the default for llama
-    assert model.kv_heads == 32             # kv_heads defaults to heads
+    model = parse_model(
+        {
+            "arch": "llama",
+            "hidden": 4096,
+            "layers": 1,
+            "heads": 32,
+            "vocab": 32000,
+            "seq_len": 4096,
+        },
+        "test",
+        "x",
+    )
+    assert model.ffn_hidden == 11008  # the default for llama
+    assert model.kv_heads == 32  # kv_heads defaults to heads
 
 
 def test_load_model_by_yaml_path_relative_to_a_folder(tmp_path) -> None:
     folder = tmp_path / "plans"
     (folder / "models").mkdir(parents=True)
-    (folder / "models" / "mini.yaml").write_text(yaml.safe_dump(
-        {"arch": "llama", "hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn_hidden": 176,
-         "vocab": 256, "seq_len": 32}))
+    (folder / "models" / "mini.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "arch": "llama",
+                "hidden": 64,
+                "layers": 4,
+                "heads": 4,
+                "kv_heads": 2,
+                "ffn_hidden": 176,
+                "vocab": 256,
+                "seq_len": 32,
+            }
+        )
+    )
     model = load_model("models/mini.yaml", relative_to=folder)
     assert isinstance(model, ModelSpec)
     assert model.name == "mini"
-    assert (model.arch, model.hidden, model.layers, model.heads, model.kv_heads) == ("llama", 64, 4, 4, 2)
+    assert (model.arch, model.hidden, model.layers, model.heads, model.kv_heads) == (
+        "llama",
+        64,
+        4,
+        4,
+        2,
+    )
     assert (model.ffn_hidden, model.vocab, model.seq_len) == (176, 256, 32)
     # Without the folder the relative path does not exist: one clear error, not a crash.
     with pytest.raises(HethubError) as info:
@@ -116,9 +167,26 @@ def test_load_model_by_yaml_path_relative_to_a_folder(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------
 # The accelerator catalog
 
-CATALOG_NAMES = ["v100", "a100-40gb", "a100-80gb", "a800", "h100", "h800", "h20", "h200", "l40s",
-                 "rtx4090", "rtx3090", "mi210", "mi250x", "mi300x", "ascend-910b", "gaudi2", "gaudi3",
-                 "cpu"]
+CATALOG_NAMES = [
+    "v100",
+    "a100-40gb",
+    "a100-80gb",
+    "a800",
+    "h100",
+    "h800",
+    "h20",
+    "h200",
+    "l40s",
+    "rtx4090",
+    "rtx3090",
+    "mi210",
+    "mi250x",
+    "mi300x",
+    "ascend-910b",
+    "gaudi2",
+    "gaudi3",
+    "cpu",
+]
 
 
 def test_catalog_has_exactly_the_18_names() -> None:
@@ -157,15 +225,33 @@ def test_lookup_near_miss_suggests(miss: str, meant: str) -> None:
 
 
 def test_inline_accelerator_gets_vendor_defaults() -> None:
-    cluster = parse_cluster({"groups": [{
-        "name": "acc_a",
-        "accelerator": {"name": "accel-a", "vendor": "other", "bf16_tflops": 320, "memory_gb": 64},
-        "nodes": 4, "devices_per_node": 8,
-    }]}, "cluster.yaml")
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "acc_a",
+                    "accelerator": {
+                        "name": "accel-a",
+                        "vendor": "other",
+                        "bf16_tflops": 320,
+                        "memory_gb": 64,
+                    },
+                    "nodes": 4,
+                    "devices_per_node": 8,
+                }
+            ]
+        },
+        "cluster.yaml",
+    )
     assert isinstance(cluster, ClusterSpec)
     group = cluster.group("acc_a")
     acc = group.accelerator
-    assert (acc.name, acc.vendor, acc.bf16_tflops, acc.memory_gb) == ("accel-a", "other", 320.0, 64.0)
+    assert (acc.name, acc.vendor, acc.bf16_tflops, acc.memory_gb) == (
+        "accel-a",
+        "other",
+        320.0,
+        64.0,
+    )
     # Omitted figures: the "other" vendor's defaults in the catalog file.
     assert acc.memory_bw_gb_s == 1600
     assert acc.intra_node_gb_s == 100
@@ -177,40 +263,87 @@ def test_inline_accelerator_gets_vendor_defaults() -> None:
 
 
 def test_inline_accelerator_given_fields_win_over_defaults() -> None:
-    cluster = parse_cluster({"groups": [{
-        "name": "amdish",
-        "accelerator": {"name": "x", "vendor": "amd", "bf16_tflops": 100, "memory_gb": 32,
-                        "intra_node_gb_s": 50},
-        "devices_per_node": 4,
-    }]})
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "amdish",
+                    "accelerator": {
+                        "name": "x",
+                        "vendor": "amd",
+                        "bf16_tflops": 100,
+                        "memory_gb": 32,
+                        "intra_node_gb_s": 50,
+                    },
+                    "devices_per_node": 4,
+                }
+            ]
+        }
+    )
     acc = cluster.groups[0].accelerator
     assert acc.intra_node_gb_s == 50
-    assert acc.memory_bw_gb_s == 3277   # amd default
+    assert acc.memory_bw_gb_s == 3277  # amd default
     assert cluster.groups[0].nodes == 1  # nodes defaults to 1
 
 
 def test_network_default_comes_from_catalog() -> None:
-    cluster = parse_cluster({"groups": [
-        {"name": "nv", "accelerator": "h100", "nodes": 2, "devices_per_node": 8},
-        {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 8, "network_gbps": 400},
-    ]})
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {"name": "nv", "accelerator": "h100", "nodes": 2, "devices_per_node": 8},
+                {
+                    "name": "amd",
+                    "accelerator": "mi250x",
+                    "nodes": 2,
+                    "devices_per_node": 8,
+                    "network_gbps": 400,
+                },
+            ]
+        }
+    )
     assert cluster.group("nv").network_gbps == catalog()["h100"].network_gbps
     assert cluster.group("amd").network_gbps == 400
 
 
 def test_cross_group_default_is_the_smaller_network() -> None:
-    cluster = parse_cluster({"groups": [
-        {"name": "a", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8, "network_gbps": 1600},
-        {"name": "b", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 8, "network_gbps": 400},
-    ]})
+    cluster = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "a",
+                    "accelerator": "a100-80gb",
+                    "nodes": 2,
+                    "devices_per_node": 8,
+                    "network_gbps": 1600,
+                },
+                {
+                    "name": "b",
+                    "accelerator": "mi250x",
+                    "nodes": 2,
+                    "devices_per_node": 8,
+                    "network_gbps": 400,
+                },
+            ]
+        }
+    )
     a, b = cluster.group("a"), cluster.group("b")
     assert cluster.cross_group_gbps is None
     assert cluster.cross_gbps(a, b) == 400
     assert cluster.cross_gbps(b, a) == 400
-    explicit = parse_cluster({"groups": [
-        {"name": "a", "accelerator": "a100-80gb", "devices_per_node": 8, "network_gbps": 1600},
-        {"name": "b", "accelerator": "mi250x", "devices_per_node": 8, "network_gbps": 400},
-    ], "cross_group_gbps": 200})
+    explicit = parse_cluster(
+        {
+            "groups": [
+                {
+                    "name": "a",
+                    "accelerator": "a100-80gb",
+                    "devices_per_node": 8,
+                    "network_gbps": 1600,
+                },
+                {"name": "b", "accelerator": "mi250x", "devices_per_node": 8, "network_gbps": 400},
+            ],
+            "cross_group_gbps": 200,
+        }
+    )
     assert explicit.cross_gbps(explicit.group("a"), explicit.group("b")) == 200
 
 
@@ -219,13 +352,22 @@ def test_cross_group_default_is_the_smaller_network() -> None:
 
 
 def test_plan_defaults() -> None:
-    plan = parse_plan({
-        "model": "llama-7b", "global_batch": 512,
-        "pipelines": [
-            {"stages": [{"group": "nv", "tp": 4, "layers": 18}, {"group": "amd", "tp": 8, "layers": 14}]},
-            {"count": 3, "stages": [{"group": "nv", "tp": 8, "layers": 32}]},
-        ],
-    }, "plan.yaml")
+    plan = parse_plan(
+        {
+            "model": "llama-7b",
+            "global_batch": 512,
+            "pipelines": [
+                {
+                    "stages": [
+                        {"group": "nv", "tp": 4, "layers": 18},
+                        {"group": "amd", "tp": 8, "layers": 14},
+                    ]
+                },
+                {"count": 3, "stages": [{"group": "nv", "tp": 8, "layers": 32}]},
+            ],
+        },
+        "plan.yaml",
+    )
     assert plan.micro_batch == 1
     assert plan.recompute == "none"
     assert plan.schedule == "1f1b"
@@ -235,34 +377,66 @@ def test_plan_defaults() -> None:
     # 512 sequences split evenly over 1 + 3 = 4 replicas of micro-batch 1
     assert first.micro_batches == 128
     assert second.micro_batches == 128
-    assert first.stages == (StageSpec(group="nv", tp=4, layers=18), StageSpec(group="amd", tp=8, layers=14))
+    assert first.stages == (
+        StageSpec(group="nv", tp=4, layers=18),
+        StageSpec(group="amd", tp=8, layers=14),
+    )
     assert first.devices == 12
 
 
 def test_plan_stage_tp_defaults_to_one_and_even_split_uses_micro_batch() -> None:
-    plan = parse_plan({"model": "tiny-gpt", "global_batch": 64, "micro_batch": 4,
-                       "pipelines": [{"count": 2, "stages": [{"group": "g", "layers": 8}]}]})
+    plan = parse_plan(
+        {
+            "model": "tiny-gpt",
+            "global_batch": 64,
+            "micro_batch": 4,
+            "pipelines": [{"count": 2, "stages": [{"group": "g", "layers": 8}]}],
+        }
+    )
     assert plan.pipelines[0].stages[0].tp == 1
-    assert plan.pipelines[0].micro_batches == 8   # 64 / (2 replicas x 4)
+    assert plan.pipelines[0].micro_batches == 8  # 64 / (2 replicas x 4)
 
 
 def test_plan_yaml_round_trip() -> None:
-    plan = Plan(model="llama-7b", global_batch=512, micro_batch=2, recompute="full", schedule="gpipe",
-                pipelines=(
-                    PipelineLayout(count=2, micro_batches=64, stages=(
-                        StageSpec(group="nv", tp=4, layers=18), StageSpec(group="amd", tp=8, layers=14))),
-                    PipelineLayout(count=1, micro_batches=128, stages=(
-                        StageSpec(group="nv", tp=8, layers=32),)),
-                ))
+    plan = Plan(
+        model="llama-7b",
+        global_batch=512,
+        micro_batch=2,
+        recompute="full",
+        schedule="gpipe",
+        pipelines=(
+            PipelineLayout(
+                count=2,
+                micro_batches=64,
+                stages=(
+                    StageSpec(group="nv", tp=4, layers=18),
+                    StageSpec(group="amd", tp=8, layers=14),
+                ),
+            ),
+            PipelineLayout(
+                count=1, micro_batches=128, stages=(StageSpec(group="nv", tp=8, layers=32),)
+            ),
+        ),
+    )
     text = plan.to_yaml()
     again = parse_plan(yaml.safe_load(text), "round-trip")
     assert again == plan
 
 
 def test_parsed_plan_round_trips_through_yaml() -> None:
-    plan = parse_plan({"model": "tiny-llama", "global_batch": 24, "micro_batch": 2,
-                       "pipelines": [{"count": 3, "stages": [{"group": "a", "tp": 2, "layers": 5},
-                                                             {"group": "b", "layers": 3}]}]})
+    plan = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 24,
+            "micro_batch": 2,
+            "pipelines": [
+                {
+                    "count": 3,
+                    "stages": [{"group": "a", "tp": 2, "layers": 5}, {"group": "b", "layers": 3}],
+                }
+            ],
+        }
+    )
     assert parse_plan(yaml.safe_load(plan.to_yaml())) == plan
 
 

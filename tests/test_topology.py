@@ -9,17 +9,52 @@ from hethub.errors import SpecError
 from hethub.runtime.topology import build_topology
 from hethub.spec import check_plan, parse_cluster, parse_model, parse_plan
 
-CLUSTER = parse_cluster({"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 4},
-                                    {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 4}]}, "t")
-MODEL = parse_model({"arch": "llama", "hidden": 64, "layers": 8, "heads": 8, "kv_heads": 4, "vocab": 128,
-                     "seq_len": 16}, "t", "m")
+CLUSTER = parse_cluster(
+    {
+        "groups": [
+            {"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 4},
+            {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 4},
+        ]
+    },
+    "t",
+)
+MODEL = parse_model(
+    {
+        "arch": "llama",
+        "hidden": 64,
+        "layers": 8,
+        "heads": 8,
+        "kv_heads": 4,
+        "vocab": 128,
+        "seq_len": 16,
+    },
+    "t",
+    "m",
+)
 
 
 def test_hetero_plan_ranks_by_group_then_device():
-    plan = parse_plan({"model": "m", "global_batch": 6, "pipelines": [
-        {"count": 2, "micro_batches": 2, "stages": [{"group": "nv", "tp": 2, "layers": 5},
-                                                     {"group": "amd", "tp": 1, "layers": 3}]},
-        {"count": 1, "micro_batches": 2, "stages": [{"group": "amd", "tp": 4, "layers": 8}]}]})
+    plan = parse_plan(
+        {
+            "model": "m",
+            "global_batch": 6,
+            "pipelines": [
+                {
+                    "count": 2,
+                    "micro_batches": 2,
+                    "stages": [
+                        {"group": "nv", "tp": 2, "layers": 5},
+                        {"group": "amd", "tp": 1, "layers": 3},
+                    ],
+                },
+                {
+                    "count": 1,
+                    "micro_batches": 2,
+                    "stages": [{"group": "amd", "tp": 4, "layers": 8}],
+                },
+            ],
+        }
+    )
     check_plan(plan, CLUSTER, MODEL)
     topo = build_topology(plan, CLUSTER)
     assert topo.world_size == 4 + 2 + 4
@@ -42,10 +77,23 @@ def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(
         split = [1] * stages
         for _ in range(8 - stages):
             split[data.draw(st.integers(0, stages - 1))] += 1
-        pipelines.append({"count": data.draw(st.integers(1, 2)), "micro_batches": 1, "stages": [
-            {"group": data.draw(st.sampled_from(["nv", "amd"])), "tp": data.draw(st.sampled_from([1, 2, 4])),
-             "layers": n} for n in split]})
-    plan = parse_plan({"model": "m", "global_batch": sum(p["count"] for p in pipelines), "pipelines": pipelines})
+        pipelines.append(
+            {
+                "count": data.draw(st.integers(1, 2)),
+                "micro_batches": 1,
+                "stages": [
+                    {
+                        "group": data.draw(st.sampled_from(["nv", "amd"])),
+                        "tp": data.draw(st.sampled_from([1, 2, 4])),
+                        "layers": n,
+                    }
+                    for n in split
+                ],
+            }
+        )
+    plan = parse_plan(
+        {"model": "m", "global_batch": sum(p["count"] for p in pipelines), "pipelines": pipelines}
+    )
     try:
         check_plan(plan, CLUSTER, MODEL)
     except SpecError:
@@ -60,4 +108,7 @@ def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(
     for layer in range(8):
         assert len(topo.layer_holders(layer)) == replicas
     for sync in topo.stage_syncs:
-        assert len({(topo.ranks[k].stage, topo.ranks[k].tp_rank, topo.ranks[k].layers) for k in sync}) == 1
+        assert (
+            len({(topo.ranks[k].stage, topo.ranks[k].tp_rank, topo.ranks[k].layers) for k in sync})
+            == 1
+        )

@@ -61,8 +61,14 @@ def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
 
 
 def hethub(cwd, *args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "hethub", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hethub", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def records(done) -> tuple[list[dict], dict]:
@@ -80,49 +86,109 @@ def files(tmp_path):
 
 def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_plan(files):
     common = ["--seed", "3", "--lr", "1e-3", "--json", "--timeout", "60"]
-    whole = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "4",
-                   "--run-dir", "runs/whole", *common)
+    whole = hethub(
+        files,
+        "train",
+        "--cluster",
+        "cluster.yaml",
+        "--plan",
+        "plan.yaml",
+        "--steps",
+        "4",
+        "--run-dir",
+        "runs/whole",
+        *common,
+    )
     assert whole.returncode == 0, whole.stderr
     steps, final = records(whole)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     losses = [r["loss"] for r in steps]
     assert losses == pytest.approx(reference_losses(4, 3, 1e-3), rel=1e-5)
-    assert all(r["comm_bytes"]["bridge"] > 0 for r in steps)  # the stage boundary crosses vendors, every step
+    assert all(
+        r["comm_bytes"]["bridge"] > 0 for r in steps
+    )  # the stage boundary crosses vendors, every step
     assert final["world_size"] == 2 and "loss" not in final
     assert [r["group"] for r in final["ranks"]] == ["nv", "amd"]
     run = files / "runs" / "whole"
-    for name in ("plan.yaml", "cluster.yaml", "run.json", "prediction.json", "metrics.jsonl", "trace.json",
-                 "loss.png", "checkpoints/step-000004/meta.json"):
+    for name in (
+        "plan.yaml",
+        "cluster.yaml",
+        "run.json",
+        "prediction.json",
+        "metrics.jsonl",
+        "trace.json",
+        "loss.png",
+        "checkpoints/step-000004/meta.json",
+    ):
         assert (run / name).exists(), name
-    assert [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()] == losses
-    sources = {e["args"]["name"].split(" · ")[0] for e in json.loads((run / "trace.json").read_text())["traceEvents"]
-               if e["name"] == "process_name"}
+    assert [
+        json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+    ] == losses
+    sources = {
+        e["args"]["name"].split(" · ")[0]
+        for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+        if e["name"] == "process_name"
+    }
     assert sources == {"predicted", "measured"}
 
-    half = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "2",
-                  "--run-dir", "runs/half", *common)
+    half = hethub(
+        files,
+        "train",
+        "--cluster",
+        "cluster.yaml",
+        "--plan",
+        "plan.yaml",
+        "--steps",
+        "2",
+        "--run-dir",
+        "runs/half",
+        *common,
+    )
     assert half.returncode == 0, half.stderr
     resumed = hethub(files, "train", "--resume", "runs/half", "--steps", "4", "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert [r["loss"] for r in records(resumed)[0]] == losses[2:]  # bit for bit
-    assert [json.loads(line)["step"] for line in (files / "runs/half/metrics.jsonl").read_text().splitlines()] == [
-        1, 2, 3, 4]
+    assert [
+        json.loads(line)["step"]
+        for line in (files / "runs/half/metrics.jsonl").read_text().splitlines()
+    ] == [1, 2, 3, 4]
 
-    other = hethub(files, "train", "--resume", "runs/half", "--plan", "other.yaml", "--cluster", "cluster.yaml",
-                   "--steps", "6", "--json")
+    other = hethub(
+        files,
+        "train",
+        "--resume",
+        "runs/half",
+        "--plan",
+        "other.yaml",
+        "--cluster",
+        "cluster.yaml",
+        "--steps",
+        "6",
+        "--json",
+    )
     assert other.returncode == 0, other.stderr
-    assert [r["loss"] for r in records(other)[0]] == pytest.approx(reference_losses(6, 3, 1e-3)[4:], rel=1e-5)
+    assert [r["loss"] for r in records(other)[0]] == pytest.approx(
+        reference_losses(6, 3, 1e-3)[4:], rel=1e-5
+    )
     assert records(other)[1]["world_size"] == 3
-    assert (files / "runs/half/plan.before-step-4.yaml").read_text() != (files / "runs/half/plan.yaml").read_text()
+    assert (files / "runs/half/plan.before-step-4.yaml").read_text() != (
+        files / "runs/half/plan.yaml"
+    ).read_text()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cluster", "cluster.yaml", "--plan", "missing.yaml"], "missing.yaml"),
-    (["--plan", "plan.yaml"], "--plan needs --cluster"),
-    (["--resume", "runs/nothing"], "not a run directory"),
-    (["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "0"], "--steps = 0"),
-    (["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--data", "no-such.txt"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cluster", "cluster.yaml", "--plan", "missing.yaml"], "missing.yaml"),
+        (["--plan", "plan.yaml"], "--plan needs --cluster"),
+        (["--resume", "runs/nothing"], "not a run directory"),
+        (["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "0"], "--steps = 0"),
+        (
+            ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--data", "no-such.txt"],
+            "no such file",
+        ),
+    ],
+)
 def test_bad_input_is_one_clear_line_before_any_process_starts(files, args, message):
     done = hethub(files, "train", *args, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
@@ -133,14 +199,26 @@ def test_bad_input_is_one_clear_line_before_any_process_starts(files, args, mess
 def test_a_plan_that_does_not_match_the_cluster_is_refused_before_any_process_starts(files):
     (files / "plan.yaml").write_text(PLAN.replace("group: amd", "group: intel"))
     done = hethub(files, "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", timeout=60)
-    assert done.returncode == 2 and "no such group" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        done.returncode == 2 and "no such group" in done.stderr and "Traceback" not in done.stderr
+    )
 
 
 def test_resume_refuses_a_run_that_is_done_and_a_run_without_checkpoints(files):
     run = files / "runs" / "empty"
     run.mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"seed": 0, "lr": 1e-3, "data": None, "steps": 4,
-                                              "checkpoint_every": 2, "timeout_s": 60}))
+    (run / "run.json").write_text(
+        json.dumps(
+            {
+                "seed": 0,
+                "lr": 1e-3,
+                "data": None,
+                "steps": 4,
+                "checkpoint_every": 2,
+                "timeout_s": 60,
+            }
+        )
+    )
     done = hethub(files, "train", "--resume", "runs/empty", timeout=60)
     assert done.returncode == 2 and "no complete checkpoint" in done.stderr
 
@@ -153,19 +231,50 @@ def _workers_of(run_dir: str) -> list[int]:
             command = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:  # not a process, or gone
             continue
-        is_agent = b"torch.distributed.run" in command  # torchrun itself carries the workers' arguments
-        if not is_agent and b"--worker-of" in command and any(p.endswith(run_dir.encode()) for p in command):
+        is_agent = (
+            b"torch.distributed.run" in command
+        )  # torchrun itself carries the workers' arguments
+        if (
+            not is_agent
+            and b"--worker-of" in command
+            and any(p.endswith(run_dir.encode()) for p in command)
+        ):
             pids.append(int(entry.name))
     return pids
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc (Linux)")
-def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_never_stopped(files):
+def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_never_stopped(
+    files,
+):
     # 30 steps: the crash lands well before the end, whenever the checkpoint of step 2 shows.
-    args = ["train", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "30", "--checkpoint-every", "2",
-            "--seed", "5", "--lr", "1e-3", "--json", "--timeout", "60", "--run-dir", "runs/crashed"]
-    victim = subprocess.Popen([sys.executable, "-m", "hethub", *args], cwd=files, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "--cluster",
+        "cluster.yaml",
+        "--plan",
+        "plan.yaml",
+        "--steps",
+        "30",
+        "--checkpoint-every",
+        "2",
+        "--seed",
+        "5",
+        "--lr",
+        "1e-3",
+        "--json",
+        "--timeout",
+        "60",
+        "--run-dir",
+        "runs/crashed",
+    ]
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "hethub", *args],
+        cwd=files,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     checkpoint = files / "runs/crashed/checkpoints/step-000002/meta.json"
     deadline = time.monotonic() + 180
     while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
@@ -180,6 +289,8 @@ def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_
     assert resumed.returncode == 0, resumed.stderr
     steps = records(resumed)[0]
     assert 3 <= steps[0]["step"] < 30  # it resumed from a checkpoint written before the crash
-    done = [json.loads(line) for line in (files / "runs/crashed/metrics.jsonl").read_text().splitlines()]
+    done = [
+        json.loads(line) for line in (files / "runs/crashed/metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in done] == list(range(1, 31))  # no step twice, none missing
     assert [r["loss"] for r in done] == pytest.approx(reference_losses(30, 5, 1e-3), rel=1e-5)

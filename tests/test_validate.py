@@ -16,15 +16,32 @@ pipelines:
 
 
 def hethub(cwd, *args):
-    return subprocess.run([sys.executable, "-m", "hethub", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hethub", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     (tmp_path / "plan.yaml").write_text(PLAN)
-    done = hethub(tmp_path, "validate", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--steps", "3",
-                  "--profiles", "profiles", "--json")
+    done = hethub(
+        tmp_path,
+        "validate",
+        "--cluster",
+        "cluster.yaml",
+        "--plan",
+        "plan.yaml",
+        "--steps",
+        "3",
+        "--profiles",
+        "profiles",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
@@ -34,8 +51,17 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
     for s in report["stages"]:
         assert s["measured"]["compute_s"] > 0 and s["predicted"]["compute_s"] > 0
     # The prediction rests on the profiles alone: predict on them, after the run, gives the same figure.
-    again = hethub(tmp_path, "predict", "--cluster", "cluster.yaml", "--plan", "plan.yaml", "--profiles", "profiles",
-                   "--json")
+    again = hethub(
+        tmp_path,
+        "predict",
+        "--cluster",
+        "cluster.yaml",
+        "--plan",
+        "plan.yaml",
+        "--profiles",
+        "profiles",
+        "--json",
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["iteration_time_s"] == report["predicted_iteration_s"]
     trace = json.loads((tmp_path / report["run_dir"] / "trace.json").read_text())
@@ -44,8 +70,14 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
 
 
 def test_validate_refuses_a_cluster_that_does_not_run_on_this_machine(tmp_path):
-    (tmp_path / "cluster.yaml").write_text("groups: [{name: nv, accelerator: h100, nodes: 1, devices_per_node: 2}]\n")
+    (tmp_path / "cluster.yaml").write_text(
+        "groups: [{name: nv, accelerator: h100, nodes: 1, devices_per_node: 2}]\n"
+    )
     (tmp_path / "plan.yaml").write_text(PLAN.replace("group: cpu", "group: nv"))
     done = hethub(tmp_path, "validate", "--cluster", "cluster.yaml", "--plan", "plan.yaml")
-    assert done.returncode == 2 and "must run on its CPU" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        done.returncode == 2
+        and "must run on its CPU" in done.stderr
+        and "Traceback" not in done.stderr
+    )
     assert not (tmp_path / "runs").exists()

@@ -14,7 +14,9 @@ COMMANDS = (train, validate, plan, predict, profile, catalog)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hethub", description="Train large language models on clusters that mix accelerator kinds.")
+        prog="hethub",
+        description="Train large language models on clusters that mix accelerator kinds.",
+    )
     parser.add_argument("--version", action="version", version=f"hethub {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

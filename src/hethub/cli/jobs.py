@@ -47,24 +47,51 @@ def builtin_cluster() -> Path:
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say what to train and where."""
-    parser.add_argument("--cluster", help="cluster YAML file (default: examples/clusters/local-hetero.yaml, "
-                                          "two emulated kinds of device on this machine)")
-    parser.add_argument("--plan", help="plan YAML file (default: the planner's plan for the cluster)")
-    parser.add_argument("--model", help=f"model preset or YAML when planning (default {DEFAULT_MODEL})")
-    parser.add_argument("--global-batch", type=int, help=f"sequences per step when planning (default "
-                                                         f"{DEFAULT_GLOBAL_BATCH})")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)")
+    parser.add_argument(
+        "--cluster",
+        help="cluster YAML file (default: examples/clusters/local-hetero.yaml, "
+        "two emulated kinds of device on this machine)",
+    )
+    parser.add_argument(
+        "--plan", help="plan YAML file (default: the planner's plan for the cluster)"
+    )
+    parser.add_argument(
+        "--model", help=f"model preset or YAML when planning (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help=f"sequences per step when planning (default {DEFAULT_GLOBAL_BATCH})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)",
+    )
     parser.add_argument("--seed", type=int, help="seed of the weights and the batches (default 0)")
     parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--data", help="a text file, a folder of text files, or a .bin of uint16 tokens "
-                                       "(default: the standard library's pydoc texts)")
-    parser.add_argument("--run-dir", help="the run's directory (default runs/<plan or cluster name>, "
-                                          "with -2, -3, ... when taken)")
-    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps and at the end (default 20)")
-    parser.add_argument("--profiles", default="runs/profiles",
-                        help="this machine's profiles, measured there when missing (default runs/profiles)")
+    parser.add_argument(
+        "--data",
+        help="a text file, a folder of text files, or a .bin of uint16 tokens "
+        "(default: the standard library's pydoc texts)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        help="the run's directory (default runs/<plan or cluster name>, "
+        "with -2, -3, ... when taken)",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, help="checkpoint every K steps and at the end (default 20)"
+    )
+    parser.add_argument(
+        "--profiles",
+        default="runs/profiles",
+        help="this machine's profiles, measured there when missing (default runs/profiles)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
-    parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 120)")
+    parser.add_argument(
+        "--timeout", type=float, help="seconds a collective may wait for a peer (default 120)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,14 +127,21 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
     if args.plan and not args.cluster:
         raise HethubError("--plan needs --cluster: a plan names the groups of a cluster file")
     cluster = load_cluster(cluster_path)
-    settings = RunSettings(seed=_given(args.seed, 0), lr=_given(args.lr, 3e-3),
-                           data=str(Path(args.data).resolve()) if args.data else None, steps=_given(args.steps, DEFAULT_STEPS),
-                           checkpoint_every=_given(args.checkpoint_every, 20), timeout_s=_given(args.timeout, 120.0))
+    settings = RunSettings(
+        seed=_given(args.seed, 0),
+        lr=_given(args.lr, 3e-3),
+        data=str(Path(args.data).resolve()) if args.data else None,
+        steps=_given(args.steps, DEFAULT_STEPS),
+        checkpoint_every=_given(args.checkpoint_every, 20),
+        timeout_s=_given(args.timeout, 120.0),
+    )
     if args.plan:
         plan = load_plan(args.plan)
         model = load_model(plan.model, relative_to=Path(args.plan).parent, source=args.plan)
         check_plan(plan, cluster, model, args.plan)
-        _check_data(settings, model, plan.global_batch)  # bad data stops before anything is measured
+        _check_data(
+            settings, model, plan.global_batch
+        )  # bad data stops before anything is measured
         profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     else:
         model = load_model(args.model or DEFAULT_MODEL, source="--model")
@@ -119,8 +153,10 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
     if args.run_dir:
         run = RunDir(args.run_dir)
         if (run.path / "run.json").exists() and write:
-            raise HethubError(f"--run-dir = {args.run_dir!r}: holds a run already; continue it with --resume "
-                              f"{args.run_dir}, or give another --run-dir")
+            raise HethubError(
+                f"--run-dir = {args.run_dir!r}: holds a run already; continue it with --resume "
+                f"{args.run_dir}, or give another --run-dir"
+            )
         if write:
             run.path.mkdir(parents=True, exist_ok=True)
     else:
@@ -131,8 +167,16 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
         _write_plan(run, plan, model)
         run.write_settings(settings)
         _write_prediction(run, prediction, basis, cluster)
-    return Job(run=run, settings=settings, cluster=cluster, plan=plan, model=model, prediction=prediction,
-               basis=basis, resume_from=None)
+    return Job(
+        run=run,
+        settings=settings,
+        cluster=cluster,
+        plan=plan,
+        model=model,
+        prediction=prediction,
+        basis=basis,
+        resume_from=None,
+    )
 
 
 def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -> Job:
@@ -142,19 +186,31 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     settings = run.read_settings()
     checkpoint = latest_checkpoint(run.checkpoints)
     if checkpoint is None:
-        raise HethubError(f"--resume = {args.resume!r}: no complete checkpoint in {run.checkpoints}")
+        raise HethubError(
+            f"--resume = {args.resume!r}: no complete checkpoint in {run.checkpoints}"
+        )
     done = read_meta(checkpoint)["step"]
     for flag, value in (("seed", args.seed), ("lr", args.lr)):
         if value is not None and value != getattr(settings, flag):
-            raise HethubError(f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; a resumed run "
-                              f"keeps its seed and learning rate so that it continues exactly")
+            raise HethubError(
+                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; a resumed run "
+                f"keeps its seed and learning rate so that it continues exactly"
+            )
     if args.data and str(Path(args.data).resolve()) != settings.data:
-        raise HethubError(f"--data = {args.data!r}: the run was trained on {settings.data or 'the built-in corpus'}")
+        raise HethubError(
+            f"--data = {args.data!r}: the run was trained on {settings.data or 'the built-in corpus'}"
+        )
     steps = _given(args.steps, settings.steps)
     if steps <= done:
-        raise HethubError(f"--resume = {args.resume!r}: the run is at step {done} already; give --steps above {done}")
-    settings = dataclasses.replace(settings, steps=steps, timeout_s=_given(args.timeout, settings.timeout_s),
-                                   checkpoint_every=_given(args.checkpoint_every, settings.checkpoint_every))
+        raise HethubError(
+            f"--resume = {args.resume!r}: the run is at step {done} already; give --steps above {done}"
+        )
+    settings = dataclasses.replace(
+        settings,
+        steps=steps,
+        timeout_s=_given(args.timeout, settings.timeout_s),
+        checkpoint_every=_given(args.checkpoint_every, settings.checkpoint_every),
+    )
     cluster_path = Path(args.cluster) if args.cluster else run.cluster
     cluster = load_cluster(cluster_path)
     plan_path = Path(args.plan) if args.plan else run.plan
@@ -165,15 +221,25 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     if write:
-        if plan != load_plan(run.plan):  # resumed under another plan: keep the one it trained under so far
+        if plan != load_plan(
+            run.plan
+        ):  # resumed under another plan: keep the one it trained under so far
             run.plan.rename(run.path / f"plan.before-step-{done}.yaml")
             _write_plan(run, plan, model)
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
         _write_prediction(run, prediction, basis, cluster)
-    return Job(run=run, settings=settings, cluster=cluster, plan=plan, model=model, prediction=prediction,
-               basis=basis, resume_from=done)
+    return Job(
+        run=run,
+        settings=settings,
+        cluster=cluster,
+        plan=plan,
+        model=model,
+        prediction=prediction,
+        basis=basis,
+        resume_from=done,
+    )
 
 
 def plan_devices(plan: Plan) -> int:
@@ -189,11 +255,19 @@ def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> N
     from hethub.runtime.data import builtin_corpus, check_tokens, load_tokens
 
     tokens = load_tokens(settings.data) if settings.data else builtin_corpus()
-    check_tokens(tokens, settings.data or "the built-in corpus", model.vocab, model.seq_len, global_batch)
+    check_tokens(
+        tokens, settings.data or "the built-in corpus", model.vocab, model.seq_len, global_batch
+    )
 
 
-def _profiles(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec, plan: Plan | None, measure: bool,
-              say) -> tuple[Profiles | None, str]:
+def _profiles(
+    args: argparse.Namespace,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    plan: Plan | None,
+    measure: bool,
+    say,
+) -> tuple[Profiles | None, str]:
     """This machine's profiles for the job (measured first where missing), or None: the analytic model."""
     folder = Path(args.profiles)
     if not all_cpu(cluster):
@@ -202,63 +276,130 @@ def _profiles(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec, 
     if measure:
         from hethub.planner.candidates import tp_degrees
         from hethub.planner.search import MICRO_BATCH_SIZES
-        from hethub.profile.measure import available_cores, ensure_profiles  # torch: only when measuring
+        from hethub.profile.measure import (
+            available_cores,
+            ensure_profiles,
+        )  # torch: only when measuring
 
         # Without a plan: everything the planner will try (its TP degrees and micro-batch sizes).
-        tps = (sorted({s.tp for p in plan.pipelines for s in p.stages}) if plan
-               else sorted({t for g in cluster.groups for t in tp_degrees(g, model)}))
+        tps = (
+            sorted({s.tp for p in plan.pipelines for s in p.stages})
+            if plan
+            else sorted({t for g in cluster.groups for t in tp_degrees(g, model)})
+        )
         micro = (plan.micro_batch,) if plan else MICRO_BATCH_SIZES
         concurrency, cores = local_concurrency(cluster, devices), available_cores()
         for device in sorted({g.accelerator.name for g in cluster.groups}):
-            ensure_profiles(folder, model, device, tps, micro, threads=1, concurrent_ranks=concurrency,
-                            progress=say)
-            if concurrency > cores:  # ranks sharing the cores: also each TP group alone (predictor.sharing)
+            ensure_profiles(
+                folder,
+                model,
+                device,
+                tps,
+                micro,
+                threads=1,
+                concurrent_ranks=concurrency,
+                progress=say,
+            )
+            if (
+                concurrency > cores
+            ):  # ranks sharing the cores: also each TP group alone (predictor.sharing)
                 for tp in tps:
-                    ensure_profiles(folder, model, device, [tp], micro, threads=1, concurrent_ranks=tp, links=False,
-                                    progress=say)
+                    ensure_profiles(
+                        folder,
+                        model,
+                        device,
+                        [tp],
+                        micro,
+                        threads=1,
+                        concurrent_ranks=tp,
+                        links=False,
+                        progress=say,
+                    )
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
-    return select_for_run(load_profiles(folder), cluster, devices), f"this machine's profiles in {folder}"
+    return select_for_run(
+        load_profiles(folder), cluster, devices
+    ), f"this machine's profiles in {folder}"
 
 
-def _plan(cluster: ClusterSpec, model: ModelSpec, global_batch: int, model_ref: str, profiles: Profiles | None,
-          say) -> Plan:
+def _plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    global_batch: int,
+    model_ref: str,
+    profiles: Profiles | None,
+    say,
+) -> Plan:
     from hethub.planner import search
 
     if say:
         say(f"planning {model.name} on the cluster, global batch {global_batch}")
-    result = search(cluster, model, global_batch, model_ref=model_ref.lower() if model_ref.lower() in preset_names()
-                    else str(Path(model_ref).resolve()), profiles=profiles)
+    result = search(
+        cluster,
+        model,
+        global_batch,
+        model_ref=model_ref.lower()
+        if model_ref.lower() in preset_names()
+        else str(Path(model_ref).resolve()),
+        profiles=profiles,
+    )
     if result.best is None:
-        raise HethubError(f"no plan fits {model.name} at global batch {global_batch} on the cluster")
+        raise HethubError(
+            f"no plan fits {model.name} at global batch {global_batch} on the cluster"
+        )
     return result.best.plan
 
 
 def _write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
     """plan.yaml, with its model beside it (model.yaml) unless it is a preset."""
     if plan.model.lower() not in preset_names():
-        run.write_text(run.path / "model.yaml", yaml.safe_dump(model_file_fields(model), sort_keys=False))
+        run.write_text(
+            run.path / "model.yaml", yaml.safe_dump(model_file_fields(model), sort_keys=False)
+        )
         plan = dataclasses.replace(plan, model="model.yaml")
     run.write_text(run.plan, plan.to_yaml())
 
 
-def _write_prediction(run: RunDir, prediction: Prediction, basis: str, cluster: ClusterSpec) -> None:
+def _write_prediction(
+    run: RunDir, prediction: Prediction, basis: str, cluster: ClusterSpec
+) -> None:
     emulated = any(g.speed is not None for g in cluster.groups)
-    run.write_json(run.prediction, {**prediction.to_json(), "basis": basis, "emulated": emulated,
-                                    "timeline": prediction.timeline})
+    run.write_json(
+        run.prediction,
+        {
+            **prediction.to_json(),
+            "basis": basis,
+            "emulated": emulated,
+            "timeline": prediction.timeline,
+        },
+    )
 
 
 def launch(job: Job, *, as_json: bool) -> int:
     """Start the job's workers on this machine through torchrun; its exit status."""
     world = plan_devices(job.plan)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "hethub", "train", "--worker-of", str(job.run.path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "hethub",
+        "train",
+        "--worker-of",
+        str(job.run.path),
+    ]
     command += ["--json"] if as_json else []
     command += ["--resume", str(job.run.path)] if job.resume_from is not None else []
     # One thread per rank (the engine sets it too); saying so spares torchrun's warning banner.
-    code = subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    code = subprocess.run(
+        command, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    ).returncode
     if code:
-        print(f"hethub: error: a worker failed and torchrun stopped the {world} workers (exit {code}); "
-              f"the failing worker's message is above", file=sys.stderr)
+        print(
+            f"hethub: error: a worker failed and torchrun stopped the {world} workers (exit {code}); "
+            f"the failing worker's message is above",
+            file=sys.stderr,
+        )
     return code
-

@@ -21,18 +21,28 @@ from hethub.spec.model import model_file_fields, preset_names
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "plan", help="find the fastest plan for a cluster and write it as a plan file",
+        "plan",
+        help="find the fastest plan for a cluster and write it as a plan file",
         description="Search the heterogeneous data x tensor x pipeline plan space with the predictor, "
-                    "write the fastest plan that fits in memory, and compare it with the theoretical "
-                    "upper bound (the sum of each device group's best throughput alone).")
+        "write the fastest plan that fits in memory, and compare it with the theoretical "
+        "upper bound (the sum of each device group's best throughput alone).",
+    )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", required=True, help="preset name or model YAML")
-    parser.add_argument("--global-batch", required=True, type=int, help="sequences per optimizer step")
+    parser.add_argument(
+        "--global-batch", required=True, type=int, help="sequences per optimizer step"
+    )
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    parser.add_argument("--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)")
+    parser.add_argument(
+        "--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
-    parser.add_argument("--top", type=int, default=1, metavar="K", help="also list the next best plans")
-    parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop searching after this long")
+    parser.add_argument(
+        "--top", type=int, default=1, metavar="K", help="also list the next best plans"
+    )
+    parser.add_argument(
+        "--time-limit", type=float, metavar="SECONDS", help="stop searching after this long"
+    )
     parser.add_argument("--profiles", metavar="DIR", help=PROFILES_HELP.format(what="cluster"))
     parser.set_defaults(run=run)
 
@@ -54,8 +64,15 @@ def run(args: argparse.Namespace) -> int:
     profiles = read_profiles(args.profiles, cluster, cluster.devices)
 
     bar = ProgressBar(sys.stderr) if not args.json and sys.stderr.isatty() else None
-    result = search(cluster, model, args.global_batch, model_ref=model_ref, time_limit_s=args.time_limit,
-                    progress=bar.update if bar else None, profiles=profiles)
+    result = search(
+        cluster,
+        model,
+        args.global_batch,
+        model_ref=model_ref,
+        time_limit_s=args.time_limit,
+        progress=bar.update if bar else None,
+        profiles=profiles,
+    )
     if bar:
         bar.close()
     if result.best is None:
@@ -69,25 +86,45 @@ def run(args: argparse.Namespace) -> int:
     efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
     others = _distinct(result.ranked, args.top)[1:]
     if args.json:
-        print(json.dumps({
-            "plan": best.plan.to_dict(), "prediction": best.prediction.to_json(), "out": str(out),
-            "upper_bound_tokens_per_s": bound, "upper_bound_groups": per_group, "efficiency": efficiency,
-            "search_time_s": result.search_time_s, "candidates_evaluated": result.candidates_evaluated,
-            "timed_out": result.timed_out,
-            "top": [{"plan": r.plan.to_dict(), "tokens_per_s": r.prediction.tokens_per_s} for r in others],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "plan": best.plan.to_dict(),
+                    "prediction": best.prediction.to_json(),
+                    "out": str(out),
+                    "upper_bound_tokens_per_s": bound,
+                    "upper_bound_groups": per_group,
+                    "efficiency": efficiency,
+                    "search_time_s": result.search_time_s,
+                    "candidates_evaluated": result.candidates_evaluated,
+                    "timed_out": result.timed_out,
+                    "top": [
+                        {"plan": r.plan.to_dict(), "tokens_per_s": r.prediction.tokens_per_s}
+                        for r in others
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(describe(best.prediction, best.plan, cluster, model, str(out)))
     print()
-    print(f"upper bound          {bound:,.0f} tokens/s (each group alone: "
-          + ", ".join(f"{name} {speed:,.0f}" for name, speed in per_group.items()) + ")")
+    print(
+        f"upper bound          {bound:,.0f} tokens/s (each group alone: "
+        + ", ".join(f"{name} {speed:,.0f}" for name, speed in per_group.items())
+        + ")"
+    )
     print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
-    print(f"search               {result.candidates_evaluated} plans predicted in {result.search_time_s:.2f} s"
-          + (" (stopped at --time-limit)" if result.timed_out else ""))
+    print(
+        f"search               {result.candidates_evaluated} plans predicted in {result.search_time_s:.2f} s"
+        + (" (stopped at --time-limit)" if result.timed_out else "")
+    )
     for rank, other in enumerate(others, start=2):
         p = other.prediction
-        print(f"#{rank}: {p.tokens_per_s:,.0f} tokens/s ({100 * p.tokens_per_s / bound:.2f}%), "
-              f"{other.plan.summary()}")
+        print(
+            f"#{rank}: {p.tokens_per_s:,.0f} tokens/s ({100 * p.tokens_per_s / bound:.2f}%), "
+            f"{other.plan.summary()}"
+        )
     print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")
     return 0
 
@@ -101,16 +138,24 @@ def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> s
     return os.path.relpath(Path(args.model).resolve(), out.resolve().parent)
 
 
-def _write(out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace) -> None:
-    header = (f"# Written by hethub plan for {args.cluster}: {best.prediction.tokens_per_s:,.0f} tokens/s predicted,\n"
-              f"# {best.prediction.iteration_time_s:.3f} s per step, peak {best.prediction.peak_memory_gb:.1f} GB per device.\n")
+def _write(
+    out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace
+) -> None:
+    header = (
+        f"# Written by hethub plan for {args.cluster}: {best.prediction.tokens_per_s:,.0f} tokens/s predicted,\n"
+        f"# {best.prediction.iteration_time_s:.3f} s per step, peak {best.prediction.peak_memory_gb:.1f} GB per device.\n"
+    )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if model_ref == f"{out.stem}.model.yaml":
-            (out.parent / model_ref).write_text(yaml.safe_dump(model_file_fields(model), sort_keys=False))
+            (out.parent / model_ref).write_text(
+                yaml.safe_dump(model_file_fields(model), sort_keys=False)
+            )
         out.write_text(header + best.plan.to_yaml())
     except OSError as error:
-        raise HethubError(f"--out = {str(out)!r}: cannot write the plan file ({error.strerror})") from None
+        raise HethubError(
+            f"--out = {str(out)!r}: cannot write the plan file ({error.strerror})"
+        ) from None
 
 
 def _distinct(ranked: list[Ranked], count: int) -> list[Ranked]:
@@ -125,13 +170,17 @@ def _distinct(ranked: list[Ranked], count: int) -> list[Ranked]:
     return out
 
 
-def _no_plan_message(result, cluster: ClusterSpec, model: ModelSpec, args: argparse.Namespace) -> str:
+def _no_plan_message(
+    result, cluster: ClusterSpec, model: ModelSpec, args: argparse.Namespace
+) -> str:
     what = f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}"
     if result.timed_out:
         return f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); allow it longer"
     closest = result.closest
     if closest is None:
         return f"{what}: no layout of the cluster can hold the model"
-    return (f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
-            f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
-            f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model")
+    return (
+        f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
+        f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
+        f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model"
+    )

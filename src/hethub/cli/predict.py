@@ -25,27 +25,41 @@ from hethub.spec import (
 from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
-PROFILES_HELP = ("price with the measured profiles in DIR (hethub profile), under the run conditions of the "
-                 "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has devices "
-                 "when every group's accelerator is a CPU (a local run: all ranks share this machine), else 1; "
-                 "what DIR lacks is priced by the analytic model, with a note on stderr")
+PROFILES_HELP = (
+    "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
+    "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has devices "
+    "when every group's accelerator is a CPU (a local run: all ranks share this machine), else 1; "
+    "what DIR lacks is priced by the analytic model, with a note on stderr"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "predict", help="predict iteration time, throughput and memory of a plan",
+        "predict",
+        help="predict iteration time, throughput and memory of a plan",
         description="Predict one optimizer step of a plan on a cluster. Give a plan file, or for a "
-                    "cluster of one group the shorthand --tp --pp --dp --micro-batch --global-batch.")
+        "cluster of one group the shorthand --tp --pp --dp --micro-batch --global-batch.",
+    )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", help="preset name or model YAML (overrides the plan's model)")
     parser.add_argument("--plan", help="plan YAML file")
     for flag in SHORTHAND:
-        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int,
-                            help=f"shorthand plan: {flag.replace('_', ' ')}")
-    parser.add_argument("--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule")
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}",
+            dest=flag,
+            type=int,
+            help=f"shorthand plan: {flag.replace('_', ' ')}",
+        )
+    parser.add_argument(
+        "--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation"
+    )
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace")
+    parser.add_argument(
+        "--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace"
+    )
     parser.add_argument("--profiles", metavar="DIR", help=PROFILES_HELP.format(what="plan"))
     parser.set_defaults(run=run)
 
@@ -60,11 +74,20 @@ def run(args: argparse.Namespace) -> int:
     prediction = predict(plan, cluster, model, timeline=bool(args.trace), profiles=profiles)
     if args.trace:
         try:
-            write_trace(Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}")
+            write_trace(
+                Path(args.trace), prediction.timeline, title=f"hethub predict: {model.name}"
+            )
         except OSError as error:
-            raise HethubError(f"--trace = {args.trace!r}: cannot write the trace file ({error.strerror})") from None
+            raise HethubError(
+                f"--trace = {args.trace!r}: cannot write the trace file ({error.strerror})"
+            ) from None
     if args.json:
-        print(json.dumps({**prediction.to_json(), **({"profiles": profiles.source} if profiles else {})}, indent=2))
+        print(
+            json.dumps(
+                {**prediction.to_json(), **({"profiles": profiles.source} if profiles else {})},
+                indent=2,
+            )
+        )
     else:
         print(describe(prediction, plan, cluster, model, source))
     return 0
@@ -78,7 +101,9 @@ def read_profiles(directory: str | None, cluster: ClusterSpec, devices: int) -> 
     return select_for_run(load_profiles(directory), cluster, devices)
 
 
-def note_missing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles, command: str) -> None:
+def note_missing(
+    plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles, command: str
+) -> None:
     """One line on stderr per piece of the plan the profiles lack (priced by the analytic model)."""
     for note in missing_profiles(plan, cluster, model, profiles):
         print(f"hethub {command}: note: {note}", file=sys.stderr)
@@ -89,20 +114,29 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
     given = [flag for flag in SHORTHAND if getattr(args, flag) is not None]
     if args.plan:
         if given:
-            raise HethubError(f"--{given[0].replace('_', '-')}: the shorthand flags and --plan exclude each other")
+            raise HethubError(
+                f"--{given[0].replace('_', '-')}: the shorthand flags and --plan exclude each other"
+            )
         plan = load_plan(args.plan)
-        model = load_model(args.model or plan.model, relative_to=None if args.model else Path(args.plan).parent,
-                           source=args.plan if not args.model else "--model")
+        model = load_model(
+            args.model or plan.model,
+            relative_to=None if args.model else Path(args.plan).parent,
+            source=args.plan if not args.model else "--model",
+        )
         check_plan(plan, cluster, model, args.plan)
         return plan, model, args.plan
     missing = [flag for flag in ("micro_batch", "global_batch") if getattr(args, flag) is None]
     if missing or not args.model:
         need = ["--model"] * (not args.model) + [f"--{m.replace('_', '-')}" for m in missing]
-        raise HethubError(f"give --plan FILE, or the shorthand plan with {', '.join(need)} "
-                          f"(and --tp/--pp/--dp, default 1)")
+        raise HethubError(
+            f"give --plan FILE, or the shorthand plan with {', '.join(need)} "
+            f"(and --tp/--pp/--dp, default 1)"
+        )
     if len(cluster.groups) != 1:
-        raise HethubError(f"{args.cluster}: the shorthand plan needs a cluster of one group "
-                          f"(it has {len(cluster.groups)}: {', '.join(cluster.group_names)}); write a plan file")
+        raise HethubError(
+            f"{args.cluster}: the shorthand plan needs a cluster of one group "
+            f"(it has {len(cluster.groups)}: {', '.join(cluster.group_names)}); write a plan file"
+        )
     model = load_model(args.model, source="--model")
     for flag in SHORTHAND:
         value = getattr(args, flag)
@@ -110,37 +144,80 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
             raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     tp, pp, dp = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp"))
     if pp > model.layers:
-        raise HethubError(f"--pp = {pp}: at most one stage per layer (the model has {model.layers} layers)")
+        raise HethubError(
+            f"--pp = {pp}: at most one stage per layer (the model has {model.layers} layers)"
+        )
     if args.global_batch % (dp * args.micro_batch):
-        raise HethubError(f"--global-batch = {args.global_batch}: must be a multiple of --dp x --micro-batch "
-                          f"({dp} x {args.micro_batch} = {dp * args.micro_batch})")
-    plan = uniform_plan(model=args.model, group=cluster.groups[0].name, tp=tp, pp=pp, dp=dp,
-                        micro_batch=args.micro_batch, global_batch=args.global_batch,
-                        recompute=args.recompute, schedule=args.schedule, layers=model.layers)
+        raise HethubError(
+            f"--global-batch = {args.global_batch}: must be a multiple of --dp x --micro-batch "
+            f"({dp} x {args.micro_batch} = {dp * args.micro_batch})"
+        )
+    plan = uniform_plan(
+        model=args.model,
+        group=cluster.groups[0].name,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        layers=model.layers,
+    )
     check_plan(plan, cluster, model, "command line")
     return plan, model, "command line"
 
 
-def describe(prediction: Prediction, plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str) -> str:
+def describe(
+    prediction: Prediction, plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str
+) -> str:
     """A readable summary: one row per stage, then the step as a whole."""
-    header = ["pipeline", "stage", "group", "accelerator", "tp", "layers", "micro-batches",
-              "fwd ms", "bwd ms", "compute s", "grad sync ms", "memory GB"]
+    header = [
+        "pipeline",
+        "stage",
+        "group",
+        "accelerator",
+        "tp",
+        "layers",
+        "micro-batches",
+        "fwd ms",
+        "bwd ms",
+        "compute s",
+        "grad sync ms",
+        "memory GB",
+    ]
     rows = []
     for s in prediction.stages:
         layout = plan.pipelines[s.pipeline]
         capacity = cluster.group(s.group).accelerator.memory_gb
         flag = "" if s.memory.total_gb <= capacity else "  OVER"
-        rows.append([f"{s.pipeline} (x{layout.count})", str(s.position), s.group, s.accelerator, str(s.tp),
-                     str(s.layers), str(layout.micro_batches), f"{s.forward_s * 1e3:.2f}",
-                     f"{s.backward_s * 1e3:.2f}", f"{s.compute_s:.3f}", f"{s.grad_sync_s * 1e3:.1f}",
-                     f"{s.memory.total_gb:.1f} / {capacity:g}{flag}"])
+        rows.append(
+            [
+                f"{s.pipeline} (x{layout.count})",
+                str(s.position),
+                s.group,
+                s.accelerator,
+                str(s.tp),
+                str(s.layers),
+                str(layout.micro_batches),
+                f"{s.forward_s * 1e3:.2f}",
+                f"{s.backward_s * 1e3:.2f}",
+                f"{s.compute_s:.3f}",
+                f"{s.grad_sync_s * 1e3:.1f}",
+                f"{s.memory.total_gb:.1f} / {capacity:g}{flag}",
+            ]
+        )
     p = prediction
     params = model.parameter_count()
-    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"  # local models are millions
+    size = (
+        f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    )  # local models are millions
     lines = [
-        (f"model {model.name} ({size} parameters), plan {source}: "
-         f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
-         f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices"),
+        (
+            f"model {model.name} ({size} parameters), plan {source}: "
+            f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
+            f"recompute {plan.recompute}, {plan.schedule}, {p.devices} devices"
+        ),
         "",
         render_table(header, rows),
         "",

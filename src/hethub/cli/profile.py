@@ -27,33 +27,55 @@ DEFAULT_OUT = "runs/profiles"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "profile", help="measure per-layer time and memory and link speeds on this machine",
+        "profile",
+        help="measure per-layer time and memory and link speeds on this machine",
         description="Measure, on this machine's CPU with the runtime's own modules (fp32), the forward and "
-                    "backward time and memory of one layer, the embedding and the head, and the optimizer, for "
-                    "each TP degree and micro-batch size; and the point-to-point, all-reduce, broadcast and "
-                    "all-gather speed between local processes. One profile file per key (device, layer shape, "
-                    "dtype, threads, ranks at once, TP, micro-batch); what the directory holds already is kept "
-                    "unless --again.")
+        "backward time and memory of one layer, the embedding and the head, and the optimizer, for "
+        "each TP degree and micro-batch size; and the point-to-point, all-reduce, broadcast and "
+        "all-gather speed between local processes. One profile file per key (device, layer shape, "
+        "dtype, threads, ranks at once, TP, micro-batch); what the directory holds already is kept "
+        "unless --again.",
+    )
     parser.add_argument("--model", required=True, help="preset name or model YAML")
-    parser.add_argument("--tp", default="1", help="TP degrees, comma-separated (default 1); TP > 1 is measured in "
-                                                  "a real process group of that many ranks")
-    parser.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes, comma-separated (default 1,2,4)")
-    parser.add_argument("--threads", default="1", help="torch threads per rank (default 1, as the runtime)")
-    parser.add_argument("--concurrent-ranks", default="1",
-                        help="ranks computing at once on this machine, comma-separated (default 1): profile a "
-                             "local run of N processes with N, as they share the cores; at least the TP degree")
-    parser.add_argument("--device", default="cpu",
-                        help="the accelerator name the profiles are for, as cluster files name it (default cpu)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})")
-    parser.add_argument("--again", action="store_true", help="measure anew what the directory holds already")
+    parser.add_argument(
+        "--tp",
+        default="1",
+        help="TP degrees, comma-separated (default 1); TP > 1 is measured in "
+        "a real process group of that many ranks",
+    )
+    parser.add_argument(
+        "--micro-batch", default="1,2,4", help="micro-batch sizes, comma-separated (default 1,2,4)"
+    )
+    parser.add_argument(
+        "--threads", default="1", help="torch threads per rank (default 1, as the runtime)"
+    )
+    parser.add_argument(
+        "--concurrent-ranks",
+        default="1",
+        help="ranks computing at once on this machine, comma-separated (default 1): profile a "
+        "local run of N processes with N, as they share the cores; at least the TP degree",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the accelerator name the profiles are for, as cluster files name it (default cpu)",
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--again", action="store_true", help="measure anew what the directory holds already"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, source="--model")
-    tps, micro, threads, concurrency = (_positive_list(getattr(args, flag), flag) for flag in
-                                        ("tp", "micro_batch", "threads", "concurrent_ranks"))
+    tps, micro, threads, concurrency = (
+        _positive_list(getattr(args, flag), flag)
+        for flag in ("tp", "micro_batch", "threads", "concurrent_ranks")
+    )
     if len(threads) != 1:
         raise HethubError(f"--threads = {args.threads}: give one thread count")
     device = _device(args.device)
@@ -68,26 +90,56 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise HethubError(f"--out = {args.out!r}: not a directory")
     before = load_profiles(out) if out.is_dir() else None
-    say = None if args.json else (lambda message: print(f"hethub profile: {message}", file=sys.stderr, flush=True))
+    say = (
+        None
+        if args.json
+        else (lambda message: print(f"hethub profile: {message}", file=sys.stderr, flush=True))
+    )
     started = time.perf_counter()
     for c in concurrency:
         if args.again and before is not None:
             _forget(before, model, device, tps, micro, threads[0], c)
-        profiles = ensure_profiles(out, model, device, tps, micro, threads=threads[0], concurrent_ranks=c,
-                                   progress=say)
+        profiles = ensure_profiles(
+            out, model, device, tps, micro, threads=threads[0], concurrent_ranks=c, progress=say
+        )
     elapsed = time.perf_counter() - started
-    layers = [profiles.layer(profiles.select(threads=threads[0], concurrent_ranks=c).layer_key(device, model, tp, b))
-              for c in concurrency for tp in tps for b in micro]
+    layers = [
+        profiles.layer(
+            profiles.select(threads=threads[0], concurrent_ranks=c).layer_key(device, model, tp, b)
+        )
+        for c in concurrency
+        for tp in tps
+        for b in micro
+    ]
     links = [profiles.link(device, c) for c in concurrency]
     wanted = [p for p in [*layers, *links] if p is not None]
     measured = [p for p in wanted if before is None or args.again or _is_new(before, p)]
     if args.json:
-        print(json.dumps({"out": str(out), "model": model.name, "seconds": elapsed,
-                          "measured": [str(profile_path(out, p)) for p in measured],
-                          "layers": [to_json(p) for p in layers if p], "links": [to_json(p) for p in links if p]},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "out": str(out),
+                    "model": model.name,
+                    "seconds": elapsed,
+                    "measured": [str(profile_path(out, p)) for p in measured],
+                    "layers": [to_json(p) for p in layers if p],
+                    "links": [to_json(p) for p in links if p],
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(describe(model.name, device, [p for p in layers if p], [p for p in links if p], measured, out, elapsed))
+    print(
+        describe(
+            model.name,
+            device,
+            [p for p in layers if p],
+            [p for p in links if p],
+            measured,
+            out,
+            elapsed,
+        )
+    )
     return 0
 
 
@@ -97,35 +149,81 @@ def _recomputed(profile: LayerProfile) -> str:
     return f"{profile.layer_recompute_forward_s * 1e3:.3f} / {profile.layer_recompute_backward_s * 1e3:.3f}"
 
 
-def describe(model: str, device: str, layers: list[LayerProfile], links: list[LinkProfile],
-             measured: list, out: Path, elapsed: float) -> str:
+def describe(
+    model: str,
+    device: str,
+    layers: list[LayerProfile],
+    links: list[LinkProfile],
+    measured: list,
+    out: Path,
+    elapsed: float,
+) -> str:
     """The profiles as two tables: layers (per TP rank, one micro-batch), and links."""
     fresh = {id(p) for p in measured}
-    header = ["tp", "micro-batch", "ranks at once", "layer fwd ms", "layer bwd ms", "recomputed fwd/bwd ms",
-              "embed fwd/bwd ms", "head fwd/bwd ms", "adamw ns/param", "activations MB/layer", ""]
-    rows = [[str(p.key.tp), str(p.key.micro_batch), str(p.key.concurrent_ranks), f"{p.layer_forward_s * 1e3:.3f}",
-             f"{p.layer_backward_s * 1e3:.3f}", _recomputed(p),
-             f"{p.embed_forward_s * 1e3:.3f} / {p.embed_backward_s * 1e3:.3f}",
-             f"{p.head_forward_s * 1e3:.3f} / {p.head_backward_s * 1e3:.3f}", f"{p.optimizer_s_per_param * 1e9:.2f}",
-             f"{p.layer_activation_bytes / 1e6:.2f}", "measured" if id(p) in fresh else "kept"] for p in layers]
+    header = [
+        "tp",
+        "micro-batch",
+        "ranks at once",
+        "layer fwd ms",
+        "layer bwd ms",
+        "recomputed fwd/bwd ms",
+        "embed fwd/bwd ms",
+        "head fwd/bwd ms",
+        "adamw ns/param",
+        "activations MB/layer",
+        "",
+    ]
+    rows = [
+        [
+            str(p.key.tp),
+            str(p.key.micro_batch),
+            str(p.key.concurrent_ranks),
+            f"{p.layer_forward_s * 1e3:.3f}",
+            f"{p.layer_backward_s * 1e3:.3f}",
+            _recomputed(p),
+            f"{p.embed_forward_s * 1e3:.3f} / {p.embed_backward_s * 1e3:.3f}",
+            f"{p.head_forward_s * 1e3:.3f} / {p.head_backward_s * 1e3:.3f}",
+            f"{p.optimizer_s_per_param * 1e9:.2f}",
+            f"{p.layer_activation_bytes / 1e6:.2f}",
+            "measured" if id(p) in fresh else "kept",
+        ]
+        for p in layers
+    ]
     link_header = ["ranks at once", "point to point", "all-reduce", "broadcast", "all-gather", ""]
-    link_rows = [[str(link.concurrent_ranks), _fit((link.p2p_latency_s, link.p2p_bytes_per_s)),
-                  *("; ".join(f"{ranks} ranks {_fit(fit)}" for ranks, fit in sorted(getattr(link, kind).items()))
-                    for kind in ("allreduce", "broadcast", "allgather")),
-                  "measured" if id(link) in fresh else "kept"] for link in links]
+    link_rows = [
+        [
+            str(link.concurrent_ranks),
+            _fit((link.p2p_latency_s, link.p2p_bytes_per_s)),
+            *(
+                "; ".join(
+                    f"{ranks} ranks {_fit(fit)}"
+                    for ranks, fit in sorted(getattr(link, kind).items())
+                )
+                for kind in ("allreduce", "broadcast", "allgather")
+            ),
+            "measured" if id(link) in fresh else "kept",
+        ]
+        for link in links
+    ]
     first = layers[0].key if layers else None
-    shape = (f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, ffn {first.ffn_hidden}, "
-             f"seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, {first.threads} thread(s) per rank"
-             + (f", {layers[0].cores} cores" if layers[0].cores else "") if first else "")
-    return "\n".join([
-        f"profiles of {model} on this machine's CPU as {device!r} ({shape}), per TP rank and micro-batch:",
-        "",
-        render_table(header, rows),
-        "",
-        render_table(link_header, link_rows) if link_rows else "no link profile",
-        "",
-        f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} (use them with --profiles {out})",
-    ])
+    shape = (
+        f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, ffn {first.ffn_hidden}, "
+        f"seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, {first.threads} thread(s) per rank"
+        + (f", {layers[0].cores} cores" if layers[0].cores else "")
+        if first
+        else ""
+    )
+    return "\n".join(
+        [
+            f"profiles of {model} on this machine's CPU as {device!r} ({shape}), per TP rank and micro-batch:",
+            "",
+            render_table(header, rows),
+            "",
+            render_table(link_header, link_rows) if link_rows else "no link profile",
+            "",
+            f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} (use them with --profiles {out})",
+        ]
+    )
 
 
 def _fit(fit: tuple[float, float]) -> str:
@@ -137,7 +235,9 @@ def _positive_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(part) for part in str(text).split(",")]
     except ValueError:
-        raise HethubError(f"{name} = {text!r}: must be positive integers, comma-separated") from None
+        raise HethubError(
+            f"{name} = {text!r}: must be positive integers, comma-separated"
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise HethubError(f"{name} = {text!r}: must be positive integers, comma-separated")
     return list(dict.fromkeys(values))
@@ -148,11 +248,15 @@ def _device(name: str) -> str:
     measures this machine's CPU, and would mislabel it)."""
     name = name.strip()
     if not name:
-        raise HethubError("--device = '': must name the accelerator the profiles are for (e.g. cpu)")
+        raise HethubError(
+            "--device = '': must name the accelerator the profiles are for (e.g. cpu)"
+        )
     known = catalog().get(name.lower())
     if known is not None and known.vendor != "cpu":
-        raise HethubError(f"--device = {name!r}: a {known.vendor} accelerator in the catalog; hethub profile "
-                          f"measures this machine's CPU (name it cpu, or an inline CPU accelerator's name)")
+        raise HethubError(
+            f"--device = {name!r}: a {known.vendor} accelerator in the catalog; hethub profile "
+            f"measures this machine's CPU (name it cpu, or an inline CPU accelerator's name)"
+        )
     return name
 
 
@@ -162,8 +266,15 @@ def _is_new(before: Profiles, profile: LayerProfile | LinkProfile) -> bool:
     return before.link(profile.device, profile.concurrent_ranks) != profile
 
 
-def _forget(before: Profiles, model, device: str, tps: list[int], micro: list[int], threads: int,
-            concurrency: int) -> None:
+def _forget(
+    before: Profiles,
+    model,
+    device: str,
+    tps: list[int],
+    micro: list[int],
+    threads: int,
+    concurrency: int,
+) -> None:
     """Remove the files of what is to be measured anew."""
     selected = before.select(threads=threads, concurrent_ranks=concurrency)
     for tp in tps:

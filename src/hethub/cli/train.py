@@ -14,28 +14,47 @@ from hethub.errors import HethubError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="train a plan with torch.distributed",
-                            description="Train the plan's model. Outside torchrun it starts one local worker "
-                                        "per device of the plan through torchrun; under torchrun it runs. "
-                                        "With no --cluster and --plan: plans and trains a small Llama on two "
-                                        "emulated kinds of device on this machine.")
+    parser = sub.add_parser(
+        "train",
+        help="train a plan with torch.distributed",
+        description="Train the plan's model. Outside torchrun it starts one local worker "
+        "per device of the plan through torchrun; under torchrun it runs. "
+        "With no --cluster and --plan: plans and trains a small Llama on two "
+        "emulated kinds of device on this machine.",
+    )
     add_job_arguments(parser)
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint "
-                                                            "(under its plan, or another --plan)")
-    parser.add_argument("--worker-of", help=argparse.SUPPRESS)  # set by hethub train for its workers
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint (under its plan, or another --plan)",
+    )
+    parser.add_argument(
+        "--worker-of", help=argparse.SUPPRESS
+    )  # set by hethub train for its workers
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.worker_of:
         return _worker(args)
-    if "LOCAL_RANK" in os.environ:  # started by the user's torchrun: every rank prepares, rank 0 writes
+    if (
+        "LOCAL_RANK" in os.environ
+    ):  # started by the user's torchrun: every rank prepares, rank 0 writes
         if not args.resume and not (args.cluster and args.plan and args.run_dir):
-            raise HethubError("under torchrun give --cluster, --plan and --run-dir (a folder every node sees), "
-                              "or --resume RUN_DIR")
+            raise HethubError(
+                "under torchrun give --cluster, --plan and --run-dir (a folder every node sees), "
+                "or --resume RUN_DIR"
+            )
         job = prepare(args, measure=False, write=os.environ.get("RANK", "0") == "0")
-        return _train(job.run, job.settings, job.cluster, job.plan, job.model, resume=job.resume_from is not None,
-                      as_json=args.json)
+        return _train(
+            job.run,
+            job.settings,
+            job.cluster,
+            job.plan,
+            job.model,
+            resume=job.resume_from is not None,
+            as_json=args.json,
+        )
     job = prepare(args, say=_say)
     _announce(job, args)
     code = launch(job, as_json=args.json)
@@ -51,14 +70,24 @@ def _say(message: str) -> None:
 def _announce(job: Job, args: argparse.Namespace) -> None:
     p = job.prediction
     start = f"from step {job.resume_from} " if job.resume_from is not None else ""
-    lines = [(f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), {plan_devices(job.plan)} "
-             f"ranks, {job.settings.steps} steps {start}into {job.run.path}"),
-             f"plan: {job.plan.summary()}",
-             f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, from {job.basis}"]
+    lines = [
+        (
+            f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), {plan_devices(job.plan)} "
+            f"ranks, {job.settings.steps} steps {start}into {job.run.path}"
+        ),
+        f"plan: {job.plan.summary()}",
+        f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, from {job.basis}",
+    ]
     if job.emulated:
-        lines.append("emulated: " + ", ".join(f"group {g.name} at {g.speed:g}x this machine's speed"
-                                              for g in job.cluster.groups if g.speed is not None)
-                     + " (compute stretched; not real hardware)")
+        lines.append(
+            "emulated: "
+            + ", ".join(
+                f"group {g.name} at {g.speed:g}x this machine's speed"
+                for g in job.cluster.groups
+                if g.speed is not None
+            )
+            + " (compute stretched; not real hardware)"
+        )
     for line in lines:
         _say(line)
 
@@ -69,12 +98,20 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
     if records:
         first, last = records[0]["loss"], records[-1]["loss"]
         measured = statistics.median(r["iteration_time_s"] for r in records)
-        print(f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); median step {measured:.2f} s "
-              f"measured, {job.prediction.iteration_time_s:.2f} s predicted"
-              + (" (emulated speeds)" if job.emulated else ""), file=out)
+        print(
+            f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); median step {measured:.2f} s "
+            f"measured, {job.prediction.iteration_time_s:.2f} s predicted"
+            + (" (emulated speeds)" if job.emulated else ""),
+            file=out,
+        )
     run = job.run.path
-    print(f"run directory: {run}/ (plan.yaml, metrics.jsonl, trace.json, loss.png, checkpoints/)", file=out)
-    print(f"resume it with: hethub train --resume {run} --steps {job.settings.steps + 20}", file=out)
+    print(
+        f"run directory: {run}/ (plan.yaml, metrics.jsonl, trace.json, loss.png, checkpoints/)",
+        file=out,
+    )
+    print(
+        f"resume it with: hethub train --resume {run} --steps {job.settings.steps + 20}", file=out
+    )
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -85,8 +122,15 @@ def _worker(args: argparse.Namespace) -> int:
     run = RunDir(args.worker_of)
     plan = load_plan(run.plan)
     model = load_model(plan.model, relative_to=run.path, source=str(run.plan))
-    return _train(run, run.read_settings(), load_cluster(run.cluster), plan, model, resume=bool(args.resume),
-                  as_json=args.json)
+    return _train(
+        run,
+        run.read_settings(),
+        load_cluster(run.cluster),
+        plan,
+        model,
+        resume=bool(args.resume),
+        as_json=args.json,
+    )
 
 
 def _train(run, settings, cluster, plan, model, *, resume: bool, as_json: bool) -> int:
@@ -95,5 +139,14 @@ def _train(run, settings, cluster, plan, model, *, resume: bool, as_json: bool) 
     from hethub.runtime.worker import train
 
     corpus = load_tokens(settings.data) if settings.data else builtin_corpus()
-    return train(run, settings, cluster, plan, model, build_topology(plan, cluster), corpus, resume=resume,
-                 as_json=as_json)
+    return train(
+        run,
+        settings,
+        cluster,
+        plan,
+        model,
+        build_topology(plan, cluster),
+        corpus,
+        resume=resume,
+        as_json=as_json,
+    )

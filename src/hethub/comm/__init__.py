@@ -3,4 +3,12 @@
 from hethub.comm.backends import group_backend, local_device, local_devices, native_backend
 from hethub.comm.communicator import BRIDGE, NATIVE, Communicator
 
-__all__ = ["BRIDGE", "NATIVE", "Communicator", "group_backend", "local_device", "local_devices", "native_backend"]
+__all__ = [
+    "BRIDGE",
+    "NATIVE",
+    "Communicator",
+    "group_backend",
+    "local_device",
+    "local_devices",
+    "native_backend",
+]

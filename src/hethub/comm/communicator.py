@@ -47,7 +47,9 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
         """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""
         # A ring all-reduce moves 2 (n - 1) / n of the tensor out of every rank.
-        self.bytes[self.path(*ranks)] += 2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+        self.bytes[self.path(*ranks)] += (
+            2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+        )
         staged = self._staged(tensor)
         dist.all_reduce(staged, group=group)
         if staged is not tensor:

@@ -34,8 +34,11 @@ Structure = tuple[Layout, ...]
 
 def tp_degrees(group: DeviceGroup, model: ModelSpec) -> list[int]:
     """TP degrees a stage of the group may use: inside a node, dividing the heads and KV heads."""
-    return [t for t in range(1, group.devices_per_node + 1)
-            if group.devices_per_node % t == 0 and model.heads % t == 0 and model.kv_heads % t == 0]
+    return [
+        t
+        for t in range(1, group.devices_per_node + 1)
+        if group.devices_per_node % t == 0 and model.heads % t == 0 and model.kv_heads % t == 0
+    ]
 
 
 def homogeneous(group: DeviceGroup, model: ModelSpec, max_stages: int) -> list[Layout]:
@@ -58,16 +61,24 @@ def combinations(choices: dict[str, list[Layout]]) -> list[Structure]:
     return out
 
 
-def mixed(cluster: ClusterSpec, model: ModelSpec, tps: dict[str, list[int]], max_stages: int,
-          leftovers: dict[str, list[Layout]]) -> list[Structure]:
+def mixed(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    tps: dict[str, list[int]],
+    max_stages: int,
+    leftovers: dict[str, list[Layout]],
+) -> list[Structure]:
     """Replicas that cross kinds: for every order of the groups, every replica count and TP choice,
     each group gives ``devices // (count * tp)`` stages to every replica; each group's leftover
     devices may form replicas of the group's own best layouts that fit in them."""
     groups = cluster.groups
     # Fewer stages than a group's devices allow can balance integer layers better; the devices
     # left over may form replicas of their own.
-    cut_patterns = [tuple(0 for _ in groups)] + [tuple(cut if i == j else 0 for i in range(len(groups)))
-                                                 for j in range(len(groups)) for cut in (1, 2)]
+    cut_patterns = [tuple(0 for _ in groups)] + [
+        tuple(cut if i == j else 0 for i in range(len(groups)))
+        for j in range(len(groups))
+        for cut in (1, 2)
+    ]
     out: list[Structure] = []
     for tp_choice in itertools.product(*[tps[g.name] for g in groups]):
         tp_of = {g.name: t for g, t in zip(groups, tp_choice)}
@@ -78,13 +89,27 @@ def mixed(cluster: ClusterSpec, model: ModelSpec, tps: dict[str, list[int]], max
                 if any(cut and stages_of[g.name] <= 0 for g, cut in zip(groups, cuts)):
                     continue  # cutting a group to nothing repeats a structure without it
                 used = [g for g in groups if stages_of[g.name] > 0]
-                if len(used) < 2 or sum(stages_of[g.name] for g in used) > min(model.layers, max_stages):
+                if len(used) < 2 or sum(stages_of[g.name] for g in used) > min(
+                    model.layers, max_stages
+                ):
                     continue
-                rest = {g.name: g.devices - count * stages_of[g.name] * tp_of[g.name] for g in groups}
-                extra = tuple(layout for layout in (_fit_leftover(leftovers.get(name, []), devices)
-                                                    for name, devices in rest.items()) if layout is not None)
+                rest = {
+                    g.name: g.devices - count * stages_of[g.name] * tp_of[g.name] for g in groups
+                }
+                extra = tuple(
+                    layout
+                    for layout in (
+                        _fit_leftover(leftovers.get(name, []), devices)
+                        for name, devices in rest.items()
+                    )
+                    if layout is not None
+                )
                 for order in _orders(used):
-                    slots = tuple(StageSlot(g.name, tp_of[g.name]) for g in order for _ in range(stages_of[g.name]))
+                    slots = tuple(
+                        StageSlot(g.name, tp_of[g.name])
+                        for g in order
+                        for _ in range(stages_of[g.name])
+                    )
                     out.append((Layout(count, slots),))
                     if extra:
                         out.append((Layout(count, slots), *extra))
@@ -101,7 +126,9 @@ def _orders(groups: list[DeviceGroup]) -> list[tuple[DeviceGroup, ...]]:
     return list(dict.fromkeys([by_memory, by_memory[::-1], by_speed, by_speed[::-1]]))
 
 
-def _replica_counts(groups: tuple[DeviceGroup, ...], tp_of: dict[str, int], max_stages: int) -> list[int]:
+def _replica_counts(
+    groups: tuple[DeviceGroup, ...], tp_of: dict[str, int], max_stages: int
+) -> list[int]:
     """Replica counts at which some group's stages per replica change (the only ones worth trying)."""
     counts = set()
     for g in groups:
@@ -128,8 +155,11 @@ def mixed_tp(cluster: ClusterSpec, model: ModelSpec, max_stages: int) -> list[St
     so integer layers balance better across unlike devices."""
     if len(cluster.groups) != 2:
         return []
-    counts = [c for c in range(1, min(g.devices for g in cluster.groups) + 1)
-              if all(g.devices % c == 0 for g in cluster.groups)]
+    counts = [
+        c
+        for c in range(1, min(g.devices for g in cluster.groups) + 1)
+        if all(g.devices % c == 0 for g in cluster.groups)
+    ]
     out: list[Structure] = []
     for count in counts:
         segments = [_segments(g, model, g.devices // count, max_stages) for g in cluster.groups]
@@ -141,7 +171,9 @@ def mixed_tp(cluster: ClusterSpec, model: ModelSpec, max_stages: int) -> list[St
     return out
 
 
-def _segments(group: DeviceGroup, model: ModelSpec, devices: int, max_stages: int) -> list[tuple[StageSlot, ...]]:
+def _segments(
+    group: DeviceGroup, model: ModelSpec, devices: int, max_stages: int
+) -> list[tuple[StageSlot, ...]]:
     """The ways to cut ``devices`` devices of a group into stages of TP t and 2t."""
     degrees = tp_degrees(group, model)
     found = []
@@ -151,7 +183,14 @@ def _segments(group: DeviceGroup, model: ModelSpec, devices: int, max_stages: in
             continue
         for n_wide in range(devices // wide + 1):
             rest = devices - n_wide * wide
-            if rest % narrow or rest // narrow + n_wide > max_stages or rest // narrow + n_wide == 0:
+            if (
+                rest % narrow
+                or rest // narrow + n_wide > max_stages
+                or rest // narrow + n_wide == 0
+            ):
                 continue
-            found.append((StageSlot(group.name, narrow),) * (rest // narrow) + (StageSlot(group.name, wide),) * n_wide)
+            found.append(
+                (StageSlot(group.name, narrow),) * (rest // narrow)
+                + (StageSlot(group.name, wide),) * n_wide
+            )
     return list(dict.fromkeys(found))

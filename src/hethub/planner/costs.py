@@ -38,11 +38,24 @@ class Setting:
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.model, self.calibration, self.micro_batch, self.recompute, self.schedule,
-                                                self.profiles)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.model,
+                    self.calibration,
+                    self.micro_batch,
+                    self.recompute,
+                    self.schedule,
+                    self.profiles,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
+
 
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
@@ -58,29 +71,82 @@ def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: b
     return forward + backward
 
 
-def _work(setting: Setting, group: DeviceGroup, tp: int, layers: int, first: bool, last: bool) -> tuple[float, float]:
+def _work(
+    setting: Setting, group: DeviceGroup, tp: int, layers: int, first: bool, last: bool
+) -> tuple[float, float]:
     if setting.profiles is None and group.speed is None:
-        return stage_work(setting.model, group, setting.calibration, tp, layers, setting.micro_batch,
-                          setting.recompute, first, last)
-    return stage_cost(setting.model, group, setting.calibration, setting.profiles, tp, layers, setting.micro_batch,
-                      setting.recompute, first, last)
+        return stage_work(
+            setting.model,
+            group,
+            setting.calibration,
+            tp,
+            layers,
+            setting.micro_batch,
+            setting.recompute,
+            first,
+            last,
+        )
+    return stage_cost(
+        setting.model,
+        group,
+        setting.calibration,
+        setting.profiles,
+        tp,
+        layers,
+        setting.micro_batch,
+        setting.recompute,
+        first,
+        last,
+    )
 
 
-def layer_cap(setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int) -> int:
+def layer_cap(
+    setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int
+) -> int:
     """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
     in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
-    return _layer_cap(setting, group, tp, position == 0, position == stages - 1, stages == 1, in_flight)
+    return _layer_cap(
+        setting, group, tp, position == 0, position == stages - 1, stages == 1, in_flight
+    )
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_cap(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool, single: bool,
-               in_flight: int) -> int:
+def _layer_cap(
+    setting: Setting,
+    group: DeviceGroup,
+    tp: int,
+    first: bool,
+    last: bool,
+    single: bool,
+    in_flight: int,
+) -> int:
     def gb(layers: int) -> float:
         if setting.profiles is None:
-            return stage_memory_at(setting.model, layers, tp, first, last, single, in_flight, setting.micro_batch,
-                                   setting.recompute).total_gb
-        return stage_memory_for(setting.model, group, setting.profiles, layers, tp, first, last, single, in_flight,
-                                setting.micro_batch, setting.recompute).total_gb
+            return stage_memory_at(
+                setting.model,
+                layers,
+                tp,
+                first,
+                last,
+                single,
+                in_flight,
+                setting.micro_batch,
+                setting.recompute,
+            ).total_gb
+        return stage_memory_for(
+            setting.model,
+            group,
+            setting.profiles,
+            layers,
+            tp,
+            first,
+            last,
+            single,
+            in_flight,
+            setting.micro_batch,
+            setting.recompute,
+        ).total_gb
+
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed
     if room < per_layer:

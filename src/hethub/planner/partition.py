@@ -21,14 +21,17 @@ def stage_times(split: list[int], per_layer: list[float], extra: list[float]) ->
     return [n * c + e for n, c, e in zip(split, per_layer, extra)]
 
 
-def pipeline_cost(split: list[int], per_layer: list[float], extra: list[float], micro_batches: int) -> float:
+def pipeline_cost(
+    split: list[int], per_layer: list[float], extra: list[float], micro_batches: int
+) -> float:
     """sum(w) + (m - 1) * max(w): the 1F1B time without communication."""
     times = stage_times(split, per_layer, extra)
     return sum(times) + (micro_batches - 1) * max(times)
 
 
-def partition_layers(layers: int, per_layer: list[float], extra: list[float], cap: list[int],
-                     micro_batches: int) -> list[int] | None:
+def partition_layers(
+    layers: int, per_layer: list[float], extra: list[float], cap: list[int], micro_batches: int
+) -> list[int] | None:
     """The split of ``layers`` over the stages minimising pipeline_cost, or None if none fits the caps."""
     p = len(per_layer)
     caps = [min(c, layers - p + 1) for c in cap]
@@ -73,6 +76,8 @@ def _fill(layers: int, limits: list[int], cheapest: list[int]) -> list[int]:
     return split
 
 
-def _least_sum(layers: int, per_layer: list[float], extra: list[float], caps: list[int], cheapest: list[int]) -> float:
+def _least_sum(
+    layers: int, per_layer: list[float], extra: list[float], caps: list[int], cheapest: list[int]
+) -> float:
     """The least sum(w) under the caps alone: a lower bound for every bound B."""
     return sum(stage_times(_fill(layers, caps, cheapest), per_layer, extra))

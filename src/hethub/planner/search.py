@@ -40,7 +40,9 @@ from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
 KEEP_PER_GROUP = 3  # per group and setting, the best layouts phase 2 combines
-UNPLACEABLE_PRICED = 200  # when no plan fits, how many unplaceable structures to price for the error
+UNPLACEABLE_PRICED = (
+    200  # when no plan fits, how many unplaceable structures to price for the error
+)
 
 Progress = Callable[[str, int, int], None]
 
@@ -103,17 +105,37 @@ class _Search:
         return self.timed_out
 
 
-def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_ref: str,
-           calibration: Calibration | None = None, time_limit_s: float | None = None,
-           progress: Progress | None = None, profiles: Profiles | None = None) -> SearchResult:
+def search(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    global_batch: int,
+    *,
+    model_ref: str,
+    calibration: Calibration | None = None,
+    time_limit_s: float | None = None,
+    progress: Progress | None = None,
+    profiles: Profiles | None = None,
+) -> SearchResult:
     """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``;
     ``profiles`` (selected under the job's run conditions) price what they hold, as in predict()."""
     started = time.perf_counter()
     cal = calibration or default_calibration()
-    state = _Search(cluster, model, model_ref, global_batch,
-                    started + time_limit_s if time_limit_s else float("inf"), progress, cal, profiles)
-    settings = [Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
-                for b in MICRO_BATCH_SIZES if global_batch % b == 0 for r in (False, True)]
+    state = _Search(
+        cluster,
+        model,
+        model_ref,
+        global_batch,
+        started + time_limit_s if time_limit_s else float("inf"),
+        progress,
+        cal,
+        profiles,
+    )
+    settings = [
+        Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
+        for b in MICRO_BATCH_SIZES
+        if global_batch % b == 0
+        for r in (False, True)
+    ]
 
     group_best: dict[str, Ranked | None] = {}
     seeds: dict[Setting, dict[str, list[Layout]]] = {s: {} for s in settings}
@@ -121,46 +143,72 @@ def search(cluster: ClusterSpec, model: ModelSpec, global_batch: int, *, model_r
         # Each group is searched exactly as a cluster of that group alone would be: the same jobs,
         # the same bar, so its best here is the upper bound's term for it.
         state.best_time = float("inf")
-        jobs = [(setting, (layout,)) for setting in settings for layout in homogeneous(group, model, MAX_STAGES)]
+        jobs = [
+            (setting, (layout,))
+            for setting in settings
+            for layout in homogeneous(group, model, MAX_STAGES)
+        ]
         results = _evaluate(state, jobs, f"group {group.name} alone")
         fitting = [(r, job) for r, job in zip(results, jobs) if r is not None]
         group_best[group.name] = _refine(state, [r for r, _ in fitting])
         for setting in settings:
-            mine = sorted(((r, job[1][0]) for r, job in fitting if job[0] == setting), key=lambda x: -_speed(x[0]))
+            mine = sorted(
+                ((r, job[1][0]) for r, job in fitting if job[0] == setting),
+                key=lambda x: -_speed(x[0]),
+            )
             seeds[setting][group.name] = [layout for _, layout in mine[:KEEP_PER_GROUP]]
 
     if len(cluster.groups) > 1:
-        state.best_time = min((r.prediction.iteration_time_s for r in group_best.values() if r), default=float("inf"))
+        state.best_time = min(
+            (r.prediction.iteration_time_s for r in group_best.values() if r), default=float("inf")
+        )
         jobs = []
         for setting in settings:
             choices = {name: layouts for name, layouts in seeds[setting].items() if layouts}
             if not choices:
                 continue  # no group came near its best alone under this setting: nor will a mix
             tps = _mixed_tps(cluster, model, choices)
-            for structure in combinations(choices) + mixed(cluster, model, tps, MAX_STAGES, choices):
+            for structure in combinations(choices) + mixed(
+                cluster, model, tps, MAX_STAGES, choices
+            ):
                 jobs.append((setting, structure))
         found = [r for r in _evaluate(state, jobs, "heterogeneous plans") if r is not None]
         best = _refine(state, found)
         if best is not None:  # finer mixes of TP degrees, under the best plan's setting
-            setting = next(s for s in settings if s.micro_batch == best.plan.micro_batch
-                           and s.recompute == (best.plan.recompute == "full"))
+            setting = next(
+                s
+                for s in settings
+                if s.micro_batch == best.plan.micro_batch
+                and s.recompute == (best.plan.recompute == "full")
+            )
             jobs = [(setting, structure) for structure in mixed_tp(cluster, model, MAX_STAGES)]
             _refine(state, [r for r in _evaluate(state, jobs, "mixed TP degrees") if r is not None])
 
     if not state.ranked and state.closest is None:
         _closest_unplaceable(state)
     state.ranked.sort(key=lambda r: -_speed(r))
-    return SearchResult(state.ranked, group_best, state.evaluated, time.perf_counter() - started,
-                        state.closest, state.timed_out)
+    return SearchResult(
+        state.ranked,
+        group_best,
+        state.evaluated,
+        time.perf_counter() - started,
+        state.closest,
+        state.timed_out,
+    )
 
 
-def _mixed_tps(cluster: ClusterSpec, model: ModelSpec, choices: dict[str, list[Layout]]) -> dict[str, list[int]]:
+def _mixed_tps(
+    cluster: ClusterSpec, model: ModelSpec, choices: dict[str, list[Layout]]
+) -> dict[str, list[int]]:
     """TP degrees per group for pipelines that cross kinds: every degree for two groups; for three,
     those of the group's best layouts alone and its widest (fewest stages); beyond, only its best
     (the mixes multiply past any budget otherwise)."""
     out = {}
     for g in cluster.groups:
-        every, best = tp_degrees(g, model), [layout.slots[0].tp for layout in choices.get(g.name, [])]
+        every, best = (
+            tp_degrees(g, model),
+            [layout.slots[0].tp for layout in choices.get(g.name, [])],
+        )
         if len(cluster.groups) <= 2:
             out[g.name] = every
         elif len(cluster.groups) == 3:
@@ -215,8 +263,10 @@ def _layer_moves(plan: Plan):
                 moved = list(stages)
                 moved[donor] = dataclasses.replace(stages[donor], layers=stages[donor].layers - 1)
                 moved[taker] = dataclasses.replace(stages[taker], layers=stages[taker].layers + 1)
-                pipelines = tuple(dataclasses.replace(p, stages=tuple(moved)) if p.stages == stages else p
-                                  for p in plan.pipelines)
+                pipelines = tuple(
+                    dataclasses.replace(p, stages=tuple(moved)) if p.stages == stages else p
+                    for p in plan.pipelines
+                )
                 yield dataclasses.replace(plan, pipelines=pipelines)
 
 
@@ -224,7 +274,9 @@ def _speed(ranked: Ranked) -> float:
     return ranked.prediction.tokens_per_s
 
 
-def _evaluate(state: _Search, jobs: list[tuple[Setting, Structure]], phase: str) -> list[Ranked | None]:
+def _evaluate(
+    state: _Search, jobs: list[tuple[Setting, Structure]], phase: str
+) -> list[Ranked | None]:
     """Predict the jobs' plans, most promising first, skipping those that cannot beat the bar.
 
     A plan's step takes at least m x bottleneck (its slowest stage busy with every micro-batch)
@@ -275,21 +327,39 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
         return None
     pipelines, bound = [], 0.0
     for layout, split, share, timing in zip(structure, splits, shares, timings):
-        stages = tuple(StageSpec(group=slot.group, tp=slot.tp, layers=n) for slot, n in zip(layout.slots, split))
-        pipelines += [PipelineLayout(count=count, micro_batches=m, stages=stages) for count, m in share]
+        stages = tuple(
+            StageSpec(group=slot.group, tp=slot.tp, layers=n)
+            for slot, n in zip(layout.slots, split)
+        )
+        pipelines += [
+            PipelineLayout(count=count, micro_batches=m, stages=stages) for count, m in share
+        ]
         bound = max(bound, max(m for _, m in share) * timing.bottleneck_s + timing.fill_s / 4)
-    plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
-                recompute="full" if setting.recompute else "none", schedule=setting.schedule,
-                pipelines=tuple(pipelines))
-    sharing = None if state.profiles is None else core_sharing(plan, state.cluster, state.model, state.profiles)
-    if sharing is not None:  # ranks sharing the cores compute faster while others wait: so may every stage
+    plan = Plan(
+        model=state.model_ref,
+        global_batch=state.global_batch,
+        micro_batch=setting.micro_batch,
+        recompute="full" if setting.recompute else "none",
+        schedule=setting.schedule,
+        pipelines=tuple(pipelines),
+    )
+    sharing = (
+        None
+        if state.profiles is None
+        else core_sharing(plan, state.cluster, state.model, state.profiles)
+    )
+    if (
+        sharing is not None
+    ):  # ranks sharing the cores compute faster while others wait: so may every stage
         bound *= sharing.alone
     return bound, plan
 
 
 def _predict(state: _Search, plan: Plan) -> Ranked | None:
     state.evaluated += 1
-    prediction = predict(plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles)
+    prediction = predict(
+        plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles
+    )
     if not prediction.fits:
         _note_overflow(state, plan, prediction)
         return None
@@ -304,8 +374,14 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
     p = len(layout.slots)
     groups = [cluster.group(slot.group) for slot in layout.slots]
     per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, layout.slots)]
-    extra = [end_time(setting, g, slot.tp, s == 0, s == p - 1) for s, (g, slot) in enumerate(zip(groups, layout.slots))]
-    caps = [layer_cap(setting, g, slot.tp, s, p, micro_batches) for s, (g, slot) in enumerate(zip(groups, layout.slots))]
+    extra = [
+        end_time(setting, g, slot.tp, s == 0, s == p - 1)
+        for s, (g, slot) in enumerate(zip(groups, layout.slots))
+    ]
+    caps = [
+        layer_cap(setting, g, slot.tp, s, p, micro_batches)
+        for s, (g, slot) in enumerate(zip(groups, layout.slots))
+    ]
     split = partition_layers(setting.model.layers, per_layer, extra, caps, micro_batches)
     if split is None:
         return None, None
@@ -314,15 +390,24 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
 
 def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:
     """Remember by how much the closest candidate overflows which device."""
+
     def over(stage) -> float:
         return stage.memory.total_gb - state.cluster.group(stage.group).accelerator.memory_gb
+
     worst = max(prediction.stages, key=over)
     if state.closest is None or over(worst) < state.closest.over_gb:
-        summary = ", ".join(f"{p.count}x[{'+'.join(f'{s.group}:tp{s.tp}x{s.layers}' for s in p.stages)}]"
-                            for p in plan.pipelines)
-        state.closest = Overflow(over(worst), worst.memory.total_gb, worst.group, worst.accelerator,
-                                 state.cluster.group(worst.group).accelerator.memory_gb,
-                                 f"{summary}, micro-batch {plan.micro_batch}, recompute {plan.recompute}")
+        summary = ", ".join(
+            f"{p.count}x[{'+'.join(f'{s.group}:tp{s.tp}x{s.layers}' for s in p.stages)}]"
+            for p in plan.pipelines
+        )
+        state.closest = Overflow(
+            over(worst),
+            worst.memory.total_gb,
+            worst.group,
+            worst.accelerator,
+            state.cluster.group(worst.group).accelerator.memory_gb,
+            f"{summary}, micro-batch {plan.micro_batch}, recompute {plan.recompute}",
+        )
 
 
 def _closest_unplaceable(state: _Search) -> None:
@@ -331,17 +416,43 @@ def _closest_unplaceable(state: _Search) -> None:
     for setting, structure in state.unplaceable[:UNPLACEABLE_PRICED]:
         total = state.global_batch // setting.micro_batch
         each = max(1, total // sum(layout.count for layout in structure))
-        pipelines = tuple(PipelineLayout(count=layout.count, micro_batches=each, stages=tuple(
-            StageSpec(group=slot.group, tp=slot.tp, layers=n)
-            for slot, n in zip(layout.slots, uniform_layers(state.model.layers, len(layout.slots)))))
-            for layout in structure)
-        plan = Plan(model=state.model_ref, global_batch=state.global_batch, micro_batch=setting.micro_batch,
-                    recompute="full" if setting.recompute else "none", pipelines=pipelines)
-        _note_overflow(state, plan, predict(plan, state.cluster, state.model, calibration=setting.calibration,
-                                            profiles=state.profiles))
+        pipelines = tuple(
+            PipelineLayout(
+                count=layout.count,
+                micro_batches=each,
+                stages=tuple(
+                    StageSpec(group=slot.group, tp=slot.tp, layers=n)
+                    for slot, n in zip(
+                        layout.slots, uniform_layers(state.model.layers, len(layout.slots))
+                    )
+                ),
+            )
+            for layout in structure
+        )
+        plan = Plan(
+            model=state.model_ref,
+            global_batch=state.global_batch,
+            micro_batch=setting.micro_batch,
+            recompute="full" if setting.recompute else "none",
+            pipelines=pipelines,
+        )
+        _note_overflow(
+            state,
+            plan,
+            predict(
+                plan,
+                state.cluster,
+                state.model,
+                calibration=setting.calibration,
+                profiles=state.profiles,
+            ),
+        )
 
 
 def upper_bound(result: SearchResult) -> tuple[float, dict[str, float]]:
     """The theoretical upper bound: the sum over groups of each group's best throughput alone."""
-    per_group = {name: (ranked.prediction.tokens_per_s if ranked else 0.0) for name, ranked in result.group_best.items()}
+    per_group = {
+        name: (ranked.prediction.tokens_per_s if ranked else 0.0)
+        for name, ranked in result.group_best.items()
+    }
     return sum(per_group.values()), per_group

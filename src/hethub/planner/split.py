@@ -22,7 +22,9 @@ class ReplicaTiming:
     fill_s: float
 
 
-def split_micro_batches(total: int, layouts: list[ReplicaTiming]) -> list[list[tuple[int, int]]] | None:
+def split_micro_batches(
+    total: int, layouts: list[ReplicaTiming]
+) -> list[list[tuple[int, int]]] | None:
     """Per layout, [(replicas, micro-batches each), ...] with every replica running at least one.
 
     None when there are more replicas than micro-batches.
@@ -41,8 +43,12 @@ def split_micro_batches(total: int, layouts: list[ReplicaTiming]) -> list[list[t
             low = middle
     base = [max(1, math.floor((low - l.fill_s) / l.bottleneck_s)) for l in layouts]
     while sum(b * l.count for b, l in zip(base, layouts)) > total:  # never more than the total
-        i = max(range(len(layouts)), key=lambda k: (layouts[k].fill_s + base[k] * layouts[k].bottleneck_s
-                                                     if base[k] > 1 else -math.inf))
+        i = max(
+            range(len(layouts)),
+            key=lambda k: (
+                layouts[k].fill_s + base[k] * layouts[k].bottleneck_s if base[k] > 1 else -math.inf
+            ),
+        )
         base[i] -= 1
     extra = [0] * len(layouts)
     left = total - sum(b * l.count for b, l in zip(base, layouts))

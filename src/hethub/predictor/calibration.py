@@ -34,12 +34,27 @@ class Calibration:
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.matmul_efficiency, self.matmul_half_dim, self.matmul_ramp_us, self.memory_efficiency,
-                                           self.launch_us, self.link_efficiency, self.network_efficiency,
-                                           self.collective_latency_us, self.step_overhead_ms)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.matmul_efficiency,
+                    self.matmul_half_dim,
+                    self.matmul_ramp_us,
+                    self.memory_efficiency,
+                    self.launch_us,
+                    self.link_efficiency,
+                    self.network_efficiency,
+                    self.collective_latency_us,
+                    self.step_overhead_ms,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
+
 
 def default_calibration() -> Calibration:
     """The calibration stored in the catalog data file."""

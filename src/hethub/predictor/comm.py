@@ -49,8 +49,9 @@ def ring_allreduce_time(nbytes: float, ranks: int, bandwidth: float, cal: Calibr
     return steps * (nbytes / ranks / bandwidth + cal.collective_latency_us * 1e-6)
 
 
-def hierarchical_allreduce_time(nbytes: float, per_node: int, nodes: int, group: DeviceGroup,
-                                cal: Calibration) -> float:
+def hierarchical_allreduce_time(
+    nbytes: float, per_node: int, nodes: int, group: DeviceGroup, cal: Calibration
+) -> float:
     """All-reduce over ``per_node`` ranks on each of ``nodes`` nodes of one group.
 
     Reduce-scatter inside the node, all-reduce of each 1/per_node shard across nodes (every
@@ -62,8 +63,13 @@ def hierarchical_allreduce_time(nbytes: float, per_node: int, nodes: int, group:
     return inside + across
 
 
-def group_allreduce_time(nbytes: float, ranks: int, group: DeviceGroup, cal: Calibration,
-                         ranks_per_node: int | None = None) -> float:
+def group_allreduce_time(
+    nbytes: float,
+    ranks: int,
+    group: DeviceGroup,
+    cal: Calibration,
+    ranks_per_node: int | None = None,
+) -> float:
     """All-reduce over ``ranks`` devices of one group, packed ``ranks_per_node`` to a node."""
     if ranks <= 1:
         return 0.0

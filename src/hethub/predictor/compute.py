@@ -39,7 +39,9 @@ class WorkCost:
     """Model FLOPs of the forward on this device (the backward's are twice these)."""
 
 
-def gemm_time(flops: float, narrowest: int, accelerator: AcceleratorSpec, cal: Calibration) -> float:
+def gemm_time(
+    flops: float, narrowest: int, accelerator: AcceleratorSpec, cal: Calibration
+) -> float:
     """One GEMM whose smallest dimension is ``narrowest``.
 
     Its efficiency rises with its narrowest dimension (thin GEMMs, like attention's per-head
@@ -97,8 +99,15 @@ def layer_memory_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def layer_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int,
-               micro_batch: int, recompute: bool, tp_allreduce_s: float) -> WorkCost:
+def layer_cost(
+    model: ModelSpec,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    tp: int,
+    micro_batch: int,
+    recompute: bool,
+    tp_allreduce_s: float,
+) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices.
 
     The host launches operators ahead of the device, so a layer takes the larger of its host time
@@ -111,15 +120,18 @@ def layer_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration,
     host_s = FORWARD_OPS[model.arch] * cal.launch_us * 1e-6
     forward = max(host_s, gemm_s + memory_s + 2 * tp_allreduce_s)
     # Backward: two GEMMs (input and weight gradient) per forward GEMM, twice the memory traffic.
-    backward = max(BACKWARD_OPS_PER_FORWARD_OP * host_s, 2 * gemm_s + 2 * memory_s + 2 * tp_allreduce_s)
+    backward = max(
+        BACKWARD_OPS_PER_FORWARD_OP * host_s, 2 * gemm_s + 2 * memory_s + 2 * tp_allreduce_s
+    )
     if recompute:
         backward += forward
     return WorkCost(forward, backward, sum(flops for flops, _ in gemms))
 
 
 @functools.lru_cache(maxsize=65536)
-def embedding_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int,
-                   micro_batch: int) -> WorkCost:
+def embedding_cost(
+    model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int, micro_batch: int
+) -> WorkCost:
     """Token (and position) embedding lookup on the first stage; its backward scatters gradients."""
     tokens = micro_batch * model.seq_len
     bytes_moved = 2 * tokens * model.hidden * BYTES_PER_ELEMENT * (2 if model.arch == "gpt" else 1)
@@ -129,8 +141,9 @@ def embedding_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibrat
 
 
 @functools.lru_cache(maxsize=65536)
-def head_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int,
-              micro_batch: int) -> WorkCost:
+def head_cost(
+    model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int, micro_batch: int
+) -> WorkCost:
     """Final norm, vocabulary-parallel output GEMM and cross-entropy on the last stage."""
     tokens = micro_batch * model.seq_len
     flops = 2 * tokens * model.hidden * model.vocab / tp
@@ -141,6 +154,5 @@ def head_cost(model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, 
     gemm = gemm_time(flops, narrowest, accelerator, cal)
     device = gemm + memory_time(norm_bytes + loss_bytes, accelerator, cal)
     host = 10 * cal.launch_us * 1e-6
-    backward = max(2 * host, 2 * gemm
-                   + memory_time(2 * norm_bytes + loss_bytes, accelerator, cal))
+    backward = max(2 * host, 2 * gemm + memory_time(2 * norm_bytes + loss_bytes, accelerator, cal))
     return WorkCost(max(host, device), backward, flops)

@@ -95,14 +95,27 @@ class Prediction:
             "bubble_fraction": self.bubble_fraction,
             "pipeline_time_s": list(self.pipeline_time_s),
             "stages": [
-                {"pipeline": s.pipeline, "stage": s.position, "group": s.group,
-                 "accelerator": s.accelerator, "tp": s.tp, "layers": s.layers,
-                 "forward_s": s.forward_s, "backward_s": s.backward_s, "compute_s": s.compute_s,
-                 "send_s": s.send_s, "grad_sync_s": s.grad_sync_s, "optimizer_s": s.optimizer_s,
-                 "memory_gb": s.memory.total_gb,
-                 "memory_breakdown_gb": {"weights": s.memory.weights_gb, "grads": s.memory.grads_gb,
-                                         "optimizer": s.memory.optimizer_gb,
-                                         "activations": s.memory.activations_gb}}
+                {
+                    "pipeline": s.pipeline,
+                    "stage": s.position,
+                    "group": s.group,
+                    "accelerator": s.accelerator,
+                    "tp": s.tp,
+                    "layers": s.layers,
+                    "forward_s": s.forward_s,
+                    "backward_s": s.backward_s,
+                    "compute_s": s.compute_s,
+                    "send_s": s.send_s,
+                    "grad_sync_s": s.grad_sync_s,
+                    "optimizer_s": s.optimizer_s,
+                    "memory_gb": s.memory.total_gb,
+                    "memory_breakdown_gb": {
+                        "weights": s.memory.weights_gb,
+                        "grads": s.memory.grads_gb,
+                        "optimizer": s.memory.optimizer_gb,
+                        "activations": s.memory.activations_gb,
+                    },
+                }
                 for s in self.stages
             ],
         }
@@ -136,8 +149,15 @@ class _LayoutRun(_LayoutCosts):
     """Per stage: its forwards and backwards of the step, as simulated."""
 
 
-def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: Calibration | None = None,
-            timeline: bool = False, profiles: Profiles | None = None) -> Prediction:
+def predict(
+    plan: Plan,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    *,
+    calibration: Calibration | None = None,
+    timeline: bool = False,
+    profiles: Profiles | None = None,
+) -> Prediction:
     """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on ``cluster``.
 
     ``profiles``: measured profiles under the job's run conditions (Profiles.select); what they
@@ -146,10 +166,14 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     """
     cal = calibration or default_calibration()
     recompute = plan.recompute == "full"
-    costs = [_layout_costs(pipeline, blocks, plan, cluster, model, cal, recompute, profiles)
-             for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))]
+    costs = [
+        _layout_costs(pipeline, blocks, plan, cluster, model, cal, recompute, profiles)
+        for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
+    ]
     sharing = None if profiles is None else profiled.core_sharing(plan, cluster, model, profiles)
-    if sharing is not None:  # more ranks than cores: every layout's ranks share them, simulated together
+    if (
+        sharing is not None
+    ):  # more ranks than cores: every layout's ranks share them, simulated together
         runs, orders = _simulate_shared(plan, costs, sharing)
     else:
         runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
@@ -166,8 +190,14 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     slowest = max(run.time_s for run in runs)
     fewest = min(sum(runs[i].pipeline.count for i in members) for members in classes.values())
     leaders = {runs[members[0]].groups[0] for members in classes.values()}
-    cross_bw = {group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
-                for group in {g for run in runs for g in run.groups}} if len(classes) > 1 else {}
+    cross_bw = (
+        {
+            group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
+            for group in {g for run in runs for g in run.groups}
+        }
+        if len(classes) > 1
+        else {}
+    )
     holders = profiled.holders(plan, model) if profiles is not None else (0, 0)
     plan_link = _plan_link(plan, cluster, profiles) if profiles is not None else None
     stages: list[StagePrediction] = []
@@ -178,29 +208,73 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
         members = classes[run.pipeline.stages]
         replicas = sum(runs[i].pipeline.count for i in members)
         for s, (stage, group) in enumerate(zip(run.pipeline.stages, run.groups)):
-            start = max(runs[i].stage_end_s[s] for i in members) if len(members) > 1 else run.stage_end_s[s]
+            start = (
+                max(runs[i].stage_end_s[s] for i in members)
+                if len(members) > 1
+                else run.stage_end_s[s]
+            )
             if len(classes) > 1:
                 start = slowest
-            measured = None if profiles is None else _profiled_state(
-                model, group, profiles, plan_link, stage.tp, stage.layers, plan.micro_batch, s == 0, s == p - 1,
-                p == 1, *holders)
-            params, sync, optimizer = stage_state(model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1,
-                                                   p == 1, replicas)
+            measured = (
+                None
+                if profiles is None
+                else _profiled_state(
+                    model,
+                    group,
+                    profiles,
+                    plan_link,
+                    stage.tp,
+                    stage.layers,
+                    plan.micro_batch,
+                    s == 0,
+                    s == p - 1,
+                    p == 1,
+                    *holders,
+                )
+            )
+            params, sync, optimizer = stage_state(
+                model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1, p == 1, replicas
+            )
             if measured is not None and measured[0] is not None:
                 sync = measured[0]  # over every holder of each tensor, whatever its layout
             elif len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
-                sync += comm.ring_allreduce_time(params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal)
+                sync += comm.ring_allreduce_time(
+                    params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal
+                )
             if measured is not None and measured[1] is not None:
                 optimizer = measured[1]
             compute = run.compute_s[s]
             in_flight = in_flight_micro_batches(plan.schedule, s, p, m)
-            stages.append(StagePrediction(
-                pipeline=index, position=s, group=group.name, accelerator=group.accelerator.name, tp=stage.tp,
-                layers=stage.layers, forward_s=run.forward_s[s], backward_s=run.backward_s[s], compute_s=compute,
-                send_s=run.send_s[s] if s < p - 1 else 0.0, grad_sync_s=sync, optimizer_s=optimizer,
-                end_s=run.stage_end_s[s],
-                memory=stage_memory_for(model, group, profiles, stage.layers, stage.tp, s == 0, s == p - 1, p == 1,
-                                        in_flight, plan.micro_batch, recompute)))
+            stages.append(
+                StagePrediction(
+                    pipeline=index,
+                    position=s,
+                    group=group.name,
+                    accelerator=group.accelerator.name,
+                    tp=stage.tp,
+                    layers=stage.layers,
+                    forward_s=run.forward_s[s],
+                    backward_s=run.backward_s[s],
+                    compute_s=compute,
+                    send_s=run.send_s[s] if s < p - 1 else 0.0,
+                    grad_sync_s=sync,
+                    optimizer_s=optimizer,
+                    end_s=run.stage_end_s[s],
+                    memory=stage_memory_for(
+                        model,
+                        group,
+                        profiles,
+                        stage.layers,
+                        stage.tp,
+                        s == 0,
+                        s == p - 1,
+                        p == 1,
+                        in_flight,
+                        plan.micro_batch,
+                        recompute,
+                    ),
+                )
+            )
             iteration = max(iteration, start + sync + optimizer)
             synced, stepped = max(synced, start + sync), max(stepped, optimizer)
             devices = run.pipeline.count * stage.tp
@@ -208,12 +282,22 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
             span += devices * run.time_s
             if timeline:
                 base = {"pipeline": index, "stage": s, "group": group.name}
-                step_events += [{**base, "kind": "grad_sync", "start_s": start, "end_s": start + sync},
-                                {**base, "kind": "optimizer", "start_s": start + sync,
-                                 "end_s": start + sync + optimizer}]
+                step_events += [
+                    {**base, "kind": "grad_sync", "start_s": start, "end_s": start + sync},
+                    {
+                        **base,
+                        "kind": "optimizer",
+                        "start_s": start + sync,
+                        "end_s": start + sync + optimizer,
+                    },
+                ]
     devices = sum(p.count * p.devices for p in plan.pipelines)
-    loss_sync = plan_link.allreduce_time(LOSS_REPORT_BYTES, devices) if plan_link is not None else None
-    if loss_sync is not None:  # the runtime all-reduces the loss over every rank before the optimizer steps
+    loss_sync = (
+        plan_link.allreduce_time(LOSS_REPORT_BYTES, devices) if plan_link is not None else None
+    )
+    if (
+        loss_sync is not None
+    ):  # the runtime all-reduces the loss over every rank before the optimizer steps
         iteration = synced + loss_sync + stepped
         for event in step_events:
             if event["kind"] == "optimizer":
@@ -224,7 +308,11 @@ def predict(plan: Plan, cluster: ClusterSpec, model: ModelSpec, *, calibration: 
     return Prediction(
         iteration_time_s=iteration,
         tokens_per_s=plan.global_batch * model.seq_len / iteration,
-        model_tflops_per_device=_model_flops(model) * plan.global_batch / iteration / devices / 1e12,
+        model_tflops_per_device=_model_flops(model)
+        * plan.global_batch
+        / iteration
+        / devices
+        / 1e12,
         peak_memory_gb=max(s.memory.total_gb for s in stages),
         fits=all(s.memory.total_gb <= cluster.group(s.group).accelerator.memory_gb for s in stages),
         devices=devices,
@@ -243,25 +331,59 @@ def _model_flops(model: ModelSpec) -> float:
     return 3 * forward
 
 
-def _layout_costs(pipeline: PipelineLayout, blocks: list[StageBlock], plan: Plan, cluster: ClusterSpec,
-                  model: ModelSpec, cal: Calibration, recompute: bool, profiles: Profiles | None) -> _LayoutCosts:
+def _layout_costs(
+    pipeline: PipelineLayout,
+    blocks: list[StageBlock],
+    plan: Plan,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cal: Calibration,
+    recompute: bool,
+    profiles: Profiles | None,
+) -> _LayoutCosts:
     """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
     p, b = len(pipeline.stages), plan.micro_batch
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends, sends_back = [], [], [], []
     for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
         if profiles is None and group.speed is None:
-            f, bw = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+            f, bw = stage_work(
+                model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1
+            )
         else:
-            f, bw = stage_cost(model, group, cal, profiles, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1)
+            f, bw = stage_cost(
+                model,
+                group,
+                cal,
+                profiles,
+                stage.tp,
+                stage.layers,
+                b,
+                recompute,
+                s == 0,
+                s == p - 1,
+            )
         forward.append(f)
         backward.append(bw)
         if s < p - 1:
-            measured = None if profiles is None else _profiled_send(model, profiles, b, groups[s], groups[s + 1],
-                                                                    stage.tp, pipeline.stages[s + 1].tp)
+            measured = (
+                None
+                if profiles is None
+                else _profiled_send(
+                    model,
+                    profiles,
+                    b,
+                    groups[s],
+                    groups[s + 1],
+                    stage.tp,
+                    pipeline.stages[s + 1].tp,
+                )
+            )
             if measured is None:
                 activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
-                measured = (_send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal),) * 2
+                measured = (
+                    _send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal),
+                ) * 2
             sends.append(measured[0])
             sends_back.append(measured[1])
     return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
@@ -274,31 +396,52 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
     compute = [m * (f + b) for f, b in zip(costs.forward_s, costs.backward_s)]
     if every_op:  # a timeline needs every operation of the full schedule
         order = schedule_order(plan.schedule, p, m)
-        end = simulate(order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True)
-        start = [finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[s]
-                 for (s, kind, _), finish in zip(order.ops, end)]
+        end = simulate(
+            order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True
+        )
+        start = [
+            finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[s]
+            for (s, kind, _), finish in zip(order.ops, end)
+        ]
         stage_end = [end[i] for i in order.last_op]
-        return _LayoutRun(**costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute), \
-            (order, start, end)
-    stage_end = stage_end_times(plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m)
-    return _LayoutRun(**costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute), None
+        return _LayoutRun(
+            **costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
+        ), (order, start, end)
+    stage_end = stage_end_times(
+        plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m
+    )
+    return _LayoutRun(
+        **costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
+    ), None
 
 
-def _simulate_shared(plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing) -> tuple[list[_LayoutRun], list]:
+def _simulate_shared(
+    plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing
+) -> tuple[list[_LayoutRun], list]:
     """Every layout's schedule at once, its ranks sharing the machine's cores (predictor.sharing)."""
-    layouts = [SharedLayout(order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),
-                            forward_s=c.forward_s, backward_s=c.backward_s, send_forward_s=c.send_s,
-                            send_backward_s=c.send_back_s,
-                            ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
-                            speed=[group.speed or 1.0 for group in c.groups])
-               for c in costs]
+    layouts = [
+        SharedLayout(
+            order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),
+            forward_s=c.forward_s,
+            backward_s=c.backward_s,
+            send_forward_s=c.send_s,
+            send_backward_s=c.send_back_s,
+            ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
+            speed=[group.speed or 1.0 for group in c.groups],
+        )
+        for c in costs
+    ]
     runs, orders = [], []
     for c, layout, (start, end) in zip(costs, layouts, simulate_shared(layouts, sharing)):
         compute = [0.0] * len(c.groups)
         for (s, _, _), a, b in zip(layout.order.ops, start, end):
             compute[s] += b - a
         stage_end = [end[i] for i in layout.order.last_op]
-        runs.append(_LayoutRun(**c.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute))
+        runs.append(
+            _LayoutRun(
+                **c.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
+            )
+        )
         orders.append((layout.order, start, end))
     return runs, orders
 
@@ -307,13 +450,29 @@ LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, ov
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_cost(model: ModelSpec, group: DeviceGroup, cal: Calibration, profiles: Profiles | None, tp: int,
-               layers: int, micro_batch: int, recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+def stage_cost(
+    model: ModelSpec,
+    group: DeviceGroup,
+    cal: Calibration,
+    profiles: Profiles | None,
+    tp: int,
+    layers: int,
+    micro_batch: int,
+    recompute: bool,
+    first: bool,
+    last: bool,
+) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch through a stage: measured where ``profiles``
     hold the layer's key, else analytic (stage_work); divided by the group's emulated speed."""
-    profile = None if profiles is None else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    profile = (
+        None
+        if profiles is None
+        else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    )
     if profile is None:
-        forward, backward = stage_work(model, group, cal, tp, layers, micro_batch, recompute, first, last)
+        forward, backward = stage_work(
+            model, group, cal, tp, layers, micro_batch, recompute, first, last
+        )
     else:
         forward, backward = profiled.profiled_work(profile, layers, recompute, first, last)
     if group.speed is not None:  # the runtime stretches each forward and backward by 1 / speed
@@ -321,16 +480,43 @@ def stage_cost(model: ModelSpec, group: DeviceGroup, cal: Calibration, profiles:
     return forward, backward
 
 
-def stage_memory_for(model: ModelSpec, group: DeviceGroup, profiles: Profiles | None, layers: int, tp: int,
-                     first: bool, last: bool, single_stage: bool, in_flight: int, micro_batch: int,
-                     recompute: bool) -> StageMemory:
+def stage_memory_for(
+    model: ModelSpec,
+    group: DeviceGroup,
+    profiles: Profiles | None,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    in_flight: int,
+    micro_batch: int,
+    recompute: bool,
+) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
     layer's key, else the analytic model's (stage_memory_at)."""
-    profile = None if profiles is None else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    profile = (
+        None
+        if profiles is None
+        else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    )
     if profile is None:
-        return stage_memory_at(model, layers, tp, first, last, single_stage, in_flight, micro_batch, recompute)
-    return profiled.profiled_memory(profile, model, profiles.bytes_per_element, layers, tp, first, last,
-                                    single_stage, in_flight, micro_batch, recompute)
+        return stage_memory_at(
+            model, layers, tp, first, last, single_stage, in_flight, micro_batch, recompute
+        )
+    return profiled.profiled_memory(
+        profile,
+        model,
+        profiles.bytes_per_element,
+        layers,
+        tp,
+        first,
+        last,
+        single_stage,
+        in_flight,
+        micro_batch,
+        recompute,
+    )
 
 
 def _plan_link(plan: Plan, cluster: ClusterSpec, profiles: Profiles) -> LinkProfile | None:
@@ -341,39 +527,82 @@ def _plan_link(plan: Plan, cluster: ClusterSpec, profiles: Profiles) -> LinkProf
 
 
 @functools.lru_cache(maxsize=65536)
-def _profiled_state(model: ModelSpec, group: DeviceGroup, profiles: Profiles, link: LinkProfile | None, tp: int,
-                    layers: int, micro_batch: int, first: bool, last: bool, single_stage: bool, holders: int,
-                    embed_holders: int) -> tuple[float | None, float | None]:
+def _profiled_state(
+    model: ModelSpec,
+    group: DeviceGroup,
+    profiles: Profiles,
+    link: LinkProfile | None,
+    tp: int,
+    layers: int,
+    micro_batch: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    holders: int,
+    embed_holders: int,
+) -> tuple[float | None, float | None]:
     """(gradient sync, optimizer step) of a stage from the profiles; None for what they lack."""
     sync = None
     if link is not None and link.device == group.accelerator.name:
-        sync = profiled.grad_sync_time(link, model, tp, layers, first, last, single_stage, holders, embed_holders,
-                                       profiles.bytes_per_element)
+        sync = profiled.grad_sync_time(
+            link,
+            model,
+            tp,
+            layers,
+            first,
+            last,
+            single_stage,
+            holders,
+            embed_holders,
+            profiles.bytes_per_element,
+        )
     profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
-    optimizer = None if profile is None else profiled.optimizer_time(profile, model, tp, layers, first, last,
-                                                                     single_stage)
+    optimizer = (
+        None
+        if profile is None
+        else profiled.optimizer_time(profile, model, tp, layers, first, last, single_stage)
+    )
     return sync, optimizer
 
 
-def _profiled_send(model: ModelSpec, profiles: Profiles, micro_batch: int, a: DeviceGroup, b: DeviceGroup,
-                   tp_a: int, tp_b: int) -> tuple[float, float] | None:
+def _profiled_send(
+    model: ModelSpec,
+    profiles: Profiles,
+    micro_batch: int,
+    a: DeviceGroup,
+    b: DeviceGroup,
+    tp_a: int,
+    tp_b: int,
+) -> tuple[float, float] | None:
     """Measured times over a boundary between stages on one kind of accelerator, or None."""
     if a.accelerator.name != b.accelerator.name:
         return None
     link = profiles.link_for(a.accelerator.name)
     if link is None:
         return None
-    nbytes = micro_batch * model.seq_len * model.hidden * profiles.bytes_per_element  # whole, leader to leader
+    nbytes = (
+        micro_batch * model.seq_len * model.hidden * profiles.bytes_per_element
+    )  # whole, leader to leader
     return profiled.send_times(link, nbytes, tp_a, tp_b)
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, micro_batch: int,
-                recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+def stage_work(
+    model: ModelSpec,
+    group: DeviceGroup,
+    cal: Calibration,
+    tp: int,
+    layers: int,
+    micro_batch: int,
+    recompute: bool,
+    first: bool,
+    last: bool,
+) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch through a stage."""
     acc = group.accelerator
-    tp_allreduce = comm.group_allreduce_time(micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT,
-                                             tp, group, cal)
+    tp_allreduce = comm.group_allreduce_time(
+        micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT, tp, group, cal
+    )
     layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce)
     forward, backward = layers * layer.forward_s, layers * layer.backward_s
     if first:  # vocabulary-parallel embedding: a lookup and one all-reduce
@@ -387,25 +616,50 @@ def stage_work(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, 
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_state(model: ModelSpec, group: DeviceGroup, cal: Calibration, tp: int, layers: int, first: bool,
-                 last: bool, single_stage: bool, replicas: int) -> tuple[float, float, float]:
+def stage_state(
+    model: ModelSpec,
+    group: DeviceGroup,
+    cal: Calibration,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    replicas: int,
+) -> tuple[float, float, float]:
     """(parameters per device, gradient all-reduce among the layout's replicas, optimizer step) of a stage."""
     params = stage_params(model, layers, first, last, single_stage) / tp
-    replicas_per_node = max(1, group.devices_per_node // tp)  # stage-major: a stage's replicas share nodes
+    replicas_per_node = max(
+        1, group.devices_per_node // tp
+    )  # stage-major: a stage's replicas share nodes
     sync = comm.group_allreduce_time(params * GRAD_BYTES, replicas, group, cal, replicas_per_node)
-    optimizer = max(params * OPTIMIZER_BYTES_MOVED / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
-                    OPTIMIZER_OPS * cal.launch_us * 1e-6)
+    optimizer = max(
+        params
+        * OPTIMIZER_BYTES_MOVED
+        / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
+        OPTIMIZER_OPS * cal.launch_us * 1e-6,
+    )
     return params, sync, optimizer
 
 
-def _send_time(nbytes: float, blocks: list[StageBlock], s: int, groups: tuple[DeviceGroup, ...],
-               cluster: ClusterSpec, cal: Calibration) -> float:
+def _send_time(
+    nbytes: float,
+    blocks: list[StageBlock],
+    s: int,
+    groups: tuple[DeviceGroup, ...],
+    cluster: ClusterSpec,
+    cal: Calibration,
+) -> float:
     """Activations from stage s to s+1 (each TP rank sends its share in parallel)."""
     a, b = groups[s], groups[s + 1]
     if a.name != b.name:
         return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, a, b, cal), cal)
-    nodes = {blocks[s].first_device // a.devices_per_node, blocks[s].last_device // a.devices_per_node,
-             blocks[s + 1].first_device // a.devices_per_node, blocks[s + 1].last_device // a.devices_per_node}
+    nodes = {
+        blocks[s].first_device // a.devices_per_node,
+        blocks[s].last_device // a.devices_per_node,
+        blocks[s + 1].first_device // a.devices_per_node,
+        blocks[s + 1].last_device // a.devices_per_node,
+    }
     if len(nodes) == 1:  # both stages of every replica on one node
         return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
     return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
@@ -418,10 +672,25 @@ def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
         p = len(run.groups)
         for (s, kind, j), begin, finish in zip(order.ops, start, end):
             base = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
-            events.append({**base, "kind": "backward" if kind == BACKWARD else "forward",
-                           "start_s": begin, "end_s": finish})
+            events.append(
+                {
+                    **base,
+                    "kind": "backward" if kind == BACKWARD else "forward",
+                    "start_s": begin,
+                    "end_s": finish,
+                }
+            )
             if kind == FORWARD and s < p - 1:
-                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]})
+                events.append(
+                    {**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]}
+                )
             if kind == BACKWARD and s > 0:
-                events.append({**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_back_s[s - 1]})
+                events.append(
+                    {
+                        **base,
+                        "kind": "send",
+                        "start_s": finish,
+                        "end_s": finish + run.send_back_s[s - 1],
+                    }
+                )
     return events

@@ -41,7 +41,9 @@ def stage_params(model: ModelSpec, layers: int, first: bool, last: bool, single_
     if last:
         params += model.head_params()
         if model.arch == "gpt" and not single_stage:
-            params += model.vocab * model.hidden  # the tied head keeps its own copy of the embedding
+            params += (
+                model.vocab * model.hidden
+            )  # the tied head keeps its own copy of the embedding
     return params
 
 
@@ -49,7 +51,9 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float
     """Activations one layer keeps for its backward, one micro-batch, no recomputation."""
     b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
     tokens = b * s
-    if model.arch == "gpt":  # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism
+    if (
+        model.arch == "gpt"
+    ):  # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism
         return tokens * h * (10 + 24 / tp + 5 * model.heads * s / (h * tp))
     # llama with flash attention: norm inputs and outputs (replicated), Q/K/V and the attention
     # output (sharded), gate, up and SwiGLU output (sharded), all bf16.
@@ -65,16 +69,43 @@ def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_bat
     return min(stages - position, micro_batches)
 
 
-def stage_memory(model: ModelSpec, layers: int, tp: int, position: int, stages: int,
-                 micro_batches: int, micro_batch: int, recompute: bool, schedule: str) -> StageMemory:
+def stage_memory(
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    position: int,
+    stages: int,
+    micro_batches: int,
+    micro_batch: int,
+    recompute: bool,
+    schedule: str,
+) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
-    return stage_memory_at(model, layers, tp, position == 0, position == stages - 1, stages == 1, in_flight,
-                           micro_batch, recompute)
+    return stage_memory_at(
+        model,
+        layers,
+        tp,
+        position == 0,
+        position == stages - 1,
+        stages == 1,
+        in_flight,
+        micro_batch,
+        recompute,
+    )
 
 
-def activation_bytes(model: ModelSpec, per_layer: float, bytes_per_element: int, layers: int, tp: int, last: bool,
-                     in_flight: int, micro_batch: int, recompute: bool) -> float:
+def activation_bytes(
+    model: ModelSpec,
+    per_layer: float,
+    bytes_per_element: int,
+    layers: int,
+    tp: int,
+    last: bool,
+    in_flight: int,
+    micro_batch: int,
+    recompute: bool,
+) -> float:
     """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
     if recompute:
         # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
@@ -88,11 +119,33 @@ def activation_bytes(model: ModelSpec, per_layer: float, bytes_per_element: int,
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_memory_at(model: ModelSpec, layers: int, tp: int, first: bool, last: bool, single_stage: bool,
-                    in_flight: int, micro_batch: int, recompute: bool) -> StageMemory:
+def stage_memory_at(
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    in_flight: int,
+    micro_batch: int,
+    recompute: bool,
+) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
     params = stage_params(model, layers, first, last, single_stage) / tp
-    activations = activation_bytes(model, layer_activation_bytes(model, tp, micro_batch), BYTES_PER_ELEMENT,
-                                   layers, tp, last, in_flight, micro_batch, recompute)
-    return StageMemory(params * WEIGHT_BYTES / GB, params * GRAD_BYTES / GB,
-                       params * OPTIMIZER_BYTES / GB, activations / GB)
+    activations = activation_bytes(
+        model,
+        layer_activation_bytes(model, tp, micro_batch),
+        BYTES_PER_ELEMENT,
+        layers,
+        tp,
+        last,
+        in_flight,
+        micro_batch,
+        recompute,
+    )
+    return StageMemory(
+        params * WEIGHT_BYTES / GB,
+        params * GRAD_BYTES / GB,
+        params * OPTIMIZER_BYTES / GB,
+        activations / GB,
+    )

@@ -31,16 +31,23 @@ from hethub.spec.plan import Plan
 MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
-def profiled_work(profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool) -> tuple[float, float]:
+def profiled_work(
+    profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool
+) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
     With full recomputation the runtime checkpoints the whole stage: its layers take their
     measured checkpointed times (forward + backward where the profile lacks them), and the
     embedding's and head's forwards run again before their backwards.
     """
-    measured = recompute and None not in (profile.layer_recompute_forward_s, profile.layer_recompute_backward_s)
+    measured = recompute and None not in (
+        profile.layer_recompute_forward_s,
+        profile.layer_recompute_backward_s,
+    )
     forward = layers * (profile.layer_recompute_forward_s if measured else profile.layer_forward_s)
-    backward = layers * (profile.layer_recompute_backward_s if measured else profile.layer_backward_s)
+    backward = layers * (
+        profile.layer_recompute_backward_s if measured else profile.layer_backward_s
+    )
     if recompute and not measured:
         backward += forward
     ends = [(profile.embed_forward_s, profile.embed_backward_s)] * first
@@ -50,31 +57,49 @@ def profiled_work(profile: LayerProfile, layers: int, recompute: bool, first: bo
     return forward, backward
 
 
-def send_times(link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int) -> tuple[float, float] | None:
+def send_times(
+    link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int
+) -> tuple[float, float] | None:
     """(activation forward, its gradient backward) over one stage boundary: leader to leader,
     then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
     message = link.p2p_time(nbytes)
-    forward, backward = link.broadcast_time(nbytes, tp_receiver), link.broadcast_time(nbytes, tp_sender)
+    forward, backward = (
+        link.broadcast_time(nbytes, tp_receiver),
+        link.broadcast_time(nbytes, tp_sender),
+    )
     if forward is None or backward is None:
         return None
     return message + forward, message + backward
 
 
 @functools.lru_cache(maxsize=4096)
-def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool,
-                  single_stage: bool) -> tuple[tuple[str, int, bool], ...]:
+def param_tensors(
+    model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool
+) -> tuple[tuple[str, int, bool], ...]:
     """(what, elements of the full tensor, sharded over TP) of every parameter tensor a stage
     holds, as hethub.runtime.model builds them; what is "embed" for the (tied) embedding, else
     "other"."""
     h, f, q, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_hidden
     gpt = model.arch == "gpt"
-    layer = [("other", h, False)] * 2 + [("other", q * h, True), ("other", kv * h, True), ("other", kv * h, True),
-                                         ("other", h * h, True)]
+    layer = [("other", h, False)] * 2 + [
+        ("other", q * h, True),
+        ("other", kv * h, True),
+        ("other", kv * h, True),
+        ("other", h * h, True),
+    ]
     if gpt:
         layer += [("other", f * h, True), ("other", h * f, True)]  # fc1, fc2
         layer += [("other", h, False)] * 2  # norm biases
-        layer += [("other", q, True), ("other", kv, True), ("other", kv, True), ("other", h, False)]  # q k v o
-        layer += [("other", f, True), ("other", h, False)]  # fc1 (column: sharded), fc2 (row: whole)
+        layer += [
+            ("other", q, True),
+            ("other", kv, True),
+            ("other", kv, True),
+            ("other", h, False),
+        ]  # q k v o
+        layer += [
+            ("other", f, True),
+            ("other", h, False),
+        ]  # fc1 (column: sharded), fc2 (row: whole)
     else:
         layer += [("other", f * h, True)] * 3  # gate, up, down
     tensors = []
@@ -88,7 +113,9 @@ def param_tensors(model: ModelSpec, layers: int, first: bool, last: bool,
         if not gpt:
             tensors.append(("other", model.vocab * h, True))  # the output head
         elif not single_stage:
-            tensors.append(("embed", model.vocab * h, True))  # the tied head's copy of the embedding
+            tensors.append(
+                ("embed", model.vocab * h, True)
+            )  # the tied head's copy of the embedding
     return tuple(tensors)
 
 
@@ -101,8 +128,18 @@ def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
     return replicas, sum(p.count * (1 if len(p.stages) == 1 else 2) for p in plan.pipelines)
 
 
-def grad_sync_time(link: LinkProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,
-                   single_stage: bool, holders: int, embed_holders: int, bytes_per_element: int) -> float | None:
+def grad_sync_time(
+    link: LinkProfile,
+    model: ModelSpec,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    holders: int,
+    embed_holders: int,
+    bytes_per_element: int,
+) -> float | None:
     """One rank's gradient sync of a stage, as the runtime buckets it (spec.buckets); None where
     a collective was not measured.
 
@@ -131,25 +168,55 @@ def grad_sync_time(link: LinkProfile, model: ModelSpec, tp: int, layers: int, fi
     return None if None in parts else sum(parts)
 
 
-def optimizer_time(profile: LayerProfile, model: ModelSpec, tp: int, layers: int, first: bool, last: bool,
-                   single_stage: bool) -> float:
+def optimizer_time(
+    profile: LayerProfile,
+    model: ModelSpec,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+) -> float:
     """The AdamW step over one rank's share of the stage's parameters."""
-    return profile.optimizer_s_per_param * stage_params(model, layers, first, last, single_stage) / tp
+    return (
+        profile.optimizer_s_per_param * stage_params(model, layers, first, last, single_stage) / tp
+    )
 
 
-def profiled_memory(profile: LayerProfile, model: ModelSpec, bytes_per_element: int, layers: int, tp: int,
-                    first: bool, last: bool, single_stage: bool, in_flight: int, micro_batch: int,
-                    recompute: bool) -> StageMemory:
+def profiled_memory(
+    profile: LayerProfile,
+    model: ModelSpec,
+    bytes_per_element: int,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    in_flight: int,
+    micro_batch: int,
+    recompute: bool,
+) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
     params = stage_params(model, layers, first, last, single_stage) / tp
-    activations = activation_bytes(model, profile.layer_activation_bytes, bytes_per_element, layers, tp, last,
-                                   in_flight, micro_batch, recompute)
+    activations = activation_bytes(
+        model,
+        profile.layer_activation_bytes,
+        bytes_per_element,
+        layers,
+        tp,
+        last,
+        in_flight,
+        micro_batch,
+        recompute,
+    )
     weights = params * bytes_per_element
     return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
 
 
-def core_sharing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles) -> CoreSharing | None:
+def core_sharing(
+    plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles
+) -> CoreSharing | None:
     """How the plan's ranks share the cores of the machine its profiles were measured on, or None
     where they do not: the profiles are selected for a local run of more ranks at once than that
     machine has cores (the cores each layer profile records), and hold the plan's layers.
@@ -167,17 +234,28 @@ def core_sharing(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: P
     for profile in measured:
         alone = None if profile is None else profiles.layer(alone_key(profile))
         if alone is not None:
-            shares.append((alone.layer_forward_s + alone.layer_backward_s)
-                          / (profile.layer_forward_s + profile.layer_backward_s))
+            shares.append(
+                (alone.layer_forward_s + alone.layer_backward_s)
+                / (profile.layer_forward_s + profile.layer_backward_s)
+            )
     least = min(tp for _, tp in pairs)
-    return CoreSharing(cores=min(recorded), ranks=ranks, least=least,
-                       alone=min(1.0, statistics.fmean(shares)) if shares else min(recorded) / ranks)
+    return CoreSharing(
+        cores=min(recorded),
+        ranks=ranks,
+        least=least,
+        alone=min(1.0, statistics.fmean(shares)) if shares else min(recorded) / ranks,
+    )
 
 
 def _device_tps(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, int]]:
     """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are looked up by."""
-    return list(dict.fromkeys((cluster.group(s.group).accelerator.name, s.tp) for p in plan.pipelines
-                              for s in p.stages))
+    return list(
+        dict.fromkeys(
+            (cluster.group(s.group).accelerator.name, s.tp)
+            for p in plan.pipelines
+            for s in p.stages
+        )
+    )
 
 
 def alone_key(profile: LayerProfile) -> LayerKey:
@@ -185,7 +263,9 @@ def alone_key(profile: LayerProfile) -> LayerKey:
     return dataclasses.replace(profile.key, concurrent_ranks=profile.key.tp)
 
 
-def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles) -> list[str]:
+def missing_profiles(
+    plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles
+) -> list[str]:
     """One line per piece of ``plan`` that ``profiles`` lack, which the prediction prices with the
     analytic model instead."""
     notes: list[str] = []
@@ -196,33 +276,49 @@ def missing_profiles(plan: Plan, cluster: ClusterSpec, model: ModelSpec, profile
             found.append(profile)
         if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
-            notes.append(f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model")
+            notes.append(
+                f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model"
+            )
         elif profile.method < METHOD:
-            notes.append(f"the profile for {profile.key.describe()} was measured by an older hethub (method "
-                         f"{profile.method}, now {METHOD}): measure again with hethub profile --again")
+            notes.append(
+                f"the profile for {profile.key.describe()} was measured by an older hethub (method "
+                f"{profile.method}, now {METHOD}): measure again with hethub profile --again"
+            )
         elif plan.recompute == "full" and profile.layer_recompute_backward_s is None:
-            notes.append(f"the profile for {profile.key.describe()} has no recomputed layer times: "
-                         f"recomputation taken as the forward again")
+            notes.append(
+                f"the profile for {profile.key.describe()} has no recomputed layer times: "
+                f"recomputation taken as the forward again"
+            )
     sharing = core_sharing(plan, cluster, model, profiles)
     for profile in found if sharing else ():
         if profiles.layer(alone_key(profile)) is None:
-            notes.append(f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
-                         f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair")
-    devices = dict.fromkeys(cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages)
+            notes.append(
+                f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
+                f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair"
+            )
+    devices = dict.fromkeys(
+        cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages
+    )
     needed = {r for r in holders(plan, model) if r > 1}
     for device in devices:
         link = profiles.link_for(device)
         if link is None:
-            notes.append(f"no link profile for {device} with {profiles.concurrent_ranks} rank(s) at once in "
-                         f"{profiles.source or 'the profiles'}: analytic communication")
+            notes.append(
+                f"no link profile for {device} with {profiles.concurrent_ranks} rank(s) at once in "
+                f"{profiles.source or 'the profiles'}: analytic communication"
+            )
             continue
         if link.method < METHOD:
-            notes.append(f"the link profile of {device} was measured by an older hethub (method {link.method}, "
-                         f"now {METHOD}): measure again with hethub profile --again")
+            notes.append(
+                f"the link profile of {device} was measured by an older hethub (method {link.method}, "
+                f"now {METHOD}): measure again with hethub profile --again"
+            )
         tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
         lacking = [f"all-reduce over {r} ranks" for r in sorted(needed) if r not in link.allreduce]
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
         if lacking:
-            notes.append(f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) at once lacks "
-                         f"{', '.join(lacking)}: analytic communication where it is needed")
+            notes.append(
+                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) at once lacks "
+                f"{', '.join(lacking)}: analytic communication where it is needed"
+            )
     return notes

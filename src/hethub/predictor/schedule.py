@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from hethub.spec.schedules import BACKWARD, FORWARD, stage_sequence
 
-__all__ = ["BACKWARD", "FORWARD", "ScheduleOrder", "schedule_order", "simulate", "stage_end_times", "stage_sequence"]
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "ScheduleOrder",
+    "schedule_order",
+    "simulate",
+    "stage_end_times",
+    "stage_sequence",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +85,29 @@ def schedule_order(schedule: str, stages: int, micro_batches: int) -> ScheduleOr
         periodic = ((1, m - 1, 1), (m + 1, 2 * m - 1, 1))
     else:  # 1F1B: every stage alternates forward and backward from position p-1 to 2m-p
         periodic = ((p - 1, 2 * m - p, 2),)
-    return ScheduleOrder(stages, micro_batches, tuple((s, k, j) for _, s, k, j, _ in keyed),
-                         tuple(steps), last_op, periodic)
+    return ScheduleOrder(
+        stages,
+        micro_batches,
+        tuple((s, k, j) for _, s, k, j, _ in keyed),
+        tuple(steps),
+        last_op,
+        periodic,
+    )
 
 
 # Two positions repeat when their end times, less their first, agree to this share of one pass.
 _REPEAT_TOLERANCE = 1e-9
 
 
-def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[float],
-             send_forward_s: list[float], send_backward_s: list[float], *, every_op: bool = False) -> list[float]:
+def simulate(
+    order: ScheduleOrder,
+    forward_s: list[float],
+    backward_s: list[float],
+    send_forward_s: list[float],
+    send_backward_s: list[float],
+    *,
+    every_op: bool = False,
+) -> list[float]:
     """End time of the operations of ``order`` (indexed like ``order.steps``).
 
     forward_s / backward_s: per stage, one micro-batch; send_*_s: per boundary between stage b and
@@ -103,8 +124,14 @@ def simulate(order: ScheduleOrder, forward_s: list[float], backward_s: list[floa
     return end
 
 
-def stage_end_times(schedule: str, forward_s: list[float], backward_s: list[float], send_forward_s: list[float],
-                    send_backward_s: list[float], micro_batches: int) -> list[float]:
+def stage_end_times(
+    schedule: str,
+    forward_s: list[float],
+    backward_s: list[float],
+    send_forward_s: list[float],
+    send_backward_s: list[float],
+    micro_batches: int,
+) -> list[float]:
     """When each stage finishes its last operation: simulate() of the whole schedule, exactly.
 
     Once the steady state repeats, every cycle of c further micro-batches adds the same time to
@@ -125,7 +152,9 @@ def stage_end_times(schedule: str, forward_s: list[float], backward_s: list[floa
         order = schedule_order(schedule, p, simulated)
         end, cycles = _run(order, durations, sends, False)
         left_out = micro_batches - simulated
-        if len(cycles) == len(order.periodic) and all(left_out % length == 0 for _, length in cycles):
+        if len(cycles) == len(order.periodic) and all(
+            left_out % length == 0 for _, length in cycles
+        ):
             extra = sum(left_out // length * shift for shift, length in cycles)
             return [end[i] + extra for i in order.last_op]
         if len(cycles) != len(order.periodic):
@@ -145,7 +174,11 @@ def _run(order: ScheduleOrder, durations: list[float], sends: list[float], every
     p = order.stages
     steps = order.steps
     end = [0.0] * (len(steps) + 1)  # index -1: nothing to wait for, ends at 0
-    runs = [] if every_op else [(first, last, period, {}) for first, last, period in order.periodic if last > first]
+    runs = (
+        []
+        if every_op
+        else [(first, last, period, {}) for first, last, period in order.periodic if last > first]
+    )
     cycles: list[tuple[float, int]] = []
     grid = _REPEAT_TOLERANCE * (sum(durations) + sum(sends)) or 1.0
     position, positions = 0, len(steps) // p
@@ -165,14 +198,21 @@ def _run(order: ScheduleOrder, durations: list[float], sends: list[float], every
     return end, cycles
 
 
-def _jump(end: list[float], position: int, p: int, runs: list, cycles: list[tuple[float, int]], grid: float) -> int:
+def _jump(
+    end: list[float],
+    position: int,
+    p: int,
+    runs: list,
+    cycles: list[tuple[float, int]],
+    grid: float,
+) -> int:
     """If the end times at ``position`` repeat those at an earlier position of the same steady run
     up to one shift (compared on a grid far coarser than rounding noise and far finer than any
     duration), jump ahead by as many whole cycles as the run still holds."""
     for index, (first, last, period, seen) in enumerate(runs):
         if not first <= position < last or (position - first) % period:  # cycles span whole periods
             continue
-        now = end[position * p:(position + 1) * p]
+        now = end[position * p : (position + 1) * p]
         base = now[0]
         key = tuple(map(round, [(t - base) / grid for t in now]))
         earlier = seen.setdefault(key, position)
@@ -182,7 +222,7 @@ def _jump(end: list[float], position: int, p: int, runs: list, cycles: list[tupl
         cycles_left = (last - position) // span
         target = position + cycles_left * span
         shift = base - end[earlier * p]
-        end[target * p:(target + 1) * p] = [t + cycles_left * shift for t in now]
+        end[target * p : (target + 1) * p] = [t + cycles_left * shift for t in now]
         del runs[index]  # each steady run is jumped over once
         cycles.append((shift, span // period))
         return target

@@ -45,7 +45,9 @@ class CoreSharing:
         ``ranks`` computing: linear between ``least`` ranks (``alone``) and all of them (1)."""
         if computing <= self.least:
             return self.alone
-        return self.alone + (1.0 - self.alone) * (computing - self.least) / (self.ranks - self.least)
+        return self.alone + (1.0 - self.alone) * (computing - self.least) / (
+            self.ranks - self.least
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,9 @@ class SharedLayout:
 _DONE = 1e-9
 
 
-def simulate_shared(layouts: list[SharedLayout], sharing: CoreSharing) -> list[tuple[list[float], list[float]]]:
+def simulate_shared(
+    layouts: list[SharedLayout], sharing: CoreSharing
+) -> list[tuple[list[float], list[float]]]:
     """(start, end) times of every operation of every layout (indexed like its order.steps),
     all layouts' ranks sharing the cores together.
 
@@ -78,9 +82,14 @@ def simulate_shared(layouts: list[SharedLayout], sharing: CoreSharing) -> list[t
     one has ended and its input has arrived (the dependency's end plus the send). A started
     operation computes (its ranks count as computing) and then, on an emulated stage, sleeps.
     """
-    times = [([0.0] * len(layout.order.steps), [None] * len(layout.order.steps)) for layout in layouts]
-    stages = [_Stage(layout, s, *times[index]) for index, layout in enumerate(layouts)
-              for s in range(layout.order.stages)]
+    times = [
+        ([0.0] * len(layout.order.steps), [None] * len(layout.order.steps)) for layout in layouts
+    ]
+    stages = [
+        _Stage(layout, s, *times[index])
+        for index, layout in enumerate(layouts)
+        for s in range(layout.order.stages)
+    ]
     now = 0.0
     while True:
         for stage in stages:  # an idle stage whose next input is known gets the time it can start
@@ -112,14 +121,31 @@ _IDLE, _WAITING, _COMPUTING, _SLEEPING = range(4)
 class _Stage:
     """One stage's progress through its operations; writes their start and end times."""
 
-    __slots__ = ("ends", "index", "layout", "left", "next", "ops", "phase", "ranks", "ready", "sends",
-                 "sleep_until", "starts")
+    __slots__ = (
+        "ends",
+        "index",
+        "layout",
+        "left",
+        "next",
+        "ops",
+        "phase",
+        "ranks",
+        "ready",
+        "sends",
+        "sleep_until",
+        "starts",
+    )
 
-    def __init__(self, layout: SharedLayout, index: int, starts: list[float], ends: list[float | None]) -> None:
+    def __init__(
+        self, layout: SharedLayout, index: int, starts: list[float], ends: list[float | None]
+    ) -> None:
         self.layout, self.index, self.starts, self.ends = layout, index, starts, ends
         self.ops = [i for i, (s, _, _) in enumerate(layout.order.ops) if s == index]
         self.ranks = layout.ranks[index]
-        self.sends = [*layout.send_forward_s, *layout.send_backward_s]  # indexed like order.steps' sends
+        self.sends = [
+            *layout.send_forward_s,
+            *layout.send_backward_s,
+        ]  # indexed like order.steps' sends
         self.next, self.phase = 0, _IDLE
         self.ready: float | None = 0.0
         self.sleep_until = self.left = 0.0
@@ -127,7 +153,9 @@ class _Stage:
     def work(self, i: int) -> float:
         """What operation ``i`` computes, in seconds with every rank computing (its stretch left out)."""
         kind = self.layout.order.ops[i][1]
-        duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[self.index]
+        duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[
+            self.index
+        ]
         return duration * self.layout.speed[self.index]
 
     def ready_time(self) -> float | None:
@@ -148,7 +176,9 @@ class _Stage:
         if self.phase == _WAITING and self.ready <= now:
             self.phase, self.left, self.starts[i] = _COMPUTING, self.work(i), now
         elif self.phase == _COMPUTING and self.left <= _DONE * self.work(i):
-            self.sleep_until = now + (1.0 / self.layout.speed[self.index] - 1.0) * (now - self.starts[i])
+            self.sleep_until = now + (1.0 / self.layout.speed[self.index] - 1.0) * (
+                now - self.starts[i]
+            )
             self.phase = _SLEEPING
         if self.phase == _SLEEPING and self.sleep_until <= now:
             self.ends[i] = now

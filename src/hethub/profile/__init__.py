@@ -17,5 +17,14 @@ from hethub.profile.store import (
     select_for_run,
 )
 
-__all__ = ["LayerKey", "LayerProfile", "LinkProfile", "Profiles", "empty_profiles", "load_profiles", "read_profile",
-           "save_profile", "select_for_run"]
+__all__ = [
+    "LayerKey",
+    "LayerProfile",
+    "LinkProfile",
+    "Profiles",
+    "empty_profiles",
+    "load_profiles",
+    "read_profile",
+    "save_profile",
+    "select_for_run",
+]

@@ -40,7 +40,10 @@ from hethub.runtime.model import Stage, full_state
 from hethub.spec.model import ModelSpec
 
 DTYPE = "fp32"  # the runtime trains in fp32
-REPEATS, WARMUP = 30, 2  # short profiles are noisy: 8 passes of 2 layers varied by ~20% from one to the next
+REPEATS, WARMUP = (
+    30,
+    2,
+)  # short profiles are noisy: 8 passes of 2 layers varied by ~20% from one to the next
 LAYERS_TIMED = 8
 """Layers chained in one timed forward (per-layer time = its time / layers): the runtime's stages
 run several layers back to back, whose weights do not all stay in cache. Measured here with the
@@ -54,34 +57,65 @@ SMALL_MESSAGE = 1 << 20  # below it a message costs little to repeat, and its la
 
 # --- layers ------------------------------------------------------------------------------------
 
-def check_layer_request(model: ModelSpec, tps: Sequence[int], micro_batches: Sequence[int], *,
-                        threads: int = 1, concurrent_ranks: int = 1) -> None:
+
+def check_layer_request(
+    model: ModelSpec,
+    tps: Sequence[int],
+    micro_batches: Sequence[int],
+    *,
+    threads: int = 1,
+    concurrent_ranks: int = 1,
+) -> None:
     """Refuse, in one line, what cannot be measured: non-positive values, a TP degree that does
     not divide the heads, KV heads, FFN width and vocabulary, a concurrency not a multiple of tp."""
-    for name, values in (("tp", tps), ("micro-batch", micro_batches), ("threads", [threads]),
-                         ("concurrent-ranks", [concurrent_ranks])):
-        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
-            raise HethubError(f"--{name} = {','.join(map(str, values)) or 'nothing'}: must be positive integers")
+    for name, values in (
+        ("tp", tps),
+        ("micro-batch", micro_batches),
+        ("threads", [threads]),
+        ("concurrent-ranks", [concurrent_ranks]),
+    ):
+        if not values or any(
+            isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values
+        ):
+            raise HethubError(
+                f"--{name} = {','.join(map(str, values)) or 'nothing'}: must be positive integers"
+            )
     for tp in tps:
-        for what, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
-                           ("vocab", model.vocab)):
+        for what, size in (
+            ("heads", model.heads),
+            ("kv_heads", model.kv_heads),
+            ("ffn_hidden", model.ffn_hidden),
+            ("vocab", model.vocab),
+        ):
             if size % tp:
                 raise HethubError(f"--tp = {tp}: must divide the model's {what} ({size})")
         if max(concurrent_ranks, tp) % tp:
-            raise HethubError(f"--concurrent-ranks = {concurrent_ranks}: must be a multiple of --tp {tp} "
-                              f"(the ranks computing at once form whole TP groups)")
+            raise HethubError(
+                f"--concurrent-ranks = {concurrent_ranks}: must be a multiple of --tp {tp} "
+                f"(the ranks computing at once form whole TP groups)"
+            )
 
 
-def measure_layers(model: ModelSpec, device_name: str, tps: Sequence[int], micro_batches: Sequence[int], *,
-                   threads: int = 1, concurrent_ranks: int = 1, repeats: int = REPEATS,
-                   timeout_s: float = 600.0) -> list[LayerProfile]:
+def measure_layers(
+    model: ModelSpec,
+    device_name: str,
+    tps: Sequence[int],
+    micro_batches: Sequence[int],
+    *,
+    threads: int = 1,
+    concurrent_ranks: int = 1,
+    repeats: int = REPEATS,
+    timeout_s: float = 600.0,
+) -> list[LayerProfile]:
     """Per-layer, embedding, head and optimizer costs of ``model`` on this machine's CPU, one
     profile per (tp, micro-batch), keyed for ``device_name``.
 
     ``max(concurrent_ranks, tp)`` processes measure at once, in TP groups of tp; one process
     alone measures in this process (no start-up cost).
     """
-    check_layer_request(model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks)
+    check_layer_request(
+        model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks
+    )
     stamp = _now()
     profiles = []
     for tp in dict.fromkeys(tps):
@@ -92,13 +126,29 @@ def measure_layers(model: ModelSpec, device_name: str, tps: Sequence[int], micro
         else:
             per_rank = run_ranks(_measure_rank, world, *args, threads=threads, timeout_s=timeout_s)
         for b in micro_batches:
-            mean = {name: statistics.fmean(rank[b][name] for rank in per_rank) for name in per_rank[0][b]}
-            key = LayerKey.of(model, device=device_name, dtype=DTYPE, threads=threads, concurrent_ranks=world,
-                              tp=tp, micro_batch=b)
-            profiles.append(LayerProfile(
-                key=key, **{name: mean[name] for name in _TIMES},
-                layer_activation_bytes=int(mean["layer_activation_bytes"]),
-                layer_param_bytes=int(mean["layer_param_bytes"]), measured_at=stamp, cores=available_cores()))
+            mean = {
+                name: statistics.fmean(rank[b][name] for rank in per_rank)
+                for name in per_rank[0][b]
+            }
+            key = LayerKey.of(
+                model,
+                device=device_name,
+                dtype=DTYPE,
+                threads=threads,
+                concurrent_ranks=world,
+                tp=tp,
+                micro_batch=b,
+            )
+            profiles.append(
+                LayerProfile(
+                    key=key,
+                    **{name: mean[name] for name in _TIMES},
+                    layer_activation_bytes=int(mean["layer_activation_bytes"]),
+                    layer_param_bytes=int(mean["layer_param_bytes"]),
+                    measured_at=stamp,
+                    cores=available_cores(),
+                )
+            )
     return profiles
 
 
@@ -110,8 +160,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-_TIMES = ("layer_forward_s", "layer_backward_s", "embed_forward_s", "embed_backward_s", "head_forward_s",
-          "head_backward_s", "optimizer_s_per_param", "layer_recompute_forward_s", "layer_recompute_backward_s")
+_TIMES = (
+    "layer_forward_s",
+    "layer_backward_s",
+    "embed_forward_s",
+    "embed_backward_s",
+    "head_forward_s",
+    "head_backward_s",
+    "optimizer_s_per_param",
+    "layer_recompute_forward_s",
+    "layer_recompute_backward_s",
+)
 
 
 def _in_this_process(fn: Callable, threads: int, *args):
@@ -133,8 +192,9 @@ def _tp_group(rank: int, world: int, tp: int):
     return mine
 
 
-def _measure_rank(rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...],
-                  repeats: int) -> dict[int, dict[str, float]]:
+def _measure_rank(
+    rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...], repeats: int
+) -> dict[int, dict[str, float]]:
     """On one rank: the mean costs of each micro-batch size (all ranks measure at once)."""
     group = _tp_group(rank, world, tp) if world > 1 else None
     barrier = dist.barrier if world > 1 else _nothing
@@ -174,12 +234,18 @@ def _measure_rank(rank: int, world: int, model: ModelSpec, tp: int, micro_batche
         embed_f, embed_b = _time_passes(embed_pass, barrier, repeats)
         head_f, head_b = _time_passes(head_pass, barrier, repeats)
         one = layers.layers["0"]
-        out[b] = {"layer_forward_s": layer_f / timed, "layer_backward_s": layer_b / timed,
-                  "layer_recompute_forward_s": recompute_f / timed, "layer_recompute_backward_s": recompute_b / timed,
-                  "embed_forward_s": embed_f, "embed_backward_s": embed_b,
-                  "head_forward_s": head_f, "head_backward_s": head_b,
-                  "layer_activation_bytes": float(saved_bytes(one, hidden)),
-                  "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters()))}
+        out[b] = {
+            "layer_forward_s": layer_f / timed,
+            "layer_backward_s": layer_b / timed,
+            "layer_recompute_forward_s": recompute_f / timed,
+            "layer_recompute_backward_s": recompute_b / timed,
+            "embed_forward_s": embed_f,
+            "embed_backward_s": embed_b,
+            "head_forward_s": head_f,
+            "head_backward_s": head_b,
+            "layer_activation_bytes": float(saved_bytes(one, hidden)),
+            "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
+        }
     optimizer = _optimizer_seconds_per_param(layers, barrier, repeats)
     for costs in out.values():
         costs["optimizer_s_per_param"] = optimizer
@@ -249,8 +315,16 @@ def _optimizer_seconds_per_param(module: torch.nn.Module, barrier: Callable, rep
 
 # --- links -------------------------------------------------------------------------------------
 
-def measure_links(device_name: str, ranks_list: Sequence[int] = (2,), sizes: Sequence[int] = LINK_SIZES, *,
-                  concurrent_ranks: int = 1, repeats: int = LINK_REPEATS, timeout_s: float = 600.0) -> LinkProfile:
+
+def measure_links(
+    device_name: str,
+    ranks_list: Sequence[int] = (2,),
+    sizes: Sequence[int] = LINK_SIZES,
+    *,
+    concurrent_ranks: int = 1,
+    repeats: int = LINK_REPEATS,
+    timeout_s: float = 600.0,
+) -> LinkProfile:
     """Point-to-point, all-reduce, broadcast and all-gather speed between gloo processes of this
     machine: the time at each of ``sizes`` (bytes), and latency + bytes / bandwidth fitted to them.
 
@@ -258,23 +332,38 @@ def measure_links(device_name: str, ranks_list: Sequence[int] = (2,), sizes: Seq
     them, each collective of r ranks runs in as many disjoint groups of r as fit, all at once.
     """
     ranks_list = tuple(sorted(set(ranks_list)))
-    if not ranks_list or min(ranks_list) < 2 or concurrent_ranks <= 0 or not sizes or min(sizes) < 64:
-        raise HethubError(f"link profile: ranks {ranks_list} must be at least 2, concurrent ranks "
-                          f"{concurrent_ranks} positive, sizes at least 64 bytes")
+    if (
+        not ranks_list
+        or min(ranks_list) < 2
+        or concurrent_ranks <= 0
+        or not sizes
+        or min(sizes) < 64
+    ):
+        raise HethubError(
+            f"link profile: ranks {ranks_list} must be at least 2, concurrent ranks "
+            f"{concurrent_ranks} positive, sizes at least 64 bytes"
+        )
     world = max(concurrent_ranks, *ranks_list)
     per_rank = run_ranks(_link_rank, world, ranks_list, tuple(sizes), repeats, timeout_s=timeout_s)
     fits: dict[tuple[str, int], tuple[float, float]] = {}
     measured: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
     for kind, ranks in {k for rank in per_rank for k in rank}:
         leaders = [rank[(kind, ranks)] for rank in per_rank if (kind, ranks) in rank]
-        points = [(n, statistics.fmean(leader[n] for leader in leaders)) for n in sorted(set(sizes))]
+        points = [
+            (n, statistics.fmean(leader[n] for leader in leaders)) for n in sorted(set(sizes))
+        ]
         fits[(kind, ranks)] = fit_latency_bandwidth(points)
         measured[(kind, ranks)] = non_decreasing(points)
     latency, bandwidth = fits[("p2p", 2)]
-    return LinkProfile(device=device_name, concurrent_ranks=concurrent_ranks, p2p_latency_s=latency,
-                       p2p_bytes_per_s=bandwidth,
-                       **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in _COLLECTIVES},
-                       measured_at=_now(), points=measured)
+    return LinkProfile(
+        device=device_name,
+        concurrent_ranks=concurrent_ranks,
+        p2p_latency_s=latency,
+        p2p_bytes_per_s=bandwidth,
+        **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in _COLLECTIVES},
+        measured_at=_now(),
+        points=measured,
+    )
 
 
 _COLLECTIVES = ("allreduce", "broadcast", "allgather")
@@ -299,7 +388,9 @@ def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float,
     s22 = sum(b * b for _, b in rows)
     y1, y2 = sum(a for a, _ in rows), sum(b for _, b in rows)  # right-hand side: t / t = 1
     det = s11 * s22 - s12 * s12
-    latency, per_byte = ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, 0.0)
+    latency, per_byte = (
+        ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, 0.0)
+    )
     if per_byte <= 0:  # no size dependence measurable: a constant time
         per_byte = _FASTEST_PER_BYTE
         latency = max((y1 - per_byte * s12) / s11, 0.0)
@@ -311,8 +402,9 @@ def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float,
 _FASTEST_PER_BYTE = 1e-15  # 1 PB/s: "too fast to measure" as a finite bandwidth
 
 
-def _link_rank(rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[int, ...],
-               repeats: int) -> dict[tuple[str, int], dict[int, float]]:
+def _link_rank(
+    rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[int, ...], repeats: int
+) -> dict[tuple[str, int], dict[int, float]]:
     """On one rank: mean seconds per size of each measurement this rank leads. Every group
     starts each size together and then repeats its operation back to back, as the runtime's
     gradient sync does."""
@@ -324,13 +416,16 @@ def _link_rank(rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[
         if rank >= pairs:
             op = _nothing
         elif rank % 2 == 0:  # ping-pong: half the round trip is one message
+
             def op(buffer=buffer, peer=peer):
                 dist.send(buffer, peer)
                 dist.recv(buffer, peer)
         else:
+
             def op(buffer=buffer, peer=peer):
                 dist.recv(buffer, peer)
                 dist.send(buffer, peer)
+
         seconds = _series(op, _repeats(n, repeats)) / 2
         if rank < pairs and rank % 2 == 0:
             out.setdefault(("p2p", 2), {})[n] = seconds
@@ -368,7 +463,9 @@ def _repeats(nbytes: int, repeats: int) -> int:
     return 8 * repeats if nbytes < SMALL_MESSAGE else repeats
 
 
-def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -> Callable[[], None]:
+def _collective(
+    kind: str, nbytes: int, ranks: int, group, members: list[int]
+) -> Callable[[], None]:
     if kind == "allgather":
         piece = torch.zeros(max(1, nbytes // 4 // ranks))
         pieces = [torch.empty_like(piece) for _ in range(ranks)]
@@ -383,43 +480,86 @@ def _collective(kind: str, nbytes: int, ranks: int, group, members: list[int]) -
         flat = torch.cat([tensor.view(-1)])
         dist.all_reduce(flat, group=group)
         tensor.copy_(flat)
+
     return bucket_allreduce
 
 
 # --- both, incrementally -----------------------------------------------------------------------
 
-def ensure_profiles(directory: str | Path, model: ModelSpec, device_name: str, tps: Sequence[int],
-                    micro_batches: Sequence[int], *, threads: int = 1, concurrent_ranks: int = 1,
-                    ranks_list: Sequence[int] | None = None, repeats: int = REPEATS, links: bool = True,
-                    progress: Callable[[str], None] | None = None) -> Profiles:
+
+def ensure_profiles(
+    directory: str | Path,
+    model: ModelSpec,
+    device_name: str,
+    tps: Sequence[int],
+    micro_batches: Sequence[int],
+    *,
+    threads: int = 1,
+    concurrent_ranks: int = 1,
+    ranks_list: Sequence[int] | None = None,
+    repeats: int = REPEATS,
+    links: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Profiles:
     """Measure what ``directory`` lacks of these layer profiles and (with ``links``) of the link
     profile (with collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it
     there, and return the directory's profiles."""
-    check_layer_request(model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks)
+    check_layer_request(
+        model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks
+    )
     folder = Path(directory)
     have = load_profiles(folder) if folder.is_dir() else empty_profiles(str(folder))
     for tp in dict.fromkeys(tps):
-        keys = {b: LayerKey.of(model, device=device_name, dtype=DTYPE, threads=threads,
-                               concurrent_ranks=concurrent_ranks, tp=tp, micro_batch=b) for b in micro_batches}
+        keys = {
+            b: LayerKey.of(
+                model,
+                device=device_name,
+                dtype=DTYPE,
+                threads=threads,
+                concurrent_ranks=concurrent_ranks,
+                tp=tp,
+                micro_batch=b,
+            )
+            for b in micro_batches
+        }
         # A file written before recomputation was measured, or by an older method, counts as
         # missing: measured anew.
-        missing = [b for b, key in keys.items()
-                   if key not in have.layers or have.layers[key].layer_recompute_backward_s is None
-                   or have.layers[key].method < METHOD]
+        missing = [
+            b
+            for b, key in keys.items()
+            if key not in have.layers
+            or have.layers[key].layer_recompute_backward_s is None
+            or have.layers[key].method < METHOD
+        ]
         if missing:
             if progress:
-                progress(f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
-                         f"{max(concurrent_ranks, tp)} rank(s) at once")
-            for profile in measure_layers(model, device_name, [tp], missing, threads=threads,
-                                          concurrent_ranks=concurrent_ranks, repeats=repeats):
+                progress(
+                    f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
+                    f"{max(concurrent_ranks, tp)} rank(s) at once"
+                )
+            for profile in measure_layers(
+                model,
+                device_name,
+                [tp],
+                missing,
+                threads=threads,
+                concurrent_ranks=concurrent_ranks,
+                repeats=repeats,
+            ):
                 save_profile(folder, profile)
     ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
     link = have.link(device_name, concurrent_ranks)
-    if links and (link is None or link.method < METHOD or any(r not in link.allreduce for r in ranks_list)):
+    if links and (
+        link is None or link.method < METHOD or any(r not in link.allreduce for r in ranks_list)
+    ):
         if progress:
-            progress(f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
-                     f"{max(concurrent_ranks, *ranks_list)} processes")
-        wanted = sorted(set(ranks_list) | set(link.allreduce if link and link.method == METHOD else ()))
+            progress(
+                f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
+                f"{max(concurrent_ranks, *ranks_list)} processes"
+            )
+        wanted = sorted(
+            set(ranks_list) | set(link.allreduce if link and link.method == METHOD else ())
+        )
         save_profile(folder, measure_links(device_name, wanted, concurrent_ranks=concurrent_ranks))
     return load_profiles(folder)
 

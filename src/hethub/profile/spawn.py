@@ -28,8 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn: Callable, args: tuple,
-           results) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    threads: int,
+    timeout_s: float,
+    fn: Callable,
+    args: tuple,
+    results,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -43,8 +51,9 @@ def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn:
     torch.set_num_threads(threads)
     bind_rank(rank, world)  # as the runtime binds a run's ranks
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         text = traceback.format_exc()
@@ -55,8 +64,9 @@ def _entry(rank: int, world: int, port: int, threads: int, timeout_s: float, fn:
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, threads: int = 1,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_ranks(
+    fn: Callable, world: int, *args: Any, threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks, each a fresh process with ``threads``
     torch threads; the return values (picklable) in rank order. A rank that fails, dies or is
     still running after ``timeout_s`` seconds is an error; every process is gone on return."""
@@ -65,8 +75,12 @@ def run_ranks(fn: Callable, world: int, *args: Any, threads: int = 1,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, timeout_s, fn, args, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(r, world, port, threads, timeout_s, fn, args, results), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s + STARTUP_TIMEOUT_S
@@ -77,16 +91,22 @@ def run_ranks(fn: Callable, world: int, *args: Any, threads: int = 1,
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise HethubError(f"profiling: {world - len(out)} of {world} ranks still running after "
-                                      f"{timeout_s:g} s; stopped them") from None
+                    raise HethubError(
+                        f"profiling: {world - len(out)} of {world} ranks still running after "
+                        f"{timeout_s:g} s; stopped them"
+                    ) from None
                 if all(not p.is_alive() for p in procs) and results.empty():
                     missing = sorted(set(range(world)) - set(out))
-                    raise HethubError(f"profiling: rank {missing[0]} exited without a result "
-                                      f"(exit code {procs[missing[0]].exitcode})") from None
+                    raise HethubError(
+                        f"profiling: rank {missing[0]} exited without a result "
+                        f"(exit code {procs[missing[0]].exitcode})"
+                    ) from None
                 continue
             out[rank] = (status, value)
             if status != "ok":
-                raise HethubError(f"profiling: rank {rank} failed ({_last_line(value)}); its traceback is above")
+                raise HethubError(
+                    f"profiling: rank {rank} failed ({_last_line(value)}); its traceback is above"
+                )
     finally:
         for p in procs:
             p.join(5.0)

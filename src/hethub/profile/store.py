@@ -62,24 +62,51 @@ class LayerKey:
     micro_batch: int
 
     @classmethod
-    def of(cls, model: ModelSpec, *, device: str, dtype: str, threads: int, concurrent_ranks: int, tp: int,
-           micro_batch: int) -> LayerKey:
+    def of(
+        cls,
+        model: ModelSpec,
+        *,
+        device: str,
+        dtype: str,
+        threads: int,
+        concurrent_ranks: int,
+        tp: int,
+        micro_batch: int,
+    ) -> LayerKey:
         """The key of ``model``'s layers under these conditions (concurrency raised to ``tp``)."""
-        return cls(device=device, arch=model.arch, hidden=model.hidden, heads=model.heads, kv_heads=model.kv_heads,
-                   ffn_hidden=model.ffn_hidden, seq_len=model.seq_len, vocab=model.vocab, dtype=dtype,
-                   threads=threads, concurrent_ranks=max(concurrent_ranks, tp), tp=tp, micro_batch=micro_batch)
+        return cls(
+            device=device,
+            arch=model.arch,
+            hidden=model.hidden,
+            heads=model.heads,
+            kv_heads=model.kv_heads,
+            ffn_hidden=model.ffn_hidden,
+            seq_len=model.seq_len,
+            vocab=model.vocab,
+            dtype=dtype,
+            threads=threads,
+            concurrent_ranks=max(concurrent_ranks, tp),
+            tp=tp,
+            micro_batch=micro_batch,
+        )
 
     def file_name(self) -> str:
-        return _file_name(LAYER, self.device, f"{self.arch}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
-                          f"-f{self.ffn_hidden}-s{self.seq_len}-v{self.vocab}-{self.dtype}-t{self.threads}"
-                          f"-c{self.concurrent_ranks}-tp{self.tp}-mb{self.micro_batch}")
+        return _file_name(
+            LAYER,
+            self.device,
+            f"{self.arch}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
+            f"-f{self.ffn_hidden}-s{self.seq_len}-v{self.vocab}-{self.dtype}-t{self.threads}"
+            f"-c{self.concurrent_ranks}-tp{self.tp}-mb{self.micro_batch}",
+        )
 
     def describe(self) -> str:
         """One readable line: 'cpu tp=2 micro-batch 4 (llama h256 ..., fp32, 1 thread, 2 ranks at once)'."""
-        return (f"{self.device} tp={self.tp} micro-batch {self.micro_batch} ({self.arch} hidden {self.hidden}, "
-                f"heads {self.heads}/{self.kv_heads}, ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
-                f"{self.dtype}, {self.threads} thread{'s' * (self.threads != 1)}, "
-                f"{self.concurrent_ranks} rank{'s' * (self.concurrent_ranks != 1)} at once)")
+        return (
+            f"{self.device} tp={self.tp} micro-batch {self.micro_batch} ({self.arch} hidden {self.hidden}, "
+            f"heads {self.heads}/{self.kv_heads}, ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
+            f"{self.dtype}, {self.threads} thread{'s' * (self.threads != 1)}, "
+            f"{self.concurrent_ranks} rank{'s' * (self.concurrent_ranks != 1)} at once)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +184,9 @@ class LinkProfile:
 
     def p2p_time(self, nbytes: float) -> float:
         """One message of ``nbytes`` from one process to another."""
-        return _time((self.p2p_latency_s, self.p2p_bytes_per_s), self.points.get(("p2p", 2)), nbytes)
+        return _time(
+            (self.p2p_latency_s, self.p2p_bytes_per_s), self.points.get(("p2p", 2)), nbytes
+        )
 
     def allreduce_time(self, nbytes: float, ranks: int) -> float | None:
         """All-reduce of an ``nbytes`` tensor over ``ranks`` ranks (None: not measured)."""
@@ -210,19 +239,37 @@ class Profiles:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.source, self.dtype, self.threads, self.concurrent_ranks,
-                                                frozenset(self.layers), frozenset(self.links))))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.source,
+                    self.dtype,
+                    self.threads,
+                    self.concurrent_ranks,
+                    frozenset(self.layers),
+                    frozenset(self.links),
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
 
-    def select(self, *, dtype: str = "fp32", threads: int = 1, concurrent_ranks: int = 1) -> Profiles:
+    def select(
+        self, *, dtype: str = "fp32", threads: int = 1, concurrent_ranks: int = 1
+    ) -> Profiles:
         """The same profiles, looked up under these run conditions."""
         if dtype not in DTYPE_BYTES:
             raise HethubError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
         if threads <= 0 or concurrent_ranks <= 0:
-            raise HethubError(f"threads = {threads}, concurrent_ranks = {concurrent_ranks}: must be positive")
-        return dataclasses.replace(self, dtype=dtype, threads=threads, concurrent_ranks=concurrent_ranks)
+            raise HethubError(
+                f"threads = {threads}, concurrent_ranks = {concurrent_ranks}: must be positive"
+            )
+        return dataclasses.replace(
+            self, dtype=dtype, threads=threads, concurrent_ranks=concurrent_ranks
+        )
 
     @property
     def bytes_per_element(self) -> int:
@@ -235,10 +282,19 @@ class Profiles:
 
     def layer_key(self, device: str, model: ModelSpec, tp: int, micro_batch: int) -> LayerKey:
         """The key a layer of ``model`` on ``device`` is looked up by under the selected conditions."""
-        return LayerKey.of(model, device=device, dtype=self.dtype, threads=self.threads,
-                           concurrent_ranks=self.concurrent_ranks, tp=tp, micro_batch=micro_batch)
+        return LayerKey.of(
+            model,
+            device=device,
+            dtype=self.dtype,
+            threads=self.threads,
+            concurrent_ranks=self.concurrent_ranks,
+            tp=tp,
+            micro_batch=micro_batch,
+        )
 
-    def layer_for(self, device: str, model: ModelSpec, tp: int, micro_batch: int) -> LayerProfile | None:
+    def layer_for(
+        self, device: str, model: ModelSpec, tp: int, micro_batch: int
+    ) -> LayerProfile | None:
         return self.layers.get(self.layer_key(device, model, tp, micro_batch))
 
     def link(self, device: str, concurrent_ranks: int) -> LinkProfile | None:
@@ -278,7 +334,9 @@ def local_concurrency(cluster: ClusterSpec, devices: int) -> int:
 def select_for_run(profiles: Profiles, cluster: ClusterSpec, devices: int) -> Profiles:
     """``profiles`` under the conditions of a runtime job on ``cluster``: fp32, one thread per rank,
     and the concurrency of local_concurrency()."""
-    return profiles.select(dtype="fp32", threads=1, concurrent_ranks=local_concurrency(cluster, devices))
+    return profiles.select(
+        dtype="fp32", threads=1, concurrent_ranks=local_concurrency(cluster, devices)
+    )
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -292,7 +350,9 @@ def _file_name(kind: str, device: str, rest: str) -> str:
 
 def profile_path(directory: str | Path, profile: LayerProfile | LinkProfile) -> Path:
     """Where ``save_profile`` writes ``profile`` in ``directory``."""
-    return Path(directory) / (profile.key.file_name() if isinstance(profile, LayerProfile) else profile.file_name())
+    return Path(directory) / (
+        profile.key.file_name() if isinstance(profile, LayerProfile) else profile.file_name()
+    )
 
 
 def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
@@ -302,11 +362,18 @@ def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
         return {"format": FORMAT, "kind": LAYER, **data}
     data = dataclasses.asdict(profile)
     for name in ("allreduce", "broadcast", "allgather"):
-        data[name] = {str(ranks): {"latency_s": fit[0], "bytes_per_s": fit[1]}
-                      for ranks, fit in sorted(getattr(profile, name).items())}
-    data["points"] = {kind: {str(ranks): [list(p) for p in points]
-                             for (k, ranks), points in sorted(profile.points.items()) if k == kind}
-                      for kind in COMMUNICATIONS}
+        data[name] = {
+            str(ranks): {"latency_s": fit[0], "bytes_per_s": fit[1]}
+            for ranks, fit in sorted(getattr(profile, name).items())
+        }
+    data["points"] = {
+        kind: {
+            str(ranks): [list(p) for p in points]
+            for (k, ranks), points in sorted(profile.points.items())
+            if k == kind
+        }
+        for kind in COMMUNICATIONS
+    }
     return {"format": FORMAT, "kind": LINK, **data}
 
 
@@ -335,15 +402,23 @@ def load_profiles(directory: str | Path) -> Profiles:
     two files of one key are errors naming the directory, the file and the field."""
     folder = Path(directory)
     if not folder.is_dir():
-        raise HethubError(f"{folder}: profile directory not found (write one with: hethub profile --out {folder})")
+        raise HethubError(
+            f"{folder}: profile directory not found (write one with: hethub profile --out {folder})"
+        )
     layers: dict[LayerKey, LayerProfile] = {}
     links: dict[tuple[str, int], LinkProfile] = {}
     origin: dict[Any, Path] = {}
     for path in sorted(folder.glob("*.json")):
         profile = read_profile(path)
-        key = profile.key if isinstance(profile, LayerProfile) else (profile.device, profile.concurrent_ranks)
+        key = (
+            profile.key
+            if isinstance(profile, LayerProfile)
+            else (profile.device, profile.concurrent_ranks)
+        )
         if key in origin:
-            raise HethubError(f"{path}: measures the same key as {origin[key].name}; keep one of the two files")
+            raise HethubError(
+                f"{path}: measures the same key as {origin[key].name}; keep one of the two files"
+            )
         origin[key] = path
         if isinstance(profile, LayerProfile):
             layers[key] = profile
@@ -359,54 +434,117 @@ def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as error:
-        raise HethubError(f"{path}: cannot read the profile file ({getattr(error, 'strerror', None) or error})") from None
+        raise HethubError(
+            f"{path}: cannot read the profile file ({getattr(error, 'strerror', None) or error})"
+        ) from None
     except json.JSONDecodeError as error:
-        raise HethubError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+        raise HethubError(
+            f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
     top = Fields(data, source)
     if top.raw("format") != FORMAT:
-        raise top.error("format", top.raw("format"), f"this hethub reads profile format {FORMAT}; measure again")
+        raise top.error(
+            "format", top.raw("format"), f"this hethub reads profile format {FORMAT}; measure again"
+        )
     kind = top.choice("kind", (LAYER, LINK))
     if kind == LAYER:
         return _parse_layer(data, source)
     return _parse_link(data, source)
 
 
-_LAYER_TIMES = ("layer_forward_s", "layer_backward_s", "embed_forward_s", "embed_backward_s", "head_forward_s",
-                "head_backward_s", "optimizer_s_per_param")
+_LAYER_TIMES = (
+    "layer_forward_s",
+    "layer_backward_s",
+    "embed_forward_s",
+    "embed_backward_s",
+    "head_forward_s",
+    "head_backward_s",
+    "optimizer_s_per_param",
+)
 _RECOMPUTE_TIMES = ("layer_recompute_forward_s", "layer_recompute_backward_s")
 """Optional: files written before they were measured lack them."""
 
 
 def _parse_layer(data: dict, source: str) -> LayerProfile:
-    fields = Fields(data, source, allowed=("format", "kind", "key", *_LAYER_TIMES, *_RECOMPUTE_TIMES,
-                                           "layer_activation_bytes", "layer_param_bytes", "measured_at", "cores",
-                                           "method"))
-    k = Fields(fields.raw("key"), source, "key", allowed=[f.name for f in dataclasses.fields(LayerKey)])
-    key = LayerKey(device=k.string("device"), arch=k.choice("arch", ARCHS), hidden=k.positive_int("hidden"),
-                   heads=k.positive_int("heads"), kv_heads=k.positive_int("kv_heads"),
-                   ffn_hidden=k.positive_int("ffn_hidden"), seq_len=k.positive_int("seq_len"),
-                   vocab=k.positive_int("vocab"), dtype=k.choice("dtype", DTYPE_BYTES),
-                   threads=k.positive_int("threads"), concurrent_ranks=k.positive_int("concurrent_ranks"),
-                   tp=k.positive_int("tp"), micro_batch=k.positive_int("micro_batch"))
+    fields = Fields(
+        data,
+        source,
+        allowed=(
+            "format",
+            "kind",
+            "key",
+            *_LAYER_TIMES,
+            *_RECOMPUTE_TIMES,
+            "layer_activation_bytes",
+            "layer_param_bytes",
+            "measured_at",
+            "cores",
+            "method",
+        ),
+    )
+    k = Fields(
+        fields.raw("key"), source, "key", allowed=[f.name for f in dataclasses.fields(LayerKey)]
+    )
+    key = LayerKey(
+        device=k.string("device"),
+        arch=k.choice("arch", ARCHS),
+        hidden=k.positive_int("hidden"),
+        heads=k.positive_int("heads"),
+        kv_heads=k.positive_int("kv_heads"),
+        ffn_hidden=k.positive_int("ffn_hidden"),
+        seq_len=k.positive_int("seq_len"),
+        vocab=k.positive_int("vocab"),
+        dtype=k.choice("dtype", DTYPE_BYTES),
+        threads=k.positive_int("threads"),
+        concurrent_ranks=k.positive_int("concurrent_ranks"),
+        tp=k.positive_int("tp"),
+        micro_batch=k.positive_int("micro_batch"),
+    )
     if key.concurrent_ranks < key.tp:
         raise k.error("concurrent_ranks", key.concurrent_ranks, f"must be at least tp ({key.tp})")
     times = {name: _finite_positive(fields, name) for name in _LAYER_TIMES}
-    return LayerProfile(key=key, **times, layer_activation_bytes=fields.positive_int("layer_activation_bytes"),
-                        layer_param_bytes=fields.positive_int("layer_param_bytes"),
-                        measured_at=fields.string("measured_at"),
-                        cores=fields.positive_int("cores") if fields.has("cores") else None, method=_method(fields),
-                        **{name: _finite_positive(fields, name) for name in _RECOMPUTE_TIMES if fields.has(name)})
+    return LayerProfile(
+        key=key,
+        **times,
+        layer_activation_bytes=fields.positive_int("layer_activation_bytes"),
+        layer_param_bytes=fields.positive_int("layer_param_bytes"),
+        measured_at=fields.string("measured_at"),
+        cores=fields.positive_int("cores") if fields.has("cores") else None,
+        method=_method(fields),
+        **{name: _finite_positive(fields, name) for name in _RECOMPUTE_TIMES if fields.has(name)},
+    )
 
 
 def _parse_link(data: dict, source: str) -> LinkProfile:
-    fields = Fields(data, source, allowed=("format", "kind", "device", "concurrent_ranks", "p2p_latency_s",
-                                           "p2p_bytes_per_s", "allreduce", "broadcast", "allgather", "measured_at",
-                                           "points", "method"))
+    fields = Fields(
+        data,
+        source,
+        allowed=(
+            "format",
+            "kind",
+            "device",
+            "concurrent_ranks",
+            "p2p_latency_s",
+            "p2p_bytes_per_s",
+            "allreduce",
+            "broadcast",
+            "allgather",
+            "measured_at",
+            "points",
+            "method",
+        ),
+    )
     collectives = {name: _fits(fields, name) for name in ("allreduce", "broadcast", "allgather")}
-    return LinkProfile(device=fields.string("device"), concurrent_ranks=fields.positive_int("concurrent_ranks"),
-                       p2p_latency_s=_finite_non_negative(fields, "p2p_latency_s"),
-                       p2p_bytes_per_s=_finite_positive(fields, "p2p_bytes_per_s"), **collectives,
-                       measured_at=fields.string("measured_at"), points=_points(fields), method=_method(fields))
+    return LinkProfile(
+        device=fields.string("device"),
+        concurrent_ranks=fields.positive_int("concurrent_ranks"),
+        p2p_latency_s=_finite_non_negative(fields, "p2p_latency_s"),
+        p2p_bytes_per_s=_finite_positive(fields, "p2p_bytes_per_s"),
+        **collectives,
+        measured_at=fields.string("measured_at"),
+        points=_points(fields),
+        method=_method(fields),
+    )
 
 
 def _method(fields: Fields) -> int:
@@ -425,18 +563,31 @@ def _points(fields: Fields) -> dict[tuple[str, int], Points]:
             continue
         per_ranks = top.raw(kind)
         if not isinstance(per_ranks, dict):
-            raise top.error(kind, per_ranks, "must be a mapping of rank counts to [[bytes, seconds], ...]")
+            raise top.error(
+                kind, per_ranks, "must be a mapping of rank counts to [[bytes, seconds], ...]"
+            )
         for ranks, raw in per_ranks.items():
             where = f"{kind}.{ranks}"
             if not str(ranks).isdigit() or int(ranks) < 2:
                 raise top.error(where, raw, "keys are rank counts of at least 2")
-            ok = isinstance(raw, list) and raw and all(
-                isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                             for v in p) and p[0] > 0 and 0 < p[1] < math.inf
-                for p in raw)
+            ok = (
+                isinstance(raw, list)
+                and raw
+                and all(
+                    isinstance(p, list)
+                    and len(p) == 2
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+                    and p[0] > 0
+                    and 0 < p[1] < math.inf
+                    for p in raw
+                )
+            )
             if not ok or any(a[0] >= b[0] for a, b in itertools.pairwise(raw)):
-                raise top.error(where, raw if len(str(raw)) < 60 else "[...]",
-                                "must be [[bytes, seconds], ...] with positive values and sizes increasing")
+                raise top.error(
+                    where,
+                    raw if len(str(raw)) < 60 else "[...]",
+                    "must be [[bytes, seconds], ...] with positive values and sizes increasing",
+                )
             out[(kind, int(ranks))] = tuple((int(n), float(t)) for n, t in raw)
     return out
 
@@ -444,13 +595,23 @@ def _points(fields: Fields) -> dict[tuple[str, int], Points]:
 def _fits(fields: Fields, name: str) -> dict[int, Fit]:
     raw = fields.raw(name)
     if not isinstance(raw, dict):
-        raise fields.error(name, raw, "must be a mapping of rank counts to {latency_s, bytes_per_s}")
+        raise fields.error(
+            name, raw, "must be a mapping of rank counts to {latency_s, bytes_per_s}"
+        )
     out: dict[int, Fit] = {}
     for ranks, value in raw.items():
         if not str(ranks).isdigit() or int(ranks) < 2:
             raise fields.error(f"{name}.{ranks}", value, "keys are rank counts of at least 2")
-        fit = Fields(value, fields.source, fields.path(f"{name}.{ranks}"), allowed=("latency_s", "bytes_per_s"))
-        out[int(ranks)] = (_finite_non_negative(fit, "latency_s"), _finite_positive(fit, "bytes_per_s"))
+        fit = Fields(
+            value,
+            fields.source,
+            fields.path(f"{name}.{ranks}"),
+            allowed=("latency_s", "bytes_per_s"),
+        )
+        out[int(ranks)] = (
+            _finite_non_negative(fit, "latency_s"),
+            _finite_positive(fit, "bytes_per_s"),
+        )
     return out
 
 

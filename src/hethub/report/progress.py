@@ -18,8 +18,10 @@ class ProgressBar:
             return
         self._last = now
         filled = int(self.width * done / total) if total else self.width
-        line = (f"\r{phase[:32]:<32} [{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{100 * done // max(total, 1):3d}%" + (f" {detail}" if detail else ""))
+        line = (
+            f"\r{phase[:32]:<32} [{'#' * filled}{'.' * (self.width - filled)}] "
+            f"{100 * done // max(total, 1):3d}%" + (f" {detail}" if detail else "")
+        )
         self.stream.write(line.ljust(self._drawn))
         self._drawn = len(line)
         self.stream.flush()

@@ -23,18 +23,52 @@ def chrome_trace(events: list[dict], title: str = "hethub") -> dict:
         pid = processes.setdefault((source, event["pipeline"]), len(processes) + 1)
         compute = event["kind"] in COMPUTE_KINDS
         tid = 2 * event["stage"] + (0 if compute else 1)
-        rows[(pid, tid)] = (f"stage {event['stage']} · {event['group']}" if compute
-                            else f"stage {event['stage']} · communication")
-        label = event["kind"] if event.get("micro_batch") is None else f"{event['kind']} {event['micro_batch']}"
-        trace.append({"name": label, "cat": event["kind"], "ph": "X", "pid": pid, "tid": tid,
-                      "ts": event["start_s"] * 1e6, "dur": max(event["end_s"] - event["start_s"], 0.0) * 1e6})
+        rows[(pid, tid)] = (
+            f"stage {event['stage']} · {event['group']}"
+            if compute
+            else f"stage {event['stage']} · communication"
+        )
+        label = (
+            event["kind"]
+            if event.get("micro_batch") is None
+            else f"{event['kind']} {event['micro_batch']}"
+        )
+        trace.append(
+            {
+                "name": label,
+                "cat": event["kind"],
+                "ph": "X",
+                "pid": pid,
+                "tid": tid,
+                "ts": event["start_s"] * 1e6,
+                "dur": max(event["end_s"] - event["start_s"], 0.0) * 1e6,
+            }
+        )
     for (source, pipeline), pid in processes.items():
-        trace.append({"name": "process_name", "ph": "M", "pid": pid,
-                      "args": {"name": f"{source} · pipeline {pipeline}"}})
-        trace.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        trace.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": pid,
+                "args": {"name": f"{source} · pipeline {pipeline}"},
+            }
+        )
+        trace.append(
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}
+        )
     for (pid, tid), name in rows.items():
-        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-        trace.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        trace.append(
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+        )
+        trace.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 

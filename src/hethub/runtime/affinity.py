@@ -23,7 +23,7 @@ def cores_for(local_rank: int, local_ranks: int, cores: list[int]) -> list[int] 
     share = len(cores) // local_ranks
     if share == 0:
         return None
-    return cores[local_rank * share:(local_rank + 1) * share]
+    return cores[local_rank * share : (local_rank + 1) * share]
 
 
 def bind_rank(local_rank: int, local_ranks: int) -> list[int] | None:

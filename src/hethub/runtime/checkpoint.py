@@ -51,7 +51,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def save_checkpoint(engine: Engine, checkpoints_dir: Path, step: int, meta: dict) -> Path:
     """Collective (every rank, after an optimizer step): save the job's weights and AdamW state
     as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path."""
-    text = json.dumps({**meta, "step": step}, indent=1)  # on every rank: a bad meta fails everywhere
+    text = json.dumps(
+        {**meta, "step": step}, indent=1
+    )  # on every rank: a bad meta fails everywhere
     final = Path(checkpoints_dir) / f"step-{step:06d}"
     token = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)  # one temporary folder for the whole job
@@ -69,8 +71,11 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     root = Path(checkpoints_dir)
     if not root.is_dir():
         return None
-    done = [(int(m.group(1)), d) for d in root.iterdir()
-            if (m := COMPLETE.fullmatch(d.name)) and (d / META).is_file()]
+    done = [
+        (int(m.group(1)), d)
+        for d in root.iterdir()
+        if (m := COMPLETE.fullmatch(d.name)) and (d / META).is_file()
+    ]
     return max(done, key=lambda found: found[0])[1] if done else None
 
 
@@ -108,8 +113,10 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
 def _params(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
     """This stage's parameters by full-model name, sorted: every TP rank of a stage gathers in
     this order (gather_full is a collective of the TP group)."""
-    return sorted(((engine.stage.full_name(n), p) for n, p in engine.stage.named_parameters()),
-                  key=lambda item: item[0])
+    return sorted(
+        ((engine.stage.full_name(n), p) for n, p in engine.stage.named_parameters()),
+        key=lambda item: item[0],
+    )
 
 
 def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
@@ -179,22 +186,29 @@ def _read_meta(path: Path) -> tuple[dict, Metadata | None, str | None]:
         return {}, None, f"checkpoint {path} cannot be read: {error}"
 
 
-def _buffers(engine: Engine, path: Path, metadata: Metadata) -> tuple[dict[str, torch.Tensor], str | None]:
+def _buffers(
+    engine: Engine, path: Path, metadata: Metadata
+) -> tuple[dict[str, torch.Tensor], str | None]:
     """Empty full-shape tensors for every key this rank loads, checked against the
     checkpoint's metadata; or the first mismatch, said for the user."""
     buffers = {}
     for name, param in _params(engine):
         full = _full_shape(name, param.shape, engine.me.tp)
-        wanted = {f"model/{name}": full, **{f"optim/{name}/{m}": full for m in MOMENTS},
-                  f"optim/{name}/step": []}
+        wanted = {
+            f"model/{name}": full,
+            **{f"optim/{name}/{m}": full for m in MOMENTS},
+            f"optim/{name}/step": [],
+        }
         for key, shape in wanted.items():
             saved = metadata.state_dict_metadata.get(key)
             what = key.removeprefix("model/")
             if not isinstance(saved, TensorStorageMetadata):
                 return {}, f"checkpoint {path} has no {what}: it was written for another model"
             if list(saved.size) != shape:
-                return {}, (f"checkpoint {path} holds {what} of shape {list(saved.size)}, the model "
-                            f"needs {shape}: it was written for another model")
+                return {}, (
+                    f"checkpoint {path} holds {what} of shape {list(saved.size)}, the model "
+                    f"needs {shape}: it was written for another model"
+                )
             # AdamW's step counter stays in the dtype it was saved in; the rest is the parameter's.
             dtype = saved.properties.dtype if key.endswith("/step") else param.dtype
             buffers[key] = torch.empty(shape, dtype=dtype)

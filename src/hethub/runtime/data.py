@@ -22,11 +22,13 @@ def builtin_corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def global_batch(corpus: torch.Tensor, step: int, sequences: int, seq_len: int, seed: int) -> torch.Tensor:
+def global_batch(
+    corpus: torch.Tensor, step: int, sequences: int, seq_len: int, seed: int
+) -> torch.Tensor:
     """The ``step``-th global batch: ``sequences`` windows of seq_len + 1 tokens at seeded offsets."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(corpus) - seq_len - 1, (sequences,), generator=gen)
-    return torch.stack([corpus[s: s + seq_len + 1] for s in starts.tolist()])
+    return torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 def load_tokens(path: str | Path) -> torch.Tensor:
@@ -36,28 +38,46 @@ def load_tokens(path: str | Path) -> torch.Tensor:
     if not path.exists():
         raise HethubError(f"--data = {str(path)!r}: no such file or folder")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+        )
         if not files:
-            raise HethubError(f"--data = {str(path)!r}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})")
+            raise HethubError(
+                f"--data = {str(path)!r}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})"
+            )
         data = b"\n\n".join(p.read_bytes() for p in files)
-        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.empty(0, dtype=torch.long)
+        tokens = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+            if data
+            else torch.empty(0, dtype=torch.long)
+        )
     elif path.suffix == ".bin":
         raw = np.fromfile(path, dtype=np.uint16)
         tokens = torch.from_numpy(raw.astype(np.int64))
     else:
         data = path.read_bytes()
-        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.empty(0, dtype=torch.long)
+        tokens = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+            if data
+            else torch.empty(0, dtype=torch.long)
+        )
     if len(tokens) == 0:
         raise HethubError(f"--data = {str(path)!r}: empty, no tokens to train on")
     return tokens
 
 
-def check_tokens(tokens: torch.Tensor, source: str, vocab: int, seq_len: int, sequences: int) -> None:
+def check_tokens(
+    tokens: torch.Tensor, source: str, vocab: int, seq_len: int, sequences: int
+) -> None:
     """Refuse data that cannot fill one global batch or that holds tokens beyond the vocabulary."""
-    needed = seq_len + 1 + sequences  # a window of seq_len + 1 tokens at `sequences` distinct offsets
+    needed = (
+        seq_len + 1 + sequences
+    )  # a window of seq_len + 1 tokens at `sequences` distinct offsets
     if len(tokens) < needed:
-        raise HethubError(f"{source}: {len(tokens)} tokens, shorter than one batch of {sequences} sequences of "
-                          f"{seq_len + 1} tokens (needs at least {needed})")
+        raise HethubError(
+            f"{source}: {len(tokens)} tokens, shorter than one batch of {sequences} sequences of "
+            f"{seq_len + 1} tokens (needs at least {needed})"
+        )
     top = int(tokens.max())
     if top >= vocab:
         raise HethubError(f"{source}: token {top} is outside the model's vocabulary of {vocab}")

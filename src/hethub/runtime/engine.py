@@ -34,9 +34,20 @@ from hethub.spec.schedules import FORWARD, stage_sequence
 class Engine:
     """Builds this rank's stage and process groups; ``step`` trains on one global batch."""
 
-    def __init__(self, plan: Plan, topology: Topology, spec: ModelSpec, comm: Communicator, *, seed: int,
-                 lr: float = 1e-3, weight_decay: float = 0.0, devices: list[torch.device] | None = None,
-                 speed: float | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        topology: Topology,
+        spec: ModelSpec,
+        comm: Communicator,
+        *,
+        seed: int,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        devices: list[torch.device] | None = None,
+        speed: float | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
         """``devices``: where each rank runs (default: every rank on the CPU); ``speed``: this
         rank's emulated speed relative to the machine (None: as fast as it runs); ``bucket_bytes``:
         the gradient sync's bucket cap (spec.buckets)."""
@@ -53,7 +64,9 @@ class Engine:
         # group of accelerators uses their native library.
         self.tp_group = None
         for ranks in topology.tp_groups:
-            group = dist.new_group(list(ranks), backend=group_backend([self.devices[r] for r in ranks]))
+            group = dist.new_group(
+                list(ranks), backend=group_backend([self.devices[r] for r in ranks])
+            )
             if self.rank in ranks:
                 self.tp_group = group
         self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
@@ -61,14 +74,30 @@ class Engine:
         self.sync_groups = self._sync_groups()
         stages = topology.replica_stages(self.me.replica)
         self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
-        self.stage = Stage(spec, self.me.first_layer, self.me.layers, self.tp_group,
-                           is_first=self.is_first, is_last=self.is_last)
+        self.stage = Stage(
+            spec,
+            self.me.first_layer,
+            self.me.layers,
+            self.tp_group,
+            is_first=self.is_first,
+            is_last=self.is_last,
+        )
         self.stage.load_full(full_state(spec, seed))
         self.stage.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.stage.parameters(), lr=lr, weight_decay=weight_decay
+        )
         self.sync_buckets = self._sync_buckets()
-        self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0] if not self.is_first else None
-        self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0] if not self.is_last else None
+        self.prev_leader = (
+            topology.stage_ranks(self.me.replica, self.me.stage - 1)[0]
+            if not self.is_first
+            else None
+        )
+        self.next_leader = (
+            topology.stage_ranks(self.me.replica, self.me.stage + 1)[0]
+            if not self.is_last
+            else None
+        )
 
     def _sync_groups(self) -> dict[str, tuple[tuple[int, ...], object]]:
         """For every full-model parameter: the leaders of the TP groups holding it, and their group."""
@@ -78,13 +107,21 @@ class Engine:
             for s in range(stages):
                 ranks = self.topology.stage_ranks(replica, s)
                 info = self.topology.ranks[ranks[0]]
-                for name in stage_names(self.spec, info.first_layer, info.layers, is_first=s == 0,
-                                        is_last=s == stages - 1):
+                for name in stage_names(
+                    self.spec,
+                    info.first_layer,
+                    info.layers,
+                    is_first=s == 0,
+                    is_last=s == stages - 1,
+                ):
                     holders.setdefault(name, []).append(ranks[0])
         groups: dict[tuple[int, ...], object] = {}
         for leaders in sorted({tuple(sorted(set(v))) for v in holders.values()}):
             groups[leaders] = dist.new_group(list(leaders)) if len(leaders) > 1 else None
-        return {name: (tuple(sorted(set(v))), groups[tuple(sorted(set(v)))]) for name, v in holders.items()}
+        return {
+            name: (tuple(sorted(set(v))), groups[tuple(sorted(set(v)))])
+            for name, v in holders.items()
+        }
 
     def step(self, tokens: torch.Tensor) -> float:
         """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean loss."""
@@ -108,21 +145,32 @@ class Engine:
         return reported.item()
 
     @contextmanager
-    def _timed(self, kind: str, micro_batch: int | None = None, stretch: bool = False) -> Iterator[None]:
+    def _timed(
+        self, kind: str, micro_batch: int | None = None, stretch: bool = False
+    ) -> Iterator[None]:
         """Record the enclosed work as one timeline event; with ``stretch``, then sleep the emulated slowdown."""
         start = time.perf_counter()
         yield
         if stretch and self.stretch:
             time.sleep(self.stretch * (time.perf_counter() - start))
-        self.timeline.append({"kind": kind, "micro_batch": micro_batch, "start_s": start - self._step_start,
-                              "end_s": time.perf_counter() - self._step_start})
+        self.timeline.append(
+            {
+                "kind": kind,
+                "micro_batch": micro_batch,
+                "start_s": start - self._step_start,
+                "end_s": time.perf_counter() - self._step_start,
+            }
+        )
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """This replica's micro-batches: replicas take consecutive slices of the global batch."""
         b = self.plan.micro_batch
         per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
         start = sum(per_replica[r] for r in range(self.me.replica)) * b
-        return [tokens[start + j * b: start + (j + 1) * b].to(self.device) for j in range(self.me.micro_batches)]
+        return [
+            tokens[start + j * b : start + (j + 1) * b].to(self.device)
+            for j in range(self.me.micro_batches)
+        ]
 
     def _run_schedule(self, micro: list[torch.Tensor], total: int) -> float:
         stages = self.topology.replica_stages(self.me.replica)
@@ -182,7 +230,9 @@ class Engine:
                 self.comm.native(buffer)
         return buffer
 
-    def _sync_buckets(self) -> list[tuple[list[tuple[str, torch.nn.Parameter]], tuple[int, ...], object]]:
+    def _sync_buckets(
+        self,
+    ) -> list[tuple[list[tuple[str, torch.nn.Parameter]], tuple[int, ...], object]]:
         """The gradient sync's buckets, fixed for the engine's life (its parameters are updated in
         place): (the parameters, the leaders holding them, their group), each bucket of parameters
         held by the same leaders (spec.buckets), in full-model name order. Buckets go in the order
@@ -190,16 +240,22 @@ class Engine:
         interleave the same way everywhere."""
         tp = len(self.my_tp_ranks)
         held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, param in sorted((self.stage.full_name(n), p) for n, p in self.stage.named_parameters()):
+        for name, param in sorted(
+            (self.stage.full_name(n), p) for n, p in self.stage.named_parameters()
+        ):
             leaders, _ = self.sync_groups[name]
             if len(leaders) > 1:
                 held.setdefault(leaders, []).append((name, param))
         buckets = []
         for leaders, params in held.items():
             group = self.sync_groups[params[0][0]][1]
-            full_bytes = [param.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params]
-            buckets += [(params[start:stop], leaders, group)
-                        for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)]
+            full_bytes = [
+                param.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params
+            ]
+            buckets += [
+                (params[start:stop], leaders, group)
+                for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)
+            ]
         return buckets
 
     def _sync_gradients(self) -> None:
@@ -211,8 +267,14 @@ class Engine:
         for params, leaders, group in self.sync_buckets:
             self._sync_bucket(params, leaders, group, tp, tp_rank)
 
-    def _sync_bucket(self, params: list[tuple[str, torch.nn.Parameter]], leaders: tuple[int, ...], group,
-                     tp: int, tp_rank: int) -> None:
+    def _sync_bucket(
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        leaders: tuple[int, ...],
+        group,
+        tp: int,
+        tp_rank: int,
+    ) -> None:
         """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one broadcast."""
         fulls = []
         for name, param in params:
@@ -249,4 +311,3 @@ def _shard_dim(name: str) -> int | None:
     if shard(name, probe, 0, 2).shape[1] == 2:
         return 1
     return None
-

@@ -45,8 +45,15 @@ def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     state = {"embed.weight": normal(spec.vocab, h)}
     if gpt:
         state["pos.weight"] = normal(spec.seq_len, h)
-    shapes = {"q": (spec.heads * d, h), "k": (spec.kv_heads * d, h), "v": (spec.kv_heads * d, h), "o": (h, h)}
-    shapes.update({"fc1": (f, h), "fc2": (h, f)} if gpt else {"gate": (f, h), "up": (f, h), "down": (h, f)})
+    shapes = {
+        "q": (spec.heads * d, h),
+        "k": (spec.kv_heads * d, h),
+        "v": (spec.kv_heads * d, h),
+        "o": (h, h),
+    }
+    shapes.update(
+        {"fc1": (f, h), "fc2": (h, f)} if gpt else {"gate": (f, h), "up": (f, h), "down": (h, f)}
+    )
     for i in range(spec.layers):
         for norm in ("norm1", "norm2"):
             state[f"layers.{i}.{norm}.weight"] = torch.ones(h)
@@ -92,7 +99,7 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(t, dtype=torch.float32), inv)  # (T, d/2)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
     return x * cos + half * sin
 
 
@@ -126,7 +133,9 @@ class Layer(nn.Module):
         v = self.v(x).view(b, t, self.kv_heads, d).transpose(1, 2)
         if self.spec.arch == "llama":
             q, k = rotary(q), rotary(k)
-        if self.kv_heads != self.heads:  # grouped-query attention: each KV head serves several queries
+        if (
+            self.kv_heads != self.heads
+        ):  # grouped-query attention: each KV head serves several queries
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -146,7 +155,9 @@ class Stage(nn.Module):
     """Layers [first, first + count) of the model on one TP rank; the first stage also embeds the
     tokens, the last also normalises, projects to the (vocabulary-parallel) logits and scores them."""
 
-    def __init__(self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool) -> None:
+    def __init__(
+        self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool
+    ) -> None:
         super().__init__()
         self.spec, self.first, self.group = spec, first, group
         self.is_first, self.is_last = is_first, is_last
@@ -184,7 +195,9 @@ class Stage(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy from this rank's logit shard."""
         start = tp_rank(self.group) * (self.spec.vocab // tp_size(self.group))
-        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, self.group)
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, self.group
+        )
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this stage's TP shard of the full-model weights in."""
@@ -200,14 +213,27 @@ class Stage(nn.Module):
         return name
 
 
-def stage_names(spec: ModelSpec, first: int, count: int, *, is_first: bool, is_last: bool) -> list[str]:
+def stage_names(
+    spec: ModelSpec, first: int, count: int, *, is_first: bool, is_last: bool
+) -> list[str]:
     """The full-model parameter names a stage holds (a shard of each, under TP)."""
     gpt = spec.arch == "gpt"
     names = ["embed.weight"] + (["pos.weight"] if gpt else []) if is_first else []
     per_layer = ["norm1.weight", "norm2.weight", "q.weight", "k.weight", "v.weight", "o.weight"]
-    per_layer += ["fc1.weight", "fc2.weight"] if gpt else ["gate.weight", "up.weight", "down.weight"]
+    per_layer += (
+        ["fc1.weight", "fc2.weight"] if gpt else ["gate.weight", "up.weight", "down.weight"]
+    )
     if gpt:
-        per_layer += ["norm1.bias", "norm2.bias", "q.bias", "k.bias", "v.bias", "o.bias", "fc1.bias", "fc2.bias"]
+        per_layer += [
+            "norm1.bias",
+            "norm2.bias",
+            "q.bias",
+            "k.bias",
+            "v.bias",
+            "o.bias",
+            "fc1.bias",
+            "fc2.bias",
+        ]
     names += [f"layers.{i}.{n}" for i in range(first, first + count) for n in per_layer]
     if is_last:
         names += ["final_norm.weight"] + (["final_norm.bias"] if gpt else [])

@@ -1,14 +1,14 @@
 """A run's directory: everything one training run writes, and what a resume reads back.
 
-    runs/<name>/
-      run.json         the run's settings (seed, learning rate, data, steps, checkpoint period)
-      cluster.yaml     the cluster it ran on, plan.yaml the plan (the current one after a resume
-                       under another plan; the earlier ones kept as plan.before-step-N.yaml)
-      prediction.json  the predictor's figures and timeline for the plan, made before the run
-      metrics.jsonl    one JSON object per step
-      trace.json       Chrome trace: the predicted and the measured timeline of a step
-      loss.png         the loss curve
-      checkpoints/     step-NNNNNN/ (torch.distributed.checkpoint), complete ones only
+runs/<name>/
+  run.json         the run's settings (seed, learning rate, data, steps, checkpoint period)
+  cluster.yaml     the cluster it ran on, plan.yaml the plan (the current one after a resume
+                   under another plan; the earlier ones kept as plan.before-step-N.yaml)
+  prediction.json  the predictor's figures and timeline for the plan, made before the run
+  metrics.jsonl    one JSON object per step
+  trace.json       Chrome trace: the predicted and the measured timeline of a step
+  loss.png         the loss curve
+  checkpoints/     step-NNNNNN/ (torch.distributed.checkpoint), complete ones only
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class RunDir:
     def read_settings(self) -> RunSettings:
         path = self.path / "run.json"
         if not path.is_file():
-            raise HethubError(f"--resume = {str(self.path)!r}: not a run directory (no run.json in it)")
+            raise HethubError(
+                f"--resume = {str(self.path)!r}: not a run directory (no run.json in it)"
+            )
         try:
             return RunSettings(**json.loads(path.read_text()))
         except (ValueError, TypeError) as error:
@@ -110,7 +112,9 @@ def new_run_dir(parent: Path, name: str) -> RunDir:
     try:
         candidate.mkdir(parents=True)
     except OSError as error:
-        raise HethubError(f"cannot create the run directory {candidate} ({error.strerror})") from None
+        raise HethubError(
+            f"cannot create the run directory {candidate} ({error.strerror})"
+        ) from None
     return RunDir(candidate)
 
 

@@ -131,5 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * (grad / len(local)), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, start: int, group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, start: int, group
+) -> torch.Tensor:
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)

@@ -17,9 +17,14 @@ IDLE = ("recv_wait",)
 def stage_times(events: list[dict], iteration_s: float) -> dict[str, float]:
     """Seconds of the step this rank spent computing, communicating, idle and in the optimizer;
     idle also holds whatever the events do not cover (the time before its first operation)."""
+
     def total(kinds: tuple[str, ...]) -> float:
         return sum(e["end_s"] - e["start_s"] for e in events if e["kind"] in kinds)
 
     compute, comm, optimizer = total(COMPUTE), total(COMMUNICATION), total(("optimizer",))
-    return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
-            "idle_s": max(0.0, iteration_s - compute - comm - optimizer)}
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "optimizer_s": optimizer,
+        "idle_s": max(0.0, iteration_s - compute - comm - optimizer),
+    }

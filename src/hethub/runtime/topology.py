@@ -76,7 +76,16 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
         for block in blocks:
             for r in range(pipeline.count):
                 for t, device in enumerate(block.devices(r)):
-                    slots.append((cluster.group_names.index(block.group), device, i, replica_base + r, block.stage, t))
+                    slots.append(
+                        (
+                            cluster.group_names.index(block.group),
+                            device,
+                            i,
+                            replica_base + r,
+                            block.stage,
+                            t,
+                        )
+                    )
         replica_base += pipeline.count
     slots.sort()
     ranks = []
@@ -84,14 +93,29 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
         pipeline = plan.pipelines[i]
         group = cluster.groups[g]
         first = sum(s.layers for s in pipeline.stages[:stage])
-        ranks.append(RankInfo(rank=rank, pipeline=i, replica=replica, stage=stage, tp_rank=t,
-                              tp=pipeline.stages[stage].tp, group=group.name, device=device,
-                              node=device // group.devices_per_node, first_layer=first,
-                              layers=pipeline.stages[stage].layers, micro_batches=pipeline.micro_batches))
+        ranks.append(
+            RankInfo(
+                rank=rank,
+                pipeline=i,
+                replica=replica,
+                stage=stage,
+                tp_rank=t,
+                tp=pipeline.stages[stage].tp,
+                group=group.name,
+                device=device,
+                node=device // group.devices_per_node,
+                first_layer=first,
+                layers=pipeline.stages[stage].layers,
+                micro_batches=pipeline.micro_batches,
+            )
+        )
     tp_groups: dict[tuple[int, int], list[int]] = {}
     syncs: dict[tuple, list[int]] = {}
     for r in ranks:
         tp_groups.setdefault((r.replica, r.stage), []).append(r.rank)
         syncs.setdefault((plan.pipelines[r.pipeline].stages, r.stage, r.tp_rank), []).append(r.rank)
-    return Topology(tuple(ranks), tuple(tuple(sorted(v, key=lambda k: ranks[k].tp_rank)) for v in tp_groups.values()),
-                    tuple(tuple(v) for v in syncs.values()))
+    return Topology(
+        tuple(ranks),
+        tuple(tuple(sorted(v, key=lambda k: ranks[k].tp_rank)) for v in tp_groups.values()),
+        tuple(tuple(v) for v in syncs.values()),
+    )

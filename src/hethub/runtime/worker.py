@@ -33,13 +33,25 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
 
 
-def train(run: RunDir, settings: RunSettings, cluster: ClusterSpec, plan: Plan, model: ModelSpec,
-          topology: Topology, corpus: torch.Tensor, *, resume: bool, as_json: bool) -> int:
+def train(
+    run: RunDir,
+    settings: RunSettings,
+    cluster: ClusterSpec,
+    plan: Plan,
+    model: ModelSpec,
+    topology: Topology,
+    corpus: torch.Tensor,
+    *,
+    resume: bool,
+    as_json: bool,
+) -> int:
     """Train the run's plan from its start (or its latest checkpoint) to settings.steps."""
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
-        raise HethubError(f"{run.plan}: the plan needs {topology.world_size} processes, torchrun started {world} "
-                          f"(give --nproc-per-node x nodes = {topology.world_size})")
+        raise HethubError(
+            f"{run.plan}: the plan needs {topology.world_size} processes, torchrun started {world} "
+            f"(give --nproc-per-node x nodes = {topology.world_size})"
+        )
     torch.set_num_threads(1)
     bind_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
@@ -47,8 +59,16 @@ def train(run: RunDir, settings: RunSettings, cluster: ClusterSpec, plan: Plan, 
         rank = dist.get_rank()
         comm = Communicator(topology, cluster)
         devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
-        engine = Engine(plan, topology, model, comm, seed=settings.seed, lr=settings.lr, devices=devices,
-                        speed=cluster.group(topology.ranks[rank].group).speed)
+        engine = Engine(
+            plan,
+            topology,
+            model,
+            comm,
+            seed=settings.seed,
+            lr=settings.lr,
+            devices=devices,
+            speed=cluster.group(topology.ranks[rank].group).speed,
+        )
         start = load_checkpoint(engine, latest_checkpoint(run.checkpoints))["step"] if resume else 0
         log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
         if log and resume:
@@ -56,7 +76,9 @@ def train(run: RunDir, settings: RunSettings, cluster: ClusterSpec, plan: Plan, 
         moved_before = torch.zeros(2, dtype=torch.float64)
         timelines: list = []
         for step in range(start, settings.steps):
-            loss = engine.step(global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed))
+            loss = engine.step(
+                global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed)
+            )
             moved = torch.tensor([comm.bytes[NATIVE], comm.bytes[BRIDGE]], dtype=torch.float64)
             dist.all_reduce(moved)
             timelines = [None] * world if rank == 0 else None
@@ -76,32 +98,64 @@ def train(run: RunDir, settings: RunSettings, cluster: ClusterSpec, plan: Plan, 
 class _StepLog:
     """Rank 0's records of the run: a metrics line, a printed line and the progress per step."""
 
-    def __init__(self, run: RunDir, plan: Plan, model: ModelSpec, cluster: ClusterSpec, topology: Topology,
-                 as_json: bool) -> None:
-        self.run, self.plan, self.model, self.topology, self.as_json = run, plan, model, topology, as_json
+    def __init__(
+        self,
+        run: RunDir,
+        plan: Plan,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        topology: Topology,
+        as_json: bool,
+    ) -> None:
+        self.run, self.plan, self.model, self.topology, self.as_json = (
+            run,
+            plan,
+            model,
+            topology,
+            as_json,
+        )
         self.emulated = any(g.speed is not None for g in cluster.groups)
-        self.prediction = json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
+        self.prediction = (
+            json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
+        )
         self.bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
         self.board = _tensorboard(run)
         # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
         first = {}
         for r in topology.ranks:
             first.setdefault(r.pipeline, r.replica)
-        self.leaders = [r for r in topology.ranks if r.tp_rank == 0 and first[r.pipeline] == r.replica]
+        self.leaders = [
+            r for r in topology.ranks if r.tp_rank == 0 and first[r.pipeline] == r.replica
+        ]
 
-    def step(self, step: int, steps: int, loss: float, timelines: list[list[dict]], moved: torch.Tensor) -> None:
+    def step(
+        self, step: int, steps: int, loss: float, timelines: list[list[dict]], moved: torch.Tensor
+    ) -> None:
         elapsed = max(e["end_s"] for events in timelines for e in events)
         predicted = self.prediction["iteration_time_s"] if self.prediction else None
         record = {
-            "step": step, "loss": loss, "iteration_time_s": elapsed,
+            "step": step,
+            "loss": loss,
+            "iteration_time_s": elapsed,
             "tokens_per_s": self.plan.global_batch * self.model.seq_len / elapsed,
             "predicted_iteration_s": predicted,
             # The model's FLOPs per step are the predictor's, whatever the timing.
-            "model_tflops_per_device": (self.prediction["model_tflops_per_device"] * predicted / elapsed
-                                        if self.prediction else None),
+            "model_tflops_per_device": (
+                self.prediction["model_tflops_per_device"] * predicted / elapsed
+                if self.prediction
+                else None
+            ),
             "comm_bytes": {NATIVE: int(moved[0]), BRIDGE: int(moved[1])},
-            "stages": [{"pipeline": r.pipeline, "replica": r.replica, "stage": r.stage, "group": r.group,
-                        **stage_times(timelines[r.rank], elapsed)} for r in self.leaders],
+            "stages": [
+                {
+                    "pipeline": r.pipeline,
+                    "replica": r.replica,
+                    "stage": r.stage,
+                    "group": r.group,
+                    **stage_times(timelines[r.rank], elapsed),
+                }
+                for r in self.leaders
+            ],
             "emulated": self.emulated,
         }
         self.run.append_metrics(record)
@@ -111,8 +165,11 @@ class _StepLog:
                     self.board.add_scalar(name, record[name], step)
         if self.as_json:
             print(json.dumps(record), flush=True)
-        detail = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tokens/s | step {elapsed:.2f} s"
-                  + (f" (predicted {predicted:.2f} s)" if predicted else "") + (" | emulated speeds" if self.emulated else ""))
+        detail = (
+            f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tokens/s | step {elapsed:.2f} s"
+            + (f" (predicted {predicted:.2f} s)" if predicted else "")
+            + (" | emulated speeds" if self.emulated else "")
+        )
         if self.bar:
             self.bar.update(f"step {step}/{steps}", step, steps, detail)
         elif not self.as_json:
@@ -128,17 +185,45 @@ class _StepLog:
             events += [{**e, "source": "predicted"} for e in self.prediction.get("timeline", [])]
         if timelines:
             for r in self.leaders:
-                events += [{**e, "pipeline": r.pipeline, "stage": r.stage, "group": r.group, "source": "measured"}
-                           for e in timelines[r.rank]]
+                events += [
+                    {
+                        **e,
+                        "pipeline": r.pipeline,
+                        "stage": r.stage,
+                        "group": r.group,
+                        "source": "measured",
+                    }
+                    for e in timelines[r.rank]
+                ]
         label = " (emulated speeds)" if self.emulated else ""
-        write_trace(self.run.trace, events, f"hethub {self.run.path.name}: predicted and measured step{label}")
+        write_trace(
+            self.run.trace,
+            events,
+            f"hethub {self.run.path.name}: predicted and measured step{label}",
+        )
         records = self.run.read_metrics()
-        loss_plot(self.run.loss_plot, [r["step"] for r in records], [r["loss"] for r in records],
-                  f"{self.run.path.name}: {self.model.name}, {world} ranks{label}")
-        summary = {"run_dir": str(self.run.path), "world_size": world, "emulated": self.emulated,
-                   "checkpoint": str(latest_checkpoint(self.run.checkpoints)), "ranks": [
-                       {"rank": r.rank, "replica": r.replica, "stage": r.stage, "group": r.group,
-                        "layers": [r.first_layer, r.first_layer + r.layers]} for r in self.topology.ranks]}
+        loss_plot(
+            self.run.loss_plot,
+            [r["step"] for r in records],
+            [r["loss"] for r in records],
+            f"{self.run.path.name}: {self.model.name}, {world} ranks{label}",
+        )
+        summary = {
+            "run_dir": str(self.run.path),
+            "world_size": world,
+            "emulated": self.emulated,
+            "checkpoint": str(latest_checkpoint(self.run.checkpoints)),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "replica": r.replica,
+                    "stage": r.stage,
+                    "group": r.group,
+                    "layers": [r.first_layer, r.first_layer + r.layers],
+                }
+                for r in self.topology.ranks
+            ],
+        }
         if self.as_json:
             print(json.dumps(summary), flush=True)
 

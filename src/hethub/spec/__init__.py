@@ -6,7 +6,21 @@ from hethub.spec.model import ModelSpec, load_model, parse_model, preset_names
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, check_plan, load_plan, parse_plan
 
 __all__ = [
-    "AcceleratorSpec", "ClusterSpec", "DeviceGroup", "ModelSpec", "PipelineLayout", "Plan", "StageSpec",
-    "catalog", "check_plan", "load_cluster", "load_model", "load_plan", "lookup", "parse_cluster",
-    "parse_model", "parse_plan", "preset_names",
+    "AcceleratorSpec",
+    "ClusterSpec",
+    "DeviceGroup",
+    "ModelSpec",
+    "PipelineLayout",
+    "Plan",
+    "StageSpec",
+    "catalog",
+    "check_plan",
+    "load_cluster",
+    "load_model",
+    "load_plan",
+    "lookup",
+    "parse_cluster",
+    "parse_model",
+    "parse_plan",
+    "preset_names",
 ]

@@ -42,10 +42,26 @@ class AcceleratorSpec:
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.name, self.vendor, self.bf16_tflops, self.memory_gb, self.memory_bw_gb_s, self.intra_node_gb_s, self.host_link_gb_s, self.network_gbps)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.name,
+                    self.vendor,
+                    self.bf16_tflops,
+                    self.memory_gb,
+                    self.memory_bw_gb_s,
+                    self.intra_node_gb_s,
+                    self.host_link_gb_s,
+                    self.network_gbps,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
+
 
 @functools.cache
 def _catalog_data() -> dict[str, Any]:
@@ -55,7 +71,10 @@ def _catalog_data() -> dict[str, Any]:
 
 def catalog() -> dict[str, AcceleratorSpec]:
     """All catalog accelerators by lower-case name."""
-    return {name: AcceleratorSpec(name=name, **fields) for name, fields in _catalog_data()["accelerators"].items()}
+    return {
+        name: AcceleratorSpec(name=name, **fields)
+        for name, fields in _catalog_data()["accelerators"].items()
+    }
 
 
 def calibration_data() -> dict[str, float]:
@@ -68,13 +87,26 @@ def lookup(name: str, source: str = "", field: str = "accelerator") -> Accelerat
     known = catalog()
     key = str(name).strip().lower()
     if key not in known:
-        raise SpecError(source, field, name,
-                        f"unknown accelerator{suggestion(key, known)}; known: {', '.join(known)}")
+        raise SpecError(
+            source,
+            field,
+            name,
+            f"unknown accelerator{suggestion(key, known)}; known: {', '.join(known)}",
+        )
     return known[key]
 
 
-_INLINE_FIELDS = ("name", "vendor", "bf16_tflops", "memory_gb", "memory_bw_gb_s", "intra_node_gb_s",
-                  "host_link_gb_s", "network_gbps", "source")
+_INLINE_FIELDS = (
+    "name",
+    "vendor",
+    "bf16_tflops",
+    "memory_gb",
+    "memory_bw_gb_s",
+    "intra_node_gb_s",
+    "host_link_gb_s",
+    "network_gbps",
+    "source",
+)
 
 
 def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:

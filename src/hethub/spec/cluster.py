@@ -28,7 +28,20 @@ class DeviceGroup:
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.name, self.accelerator, self.nodes, self.devices_per_node, self.network_gbps, self.speed)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.name,
+                    self.accelerator,
+                    self.nodes,
+                    self.devices_per_node,
+                    self.network_gbps,
+                    self.speed,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -86,14 +99,16 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
         if any(g.name == name for g in groups):
             raise f.error("name", name, "group names must be unique")
         accelerator = parse_accelerator(f.raw("accelerator"), source, f.path("accelerator"))
-        groups.append(DeviceGroup(
-            name=name,
-            accelerator=accelerator,
-            nodes=f.positive_int("nodes", 1),
-            devices_per_node=f.positive_int("devices_per_node"),
-            network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
-            speed=f.positive_number("speed") if f.has("speed") else None,
-        ))
+        groups.append(
+            DeviceGroup(
+                name=name,
+                accelerator=accelerator,
+                nodes=f.positive_int("nodes", 1),
+                devices_per_node=f.positive_int("devices_per_node"),
+                network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
+                speed=f.positive_number("speed") if f.has("speed") else None,
+            )
+        )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
     return ClusterSpec(groups=tuple(groups), cross_group_gbps=cross, source=source)
 

@@ -41,14 +41,18 @@ class Fields:
 
     def __init__(self, data: Any, source: str, prefix: str = "", allowed: Iterable[str] = ()):
         if not isinstance(data, dict):
-            raise SpecError(source, prefix or "<top level>", _short(data), "must be a mapping of fields")
+            raise SpecError(
+                source, prefix or "<top level>", _short(data), "must be a mapping of fields"
+            )
         self.data, self.source, self.prefix = data, source, prefix
         allowed = set(allowed)
         if allowed:
             for key in data:
                 if key not in allowed:
                     raise SpecError(
-                        source, self.path(str(key)), data[key],
+                        source,
+                        self.path(str(key)),
+                        data[key],
                         f"unknown field{suggestion(str(key), allowed)}; allowed: {', '.join(sorted(allowed))}",
                     )
 

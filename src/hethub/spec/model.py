@@ -39,7 +39,23 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(self, "_hash", hash((self.name, self.arch, self.hidden, self.layers, self.heads, self.kv_heads, self.ffn_hidden, self.vocab, self.seq_len)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.name,
+                    self.arch,
+                    self.hidden,
+                    self.layers,
+                    self.heads,
+                    self.kv_heads,
+                    self.ffn_hidden,
+                    self.vocab,
+                    self.seq_len,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -90,10 +106,21 @@ def llama_ffn_hidden(hidden: int) -> int:
 
 def preset_names() -> list[str]:
     folder = resources.files("hethub.data").joinpath("models")
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")
+    )
 
 
-MODEL_FILE_FIELDS = ("arch", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
+MODEL_FILE_FIELDS = (
+    "arch",
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "seq_len",
+)
 
 
 def model_file_fields(model: ModelSpec) -> dict[str, Any]:
@@ -110,29 +137,47 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
         raise f.error("heads", heads, f"must divide hidden ({hidden})")
     kv_heads = f.positive_int("kv_heads", heads)
     if arch == "gpt" and kv_heads != heads:
-        raise f.error("kv_heads", kv_heads, "gpt has no grouped-query attention: leave it out or set it to heads")
+        raise f.error(
+            "kv_heads",
+            kv_heads,
+            "gpt has no grouped-query attention: leave it out or set it to heads",
+        )
     if heads % kv_heads:
         raise f.error("kv_heads", kv_heads, f"must divide heads ({heads})")
     default_ffn = 4 * hidden if arch == "gpt" else llama_ffn_hidden(hidden)
     return ModelSpec(
-        name=str(f.raw("name", name)), arch=arch, hidden=hidden, layers=f.positive_int("layers"),
-        heads=heads, kv_heads=kv_heads, ffn_hidden=f.positive_int("ffn_hidden", default_ffn),
-        vocab=f.positive_int("vocab"), seq_len=f.positive_int("seq_len"),
+        name=str(f.raw("name", name)),
+        arch=arch,
+        hidden=hidden,
+        layers=f.positive_int("layers"),
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn_hidden=f.positive_int("ffn_hidden", default_ffn),
+        vocab=f.positive_int("vocab"),
+        seq_len=f.positive_int("seq_len"),
     )
 
 
-def load_model(ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model") -> ModelSpec:
+def load_model(
+    ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model"
+) -> ModelSpec:
     """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if given)."""
     text = str(ref)
     if text.lower() in preset_names():
         name = text.lower()
-        data = yaml.safe_load(resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text())
+        data = yaml.safe_load(
+            resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text()
+        )
         return parse_model(data, f"preset {name}", name)
     path = Path(text)
     if relative_to is not None and not path.is_absolute():
         path = relative_to / path
     if text.endswith((".yaml", ".yml")) or path.exists():
         return parse_model(load_yaml(path, "model"), str(path), path.stem)
-    raise SpecError(source, field, text,
-                    f"not a preset{suggestion(text, preset_names())} nor an existing model file; "
-                    f"presets: {', '.join(preset_names())}")
+    raise SpecError(
+        source,
+        field,
+        text,
+        f"not a preset{suggestion(text, preset_names())} nor an existing model file; "
+        f"presets: {', '.join(preset_names())}",
+    )

@@ -46,8 +46,11 @@ class StageBlock(NamedTuple):
 
 def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[StageBlock]]:
     """The block of every stage, indexed [pipeline][stage]; SpecError if a group runs out of devices."""
-    wanted = [(i, s, stage.group, stage.tp, pipeline.count)
-              for i, pipeline in enumerate(plan.pipelines) for s, stage in enumerate(pipeline.stages)]
+    wanted = [
+        (i, s, stage.group, stage.tp, pipeline.count)
+        for i, pipeline in enumerate(plan.pipelines)
+        for s, stage in enumerate(pipeline.stages)
+    ]
     blocks: dict[tuple[int, int], StageBlock] = {}
     used: dict[str, int] = {}
     for i, s, group, tp, count in sorted(wanted, key=lambda w: (w[2], -w[3], w[0], w[1])):
@@ -55,7 +58,11 @@ def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[Stage
         cursor, starts = used.get(group, 0), []
         for _ in range(count):
             # Keep a TP group inside one node (or, for the measured runs that span nodes, on whole nodes).
-            if (cursor // per_node != (cursor + tp - 1) // per_node) if tp <= per_node else cursor % per_node:
+            if (
+                (cursor // per_node != (cursor + tp - 1) // per_node)
+                if tp <= per_node
+                else cursor % per_node
+            ):
                 cursor = (cursor // per_node + 1) * per_node
             starts.append(cursor)
             cursor += tp
@@ -64,6 +71,10 @@ def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[Stage
     for name, devices in used.items():
         group = cluster.group(name)
         if devices > group.devices:
-            raise SpecError(source, "pipelines", f"{devices} devices of group {name!r} once every TP "
-                            f"group sits inside one node", f"a plan may use at most the group's {group.devices} devices")
+            raise SpecError(
+                source,
+                "pipelines",
+                f"{devices} devices of group {name!r} once every TP group sits inside one node",
+                f"a plan may use at most the group's {group.devices} devices",
+            )
     return [[blocks[(i, s)] for s in range(len(p.stages))] for i, p in enumerate(plan.pipelines)]

@@ -62,8 +62,13 @@ class Plan:
             "recompute": self.recompute,
             "schedule": self.schedule,
             "pipelines": [
-                {"count": p.count, "micro_batches": p.micro_batches,
-                 "stages": [{"group": s.group, "tp": s.tp, "layers": s.layers} for s in p.stages]}
+                {
+                    "count": p.count,
+                    "micro_batches": p.micro_batches,
+                    "stages": [
+                        {"group": s.group, "tp": s.tp, "layers": s.layers} for s in p.stages
+                    ],
+                }
                 for p in self.pipelines
             ],
         }
@@ -73,15 +78,21 @@ class Plan:
 
     def summary(self) -> str:
         """One line: micro-batch, recomputation and each layout as count x [group/tp/layers ...] x micro-batches."""
-        layouts = "; ".join(f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
-                            f"x{p.micro_batches}mb" for p in self.pipelines)
+        layouts = "; ".join(
+            f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
+            f"x{p.micro_batches}mb"
+            for p in self.pipelines
+        )
         return f"micro-batch {self.micro_batch}, recompute {self.recompute}: {layouts}"
 
 
 def parse_plan(data: Any, source: str = "") -> Plan:
     """Validate a parsed plan file on its own (see check_plan for the cluster and the model)."""
-    top = Fields(data, source, allowed=("model", "global_batch", "micro_batch", "recompute", "schedule",
-                                        "pipelines"))
+    top = Fields(
+        data,
+        source,
+        allowed=("model", "global_batch", "micro_batch", "recompute", "schedule", "pipelines"),
+    )
     model = top.string("model")
     global_batch = top.positive_int("global_batch")
     micro_batch = top.positive_int("micro_batch", 1)
@@ -98,27 +109,47 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             micro_batches = _even_split(global_batch, micro_batch, sum(counts), top)
         stages = []
         for j, raw_stage in enumerate(f.mapping_list("stages")):
-            s = Fields(raw_stage, source, f"pipelines[{i}].stages[{j}]", allowed=("group", "tp", "layers"))
-            stages.append(StageSpec(group=s.string("group"), tp=s.positive_int("tp", 1),
-                                    layers=s.positive_int("layers")))
-        pipelines.append(PipelineLayout(count=counts[i], micro_batches=micro_batches, stages=tuple(stages)))
-    plan = Plan(model=model, global_batch=global_batch, micro_batch=micro_batch,
-                recompute=top.choice("recompute", RECOMPUTE, "none"),
-                schedule=top.choice("schedule", SCHEDULES, "1f1b"), pipelines=tuple(pipelines))
+            s = Fields(
+                raw_stage, source, f"pipelines[{i}].stages[{j}]", allowed=("group", "tp", "layers")
+            )
+            stages.append(
+                StageSpec(
+                    group=s.string("group"),
+                    tp=s.positive_int("tp", 1),
+                    layers=s.positive_int("layers"),
+                )
+            )
+        pipelines.append(
+            PipelineLayout(count=counts[i], micro_batches=micro_batches, stages=tuple(stages))
+        )
+    plan = Plan(
+        model=model,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        recompute=top.choice("recompute", RECOMPUTE, "none"),
+        schedule=top.choice("schedule", SCHEDULES, "1f1b"),
+        pipelines=tuple(pipelines),
+    )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
     if sequences != global_batch:
         detail = " + ".join(f"{p.count}x{p.micro_batches}" for p in plan.pipelines)
-        raise top.error("global_batch", global_batch,
-                        f"must equal the sum of count x micro_batches x micro_batch over pipelines "
-                        f"(({detail}) x {micro_batch} = {sequences})")
+        raise top.error(
+            "global_batch",
+            global_batch,
+            f"must equal the sum of count x micro_batches x micro_batch over pipelines "
+            f"(({detail}) x {micro_batch} = {sequences})",
+        )
     return plan
 
 
 def _even_split(global_batch: int, micro_batch: int, replicas: int, top: Fields) -> int:
     if global_batch % (micro_batch * replicas):
-        raise top.error("global_batch", global_batch,
-                        f"must divide evenly into {replicas} replica(s) x micro_batch {micro_batch} "
-                        f"when micro_batches is left out")
+        raise top.error(
+            "global_batch",
+            global_batch,
+            f"must divide evenly into {replicas} replica(s) x micro_batch {micro_batch} "
+            f"when micro_batches is left out",
+        )
     return global_batch // (micro_batch * replicas)
 
 
@@ -127,8 +158,14 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan(load_yaml(path, "plan"), str(path))
 
 
-def check_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str = "", *,
-               tp_within_node: bool = True) -> None:
+def check_plan(
+    plan: Plan,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    source: str = "",
+    *,
+    tp_within_node: bool = True,
+) -> None:
     """Raise SpecError unless the plan fits the model and the cluster's groups and device counts.
 
     ``tp_within_node=False`` lets a stage's TP span whole nodes: the predictor prices that (on the
@@ -139,30 +176,52 @@ def check_plan(plan: Plan, cluster: ClusterSpec, model: ModelSpec, source: str =
         layers = sum(stage.layers for stage in pipeline.stages)
         if layers != model.layers:
             split = "+".join(str(s.layers) for s in pipeline.stages)
-            raise SpecError(source, f"pipelines[{i}].stages[*].layers", split,
-                            f"must sum to the model's {model.layers} layers (they sum to {layers})")
+            raise SpecError(
+                source,
+                f"pipelines[{i}].stages[*].layers",
+                split,
+                f"must sum to the model's {model.layers} layers (they sum to {layers})",
+            )
         for j, stage in enumerate(pipeline.stages):
             field = f"pipelines[{i}].stages[{j}]"
             if stage.group not in cluster.group_names:
-                raise SpecError(source, f"{field}.group", stage.group,
-                                f"no such group in the cluster{suggestion(stage.group, cluster.group_names)}; "
-                                f"groups: {', '.join(cluster.group_names)}")
+                raise SpecError(
+                    source,
+                    f"{field}.group",
+                    stage.group,
+                    f"no such group in the cluster{suggestion(stage.group, cluster.group_names)}; "
+                    f"groups: {', '.join(cluster.group_names)}",
+                )
             group = cluster.group(stage.group)
             spans_nodes = not tp_within_node and stage.tp % group.devices_per_node == 0
-            if not spans_nodes and (stage.tp > group.devices_per_node or group.devices_per_node % stage.tp):
-                raise SpecError(source, f"{field}.tp", stage.tp,
-                                f"tensor parallelism stays inside a node: must divide devices_per_node "
-                                f"({group.devices_per_node}) of group {group.name!r}")
+            if not spans_nodes and (
+                stage.tp > group.devices_per_node or group.devices_per_node % stage.tp
+            ):
+                raise SpecError(
+                    source,
+                    f"{field}.tp",
+                    stage.tp,
+                    f"tensor parallelism stays inside a node: must divide devices_per_node "
+                    f"({group.devices_per_node}) of group {group.name!r}",
+                )
             if model.heads % stage.tp or model.kv_heads % stage.tp:
-                raise SpecError(source, f"{field}.tp", stage.tp,
-                                f"must divide the model's heads ({model.heads}) and kv_heads ({model.kv_heads})")
+                raise SpecError(
+                    source,
+                    f"{field}.tp",
+                    stage.tp,
+                    f"must divide the model's heads ({model.heads}) and kv_heads ({model.kv_heads})",
+                )
             used[stage.group] = used.get(stage.group, 0) + pipeline.count * stage.tp
     for name, devices in used.items():
         group = cluster.group(name)
         if devices > group.devices:
-            raise SpecError(source, "pipelines", f"{devices} devices of group {name!r}",
-                            f"a plan may use at most the group's {group.devices} devices "
-                            f"({group.nodes} nodes x {group.devices_per_node})")
+            raise SpecError(
+                source,
+                "pipelines",
+                f"{devices} devices of group {name!r}",
+                f"a plan may use at most the group's {group.devices} devices "
+                f"({group.nodes} nodes x {group.devices_per_node})",
+            )
     # Placement builds on plans, so it is imported here rather than at the top.
     from hethub.spec.placement import place
 
@@ -175,13 +234,31 @@ def uniform_layers(layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def uniform_plan(*, model: str, group: str, tp: int, pp: int, dp: int, micro_batch: int,
-                 global_batch: int, recompute: str = "none", schedule: str = "1f1b",
-                 layers: int) -> Plan:
+def uniform_plan(
+    *,
+    model: str,
+    group: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    global_batch: int,
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    layers: int,
+) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of ``group``."""
     split = uniform_layers(layers, pp)
-    return parse_plan({
-        "model": model, "global_batch": global_batch, "micro_batch": micro_batch,
-        "recompute": recompute, "schedule": schedule,
-        "pipelines": [{"count": dp, "stages": [{"group": group, "tp": tp, "layers": n} for n in split]}],
-    }, "command line")
+    return parse_plan(
+        {
+            "model": model,
+            "global_batch": global_batch,
+            "micro_batch": micro_batch,
+            "recompute": recompute,
+            "schedule": schedule,
+            "pipelines": [
+                {"count": dp, "stages": [{"group": group, "tp": tp, "layers": n} for n in split]}
+            ],
+        },
+        "command line",
+    )

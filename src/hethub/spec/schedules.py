@@ -6,7 +6,9 @@ from __future__ import annotations
 FORWARD, BACKWARD = 0, 1
 
 
-def stage_sequence(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[int, int]]:
+def stage_sequence(
+    schedule: str, stage: int, stages: int, micro_batches: int
+) -> list[tuple[int, int]]:
     """The (kind, micro-batch) operations one stage runs, in order."""
     m = micro_batches
     if schedule == "gpipe":
