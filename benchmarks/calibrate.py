@@ -1,5 +1,5 @@
 """Fit the predictor's physical parameters (the `calibration:` block of the catalog) to the
-measured A100 iterations of ../shared/data.
+measured A100 iterations of measurements/a100.
 
 Usage: python benchmarks/calibrate.py [--iterations N]
 Prints the fitted values as YAML to paste into src/hethub/data/catalog.yaml. The objective is the

@@ -1,4 +1,4 @@
-"""Predict every measured A100 iteration in ../shared/data and report the error per file.
+"""Predict every measured A100 iteration in measurements/a100 and report the error per file.
 
 Usage: python benchmarks/predictor_accuracy.py [--worst N]
 Target (issue 2): mean absolute percentage error <= 8% on each file.

@@ -1,4 +1,4 @@
-"""The measured A100 iterations of ../shared/data as hethub specs (shared by the accuracy and
+"""The measured A100 iterations of measurements/a100 as hethub specs (shared by the accuracy and
 calibration scripts).
 
 Every row is predicted as the data's README says the runs were set up: Megatron-LM GPT, vocabulary
@@ -22,7 +22,7 @@ from hethub.spec import (
     parse_plan,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "measurements" / "a100"
 FILES = ("vtrain_a100_single_node.csv", "vtrain_a100_multi_node.csv")
 
 
@@ -46,7 +46,7 @@ class Row:
 def load_rows(data: Path = DATA) -> list[Row]:
     if not data.is_dir():
         raise SystemExit(
-            f"{data}: the measured data set is missing (expected ../shared/data beside the repo)"
+            f"{data}: the measured data set is missing (expected measurements/a100 in the repo)"
         )
     rows = []
     for name in FILES:

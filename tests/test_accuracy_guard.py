@@ -1,7 +1,7 @@
 """The calibrated predictor stays within the accuracy target on the measured A100 iterations.
 
 The figures are produced by benchmarks/predictor_accuracy.py; this guards them against a change
-to the predictor that silently breaks its accuracy. The data lies in ../shared/data beside the repo.
+to the predictor that silently breaks its accuracy. The data lies in measurements/a100.
 """
 
 from __future__ import annotations
