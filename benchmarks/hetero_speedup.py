@@ -131,7 +131,8 @@ def main() -> int:
     bound = sum(speed(r, "measured_iteration_s") for r in alone.values())
     bound_predicted = sum(speed(r, "predicted_iteration_s") for r in alone.values())
     print(
-        f"emulated cluster local-hetero: fast at 1.0x, slow at 0.5x this machine (compute stretched); {MODEL}, "
+        "emulated cluster local-hetero: fast at 1.0x, slow at 0.5x this machine "
+        f"(compute stretched); {MODEL}, "
         f"global batch {GLOBAL_BATCH}; measured = median of {args.steps - 1} steps after a warm-up"
     )
     print(f"planner's plan: {parse_plan(best).summary()}")
@@ -143,22 +144,29 @@ def main() -> int:
         ("slow group alone", alone["slow"]),
     ]:
         print(
-            f"{label:<22} {speed(report, 'measured_iteration_s'):>18,.0f} {speed(report, 'predicted_iteration_s'):>19,.0f}"
+            f"{label:<22} {speed(report, 'measured_iteration_s'):>18,.0f} "
+            f"{speed(report, 'predicted_iteration_s'):>19,.0f}"
         )
     planner_speed, uniform_speed = (
         speed(runs["planner"], "measured_iteration_s"),
         speed(runs["uniform"], "measured_iteration_s"),
     )
+    planner_predicted, uniform_predicted = (
+        speed(runs["planner"], "predicted_iteration_s"),
+        speed(runs["uniform"], "predicted_iteration_s"),
+    )
     print(
-        f"upper bound (fast alone + slow alone): measured {bound:,.0f} tokens/s, predicted {bound_predicted:,.0f}"
+        f"upper bound (fast alone + slow alone): measured {bound:,.0f} tokens/s, "
+        f"predicted {bound_predicted:,.0f}"
     )
     print(
         f"planner vs uniform split: {planner_speed / uniform_speed:.3f}x measured, "
-        f"{speed(runs['planner'], 'predicted_iteration_s') / speed(runs['uniform'], 'predicted_iteration_s'):.3f}x "
+        f"{planner_predicted / uniform_predicted:.3f}x "
         f"predicted"
     )
     print(
-        f"planner vs fast group alone: {planner_speed / speed(alone['fast'], 'measured_iteration_s'):.3f}x measured"
+        "planner vs fast group alone: "
+        f"{planner_speed / speed(alone['fast'], 'measured_iteration_s'):.3f}x measured"
     )
     print(f"planner's efficiency: {100 * planner_speed / bound:.1f}% of the measured upper bound")
     met = planner_speed > uniform_speed

@@ -114,9 +114,12 @@ def scenario(
         result["efficiency"] >= target and wall <= seconds and (kinds is None or len(used) >= kinds)
     )
     print(
-        f"{name}: {model}, global batch {global_batch}: {result['prediction']['tokens_per_s']:,.0f} tokens/s "
-        f"= {100 * result['efficiency']:.2f}% of the upper bound {result['upper_bound_tokens_per_s']:,.0f} "
-        f"(target >= {100 * target:.1f}%); kinds used {len(used)}; {wall:.1f} s wall for the whole command "
+        f"{name}: {model}, global batch {global_batch}: "
+        f"{result['prediction']['tokens_per_s']:,.0f} tokens/s "
+        f"= {100 * result['efficiency']:.2f}% of the upper bound "
+        f"{result['upper_bound_tokens_per_s']:,.0f} "
+        f"(target >= {100 * target:.1f}%); kinds used {len(used)}; "
+        f"{wall:.1f} s wall for the whole command "
         f"(target <= {seconds:g} s), {result['candidates_evaluated']} plans predicted: "
         f"{'met' if ok else 'MISSED'}"
     )
@@ -143,7 +146,8 @@ def quality() -> bool:
         ratio = found.best.prediction.tokens_per_s / best.tokens_per_s
         ok &= ratio >= 0.99
         print(
-            f"  {name}: exhaustive best {best.tokens_per_s:,.0f} tokens/s ({count:,} plans, {enumerate_s:.1f} s); "
+            f"  {name}: exhaustive best {best.tokens_per_s:,.0f} tokens/s "
+            f"({count:,} plans, {enumerate_s:.1f} s); "
             f"planner {found.best.prediction.tokens_per_s:,.0f} ({found.search_time_s:.2f} s): "
             f"{100 * ratio:.2f}% of the best (target >= 99%)"
         )
@@ -153,8 +157,8 @@ def quality() -> bool:
 def examples() -> bool:
     print("\nevery example cluster: planner vs the upper bound and two baselines (same predictor)")
     header = (
-        f"{'cluster':<18} {'model':<10} {'upper bound':>13} {'planner':>11} {'eff.':>7} {'search':>7} "
-        f"{'vs uniform':>10} {'vs fastest alone':>16}"
+        f"{'cluster':<18} {'model':<10} {'upper bound':>13} {'planner':>11} {'eff.':>7} "
+        f"{'search':>7} {'vs uniform':>10} {'vs fastest alone':>16}"
     )
     print(header)
     print("-" * len(header))
@@ -171,8 +175,9 @@ def examples() -> bool:
         ok &= vs_uniform >= 1.0 and best >= fastest
         rows[name] = (bound, best, found.search_time_s)
         print(
-            f"{name:<18} {model_name:<10} {bound:>13,.0f} {best:>11,.0f} {100 * best / bound:>6.2f}% "
-            f"{found.search_time_s:>6.1f}s {f'{vs_uniform:.3f}x' if uniform else 'none fits':>10} "
+            f"{name:<18} {model_name:<10} {bound:>13,.0f} {best:>11,.0f} "
+            f"{100 * best / bound:>6.2f}% {found.search_time_s:>6.1f}s "
+            f"{f'{vs_uniform:.3f}x' if uniform else 'none fits':>10} "
             f"{best / fastest:>15.3f}x"
         )
     print("\nthe six combinations of accelerator kinds:")

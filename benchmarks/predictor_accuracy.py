@@ -41,7 +41,8 @@ def main() -> int:
                 f"predicted {predicted * 1e3:.1f} ms, error {100 * error:.1f}%"
             )
     print(
-        f"predicted {sum(map(len, errors.values()))} rows in {time.perf_counter() - started:.2f} s; "
+        f"predicted {sum(map(len, errors.values()))} rows "
+        f"in {time.perf_counter() - started:.2f} s; "
         f"{'target met' if ok else 'TARGET MISSED'}"
     )
     return 0 if ok else 1

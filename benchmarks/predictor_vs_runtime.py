@@ -119,7 +119,8 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-pvr-"))
     started = time.perf_counter()
     print(
-        f"model {MODEL}, fp32 on CPU, 1 thread per rank; predicted from this machine's profiles, measured "
+        f"model {MODEL}, fp32 on CPU, 1 thread per rank; "
+        "predicted from this machine's profiles, measured "
         f"right before each run; measured: median of {args.steps - 1} steps after a warm-up; "
         f"{args.rounds} round(s) of every plan"
     )
@@ -135,7 +136,8 @@ def main() -> int:
             flush=True,
         )
     print(
-        f"{'plan':<15} {'what':<52} {'predicted':>10} {'measured':>10} {'error':>8}  each round's error"
+        f"{'plan':<15} {'what':<52} {'predicted':>10} {'measured':>10} {'error':>8}  "
+        "each round's error"
     )
     errors = []
     for name, _, _, what in PLANS:
@@ -144,14 +146,17 @@ def main() -> int:
         errors.append((abs(error), name))
         each = " ".join(f"{100 * run['error']:+.1f}%" for run in runs)
         print(
-            f"{name:<15} {what:<52} {statistics.median(run['predicted_iteration_s'] for run in runs):>9.3f}s "
-            f"{statistics.median(run['measured_iteration_s'] for run in runs):>9.3f}s {100 * error:>+7.1f}%  {each}"
+            f"{name:<15} {what:<52} "
+            f"{statistics.median(run['predicted_iteration_s'] for run in runs):>9.3f}s "
+            f"{statistics.median(run['measured_iteration_s'] for run in runs):>9.3f}s "
+            f"{100 * error:>+7.1f}%  {each}"
         )
     mape = 100 * statistics.mean(e for e, _ in errors)
     worst, worst_name = max(errors)
     print(
         f"MAPE {mape:.2f}% over {len(errors)} plans (target <= 10%, aim 5%); worst {worst_name} "
-        f"{100 * worst:.1f}%; {time.perf_counter() - started:.0f} s in all: {'met' if mape <= 10 else 'MISSED'}"
+        f"{100 * worst:.1f}%; {time.perf_counter() - started:.0f} s in all: "
+        f"{'met' if mape <= 10 else 'MISSED'}"
     )
     return 0 if mape <= 10 else 1
 

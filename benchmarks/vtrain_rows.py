@@ -38,7 +38,8 @@ class Row:
     def describe(self) -> str:
         p = self.plan.pipelines[0]
         return (
-            f"{self.file}:{self.line} h={self.model.hidden} L={self.model.layers} gb={self.plan.global_batch} "
+            f"{self.file}:{self.line} h={self.model.hidden} L={self.model.layers} "
+            f"gb={self.plan.global_batch} "
             f"mb={self.plan.micro_batch} tp={p.stages[0].tp} dp={p.count} pp={len(p.stages)}"
         )
 
