@@ -72,7 +72,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_shard W_shard^T, + b: each rank holds a slice of the input features."""
+    """y = sum over ranks of x_shard W_shard^T, + b: each rank holds a slice of the input
+    features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
         super().__init__()
@@ -113,22 +114,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - peak.unsqueeze(-1)
         exp = shifted.exp()
         total = _all_reduce(exp.sum(dim=-1), group)
+        # Each row's target logit if this rank holds it, else 0, summed over the group. Gathered
+        # at a clamped index and masked, not picked by boolean indexing: no index tensor is made
+        # (on the CPU or anywhere) and shapes never depend on the data.
         local = targets - start
         inside = (local >= 0) & (local < logits.shape[-1])
-        picked = torch.zeros_like(total)
-        rows = torch.arange(len(targets))[inside]
-        picked[inside] = shifted[rows, local[inside]]
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
         picked = _all_reduce(picked, group)
-        ctx.save_for_backward(exp / total.unsqueeze(-1), local, inside)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), index, inside)
         return (total.log() - picked).mean()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, inside = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        rows = torch.arange(len(local))[inside]
-        grad_logits[rows, local[inside]] -= 1.0
-        return grad_logits * (grad / len(local)), None, None, None
+        softmax, index, inside = ctx.saved_tensors
+        # softmax - one_hot(target) on the rank holding the target, softmax elsewhere
+        grad_logits = softmax.scatter_add(-1, index, -inside.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits * (grad / len(index)), None, None, None
 
 
 def vocab_parallel_cross_entropy(
