@@ -10,18 +10,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from distributed import free_port
-
-from hethub.comm import Communicator
+from hethub.profile.spawn import free_port
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, full_state
 from hethub.runtime.topology import build_topology
@@ -64,7 +59,7 @@ def batch(spec, step):
 def hethub_rank(spec, steps):
     plan, cluster = parse_plan(PLAN), parse_cluster(CLUSTER)
     topology = build_topology(plan, cluster)
-    engine = Engine(plan, topology, spec, Communicator(topology, cluster), seed=0)
+    engine = Engine.for_job(plan, topology, spec, cluster, seed=0)
     times = []
     for step in range(steps):
         dist.barrier()
@@ -163,14 +158,16 @@ def main() -> int:
     alone = single_process_seconds(args.steps)
     ratio = theirs / ours
     print(
-        f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, seq {MODEL['seq_len']}; "
-        f"{MICRO_BATCHES} micro-batches of {MICRO_BATCH}; 2 ranks x 1 thread, median of {args.steps - 2} steps"
+        f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, "
+        f"seq {MODEL['seq_len']}; {MICRO_BATCHES} micro-batches of {MICRO_BATCH}; "
+        f"2 ranks x 1 thread, median of {args.steps - 2} steps"
     )
     print(f"hethub 1F1B:                    {ours:.3f} s/step, {tokens / ours:,.0f} tokens/s")
     print(f"torch.distributed.pipelining:   {theirs:.3f} s/step, {tokens / theirs:,.0f} tokens/s")
     print(f"one process (1 thread):         {alone:.3f} s/step, {tokens / alone:,.0f} tokens/s")
     print(
-        f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): {'met' if ratio >= 0.95 else 'MISSED'}"
+        f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): "
+        f"{'met' if ratio >= 0.95 else 'MISSED'}"
     )
     print(f"2-stage pipeline speed-up over one process: {alone / ours:.2f}x")
     return 0 if ratio >= 0.95 else 1

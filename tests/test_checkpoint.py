@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from distributed import run_ranks
 
-from hethub.comm import Communicator
 from hethub.errors import HethubError
+from hethub.profile.spawn import run_ranks
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard
 from hethub.runtime.topology import build_topology
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.parameters import parameter_table
 
 SEED, STEPS, LR = 7, 4, 1e-2
 CLUSTER = parse_cluster(
@@ -94,7 +94,7 @@ def world_size(plan):
 
 
 def _engine(plan, topology, spec):
-    return Engine(plan, topology, spec, Communicator(topology, CLUSTER), seed=SEED, lr=LR)
+    return Engine.for_job(plan, topology, spec, CLUSTER, seed=SEED, lr=LR)
 
 
 def _snapshot(engine):
@@ -275,16 +275,19 @@ def test_resume_under_the_same_plan_is_bit_for_bit(jobs):
     assert_holds_shards(plain, jobs["saved4"], "final", 4)
 
 
-def assert_holds_shards(ranks, saved, when, step):
-    """At ``when`` ("loaded": right after loading; "final"), each rank held its TP shard of the
-    checkpoint's full weights and moments, exactly."""
+def assert_holds_shards(ranks, saved, when, step, preset="tiny-llama"):
+    """At ``when`` ("loaded": right after loading; "final"), each rank of a job of ``preset``
+    held its TP shard of the checkpoint's full weights and moments, exactly."""
+    table = parameter_table(load_model(preset))
     for rank in ranks:
         tp_rank, tp = rank["me"]
         for name, (weight, exp_avg, exp_avg_sq, counter) in rank[when].items():
-            assert torch.equal(weight, shard(name, saved[f"model/{name}"], tp_rank, tp)), name
+            assert torch.equal(weight, shard(table[name], saved[f"model/{name}"], tp_rank, tp)), (
+                name
+            )
             for moment, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 assert torch.equal(
-                    tensor, shard(name, saved[f"optim/{name}/{moment}"], tp_rank, tp)
+                    tensor, shard(table[name], saved[f"optim/{name}/{moment}"], tp_rank, tp)
                 ), name
             # AdamW's own step counter: a float32 CPU scalar.
             assert counter.dtype == torch.float32 and counter.shape == () and counter.item() == step
@@ -367,11 +370,13 @@ def test_gpt_tied_head_round_trips(jobs):
     assert len(copies) == 3
     for copy in copies:
         assert torch.equal(copy, saved["model/embed.weight"])
-    assert_holds_shards(first, saved, "loaded", 2)  # the head copy from embed.weight too
+    assert_holds_shards(
+        first, saved, "loaded", 2, "tiny-gpt"
+    )  # the head copy from embed.weight too
     for rank in first:
         assert rank["losses"][4:] == rank["losses"][2:4]  # resumed in the same job: exactly
     # Under two unlike replicas (TP 2, TP 1), the head on the embedding's stage.
-    assert_holds_shards(jobs["gpt_other"], saved, "loaded", 2)
+    assert_holds_shards(jobs["gpt_other"], saved, "loaded", 2, "tiny-gpt")
     for rank in jobs["gpt_other"]:
         torch.testing.assert_close(rank["losses"], first[0]["losses"][2:4], rtol=1e-5, atol=0)
-    assert_holds_shards(jobs["gpt_other"], jobs["gpt_other4"], "final", 4)
+    assert_holds_shards(jobs["gpt_other"], jobs["gpt_other4"], "final", 4, "tiny-gpt")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+
+from hethub.profile.spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _rank(rank, world):
     from test_engine import LR, SEED, batches
 
-    from hethub.comm import BRIDGE, Communicator, local_devices
+    from hethub.comm import BRIDGE, local_devices
     from hethub.runtime.engine import Engine
     from hethub.runtime.topology import build_topology
     from hethub.spec import load_model, parse_cluster, parse_plan
@@ -46,10 +47,9 @@ def _rank(rank, world):
     )
     spec = load_model("tiny-llama")
     topology = build_topology(plan, cluster)
-    devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
+    devices = local_devices(topology.vendors(cluster))
     assert [d.type for d in devices] == ["cuda", "cpu"]
-    comm = Communicator(topology, cluster)
-    engine = Engine(plan, topology, spec, comm, seed=SEED, lr=LR, devices=devices)
+    engine = Engine.for_job(plan, topology, spec, cluster, seed=SEED, lr=LR, devices=devices)
     losses, grads = [], None
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
@@ -60,7 +60,7 @@ def _rank(rank, world):
             }
         engine.optimizer.step()
         engine.optimizer.zero_grad()
-    return losses, grads, comm.bytes[BRIDGE]
+    return losses, grads, engine.comm.bytes[BRIDGE]
 
 
 def test_cuda_and_cpu_groups_in_one_job_match_the_reference():

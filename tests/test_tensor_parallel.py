@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
 
+from hethub.profile.spawn import run_ranks
 from hethub.runtime.model import Stage, full_state, shard
 from hethub.spec import load_model
+from hethub.spec.parameters import parameter_table
 
 
 def _batch(spec, seed=1):
@@ -34,8 +35,9 @@ def test_tp2_matches_the_single_process_reference(preset):
     spec = load_model(preset)
     ref_loss, ref_grads = _loss_and_grads(spec, None)
     results = run_ranks(_tp_rank, 2, preset)
+    table = parameter_table(spec)
     for rank, (loss, grads) in enumerate(results):
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert set(grads) == set(ref_grads)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, shard(name, ref_grads[name], rank, 2), msg=name)
+            torch.testing.assert_close(grad, shard(table[name], ref_grads[name], rank, 2), msg=name)

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hethub.errors import SpecError
-from hethub.runtime.topology import build_topology
+from hethub.runtime.topology import build_topology, parameter_holders
 from hethub.spec import check_plan, parse_cluster, parse_model, parse_plan
+from hethub.spec.parameters import parameter_table
 
 CLUSTER = parse_cluster(
     {
@@ -63,8 +64,11 @@ def test_hetero_plan_ranks_by_group_then_device():
     # amd: the tp-4 block first (devices 0-3, node 0), then the two tp-1 stages (devices 4, 5)
     assert topo.stage_ranks(2, 0) == (4, 5, 6, 7)
     assert topo.stage_ranks(0, 1) == (8,) and topo.stage_ranks(1, 1) == (9,)
-    assert topo.layer_holders(6) == ((8,), (9,), (4, 5, 6, 7))
-    assert topo.layer_holders(0) == ((0, 1), (2, 3), (4, 5, 6, 7))
+    holders = parameter_holders(topo, MODEL)
+    # Each layer's gradient is summed over the leaders of every replica's stage holding it.
+    assert holders["layers.6.q.weight"] == (4, 8, 9)
+    assert holders["layers.0.q.weight"] == holders["embed.weight"] == (0, 2, 4)
+    assert holders["head.weight"] == (4, 8, 9)
     assert {r.micro_batches for r in topo.ranks if r.replica == 2} == {2}
 
 
@@ -105,10 +109,9 @@ def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(
     for group in topo.tp_groups:
         assert len({(topo.ranks[k].group, topo.ranks[k].node) for k in group}) == 1
         assert [topo.ranks[k].tp_rank for k in group] == list(range(len(group)))
-    for layer in range(8):
-        assert len(topo.layer_holders(layer)) == replicas
-    for sync in topo.stage_syncs:
-        assert (
-            len({(topo.ranks[k].stage, topo.ranks[k].tp_rank, topo.ranks[k].layers) for k in sync})
-            == 1
-        )
+    holders = parameter_holders(topo, MODEL)
+    assert set(holders) == set(parameter_table(MODEL))
+    for name, leaders in holders.items():
+        # one holding stage per replica (tiny llama ties nothing), each named by its leader
+        assert len({topo.ranks[k].replica for k in leaders}) == len(leaders) == replicas, name
+        assert all(topo.ranks[k].tp_rank == 0 for k in leaders)

@@ -1,13 +1,14 @@
-"""The unified communicator: one interface for point-to-point and collectives whatever the devices."""
+"""The unified communicator: one interface for point-to-point and collectives, whatever the
+devices."""
 
-from hethub.comm.backends import group_backend, local_device, local_devices, native_backend
+from hethub.comm.backends import device_backend, local_device, local_devices, native_backend
 from hethub.comm.communicator import BRIDGE, NATIVE, Communicator
 
 __all__ = [
     "BRIDGE",
     "NATIVE",
     "Communicator",
-    "group_backend",
+    "device_backend",
     "local_device",
     "local_devices",
     "native_backend",

@@ -30,14 +30,15 @@ def local_device(vendor: str, local_index: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def group_backend(devices: list[torch.device]) -> str:
-    """The backend of a group whose ranks run on ``devices``: native when all are accelerators of
-    this machine, gloo when any is a CPU."""
-    return native_backend() if all(d.type != "cpu" for d in devices) else "gloo"
+def device_backend(device: torch.device) -> str:
+    """The collective library of a rank on ``device``: this machine's native one on an
+    accelerator, gloo on a CPU."""
+    return "gloo" if device.type == "cpu" else native_backend()
 
 
 def local_devices(vendors: list[str]) -> list[torch.device]:
-    """Every rank's device, ranks of accelerator groups taking this machine's accelerators in turn."""
+    """Every rank's device, ranks of accelerator groups taking this machine's accelerators in
+    turn."""
     out, taken = [], 0
     for vendor in vendors:
         device = local_device(vendor, taken)

@@ -37,6 +37,7 @@ from hethub.profile.store import (
     save_profile,
 )
 from hethub.runtime.model import Stage, full_state
+from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
 from hethub.spec.model import ModelSpec
 
 DTYPE = "fp32"  # the runtime trains in fp32
@@ -182,21 +183,20 @@ def _in_this_process(fn: Callable, threads: int, *args):
         torch.set_num_threads(previous)
 
 
-def _tp_group(rank: int, world: int, tp: int):
-    """This rank's TP group among consecutive groups of tp ranks (every rank creates every group)."""
-    mine = None
-    for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
-        if start <= rank < start + tp:
-            mine = group
-    return mine
+def _block_group(rank: int, world: int, size: int, role: Role):
+    """Collective: the groups of consecutive blocks of ``size`` ranks (process_groups.blocks);
+    this rank's, or None when it is in none or alone in its block."""
+    specs = [GroupSpec(role, ranks, "gloo") for ranks in blocks(world, size)]
+    groups = create_groups(specs)
+    mine = next((spec.ranks for spec in specs if rank in spec.ranks), None)
+    return groups.get(role, mine) if mine is not None else None
 
 
 def _measure_rank(
     rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...], repeats: int
 ) -> dict[int, dict[str, float]]:
     """On one rank: the mean costs of each micro-batch size (all ranks measure at once)."""
-    group = _tp_group(rank, world, tp) if world > 1 else None
+    group = _block_group(rank, world, tp, Role.TENSOR) if world > 1 else None
     barrier = dist.barrier if world > 1 else _nothing
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
@@ -430,12 +430,8 @@ def _link_rank(
         if rank < pairs and rank % 2 == 0:
             out.setdefault(("p2p", 2), {})[n] = seconds
     for r in ranks_list:
-        group, members = None, None
-        for start in range(0, world - r + 1, r):
-            ranks = list(range(start, start + r))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                group, members = g, ranks
+        group = _block_group(rank, world, r, Role.MEASURE)
+        members = dist.get_process_group_ranks(group) if group is not None else None
         for kind in _COLLECTIVES:
             for n in sizes:
                 op = _collective(kind, n, r, group, members) if group is not None else _nothing

@@ -1,11 +1,13 @@
 """Run a function on N gloo ranks in fresh local processes: a free port, every wait bounded, the
-processes cleaned up whatever happens (the measuring half of the profiler needs real process
-groups: TP collectives, point-to-point and all-reduce between processes)."""
+processes cleaned up whatever happens. The measuring half of the profiler needs real process
+groups (TP collectives, point-to-point and all-reduce between processes), and so do the
+multi-process tests, which use this too: started as torchrun starts a run's workers."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -37,6 +39,7 @@ def _entry(
     fn: Callable,
     args: tuple,
     results,
+    purpose: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -54,10 +57,12 @@ def _entry(
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        results.put((rank, "ok", fn(rank, world, *args)))
+        # Pickled here, by value: torch's queue would pass a tensor as a handle to this
+        # process's shared memory, which is gone once the process has exited.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         text = traceback.format_exc()
-        print(f"profiling rank {rank}:\n{text}", file=sys.stderr, flush=True)
+        print(f"{purpose} rank {rank}:\n{text}", file=sys.stderr, flush=True)
         results.put((rank, "error", text))
     finally:
         if dist.is_initialized():
@@ -65,11 +70,17 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable, world: int, *args: Any, threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+    fn: Callable,
+    world: int,
+    *args: Any,
+    threads: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    purpose: str = "profiling",
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks, each a fresh process with ``threads``
     torch threads; the return values (picklable) in rank order. A rank that fails, dies or is
-    still running after ``timeout_s`` seconds is an error; every process is gone on return."""
+    still running after ``timeout_s`` seconds is an error (a HethubError that starts with
+    ``purpose``; a failed rank's traceback goes to stderr); every process is gone on return."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -77,7 +88,9 @@ def run_ranks(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world, port, threads, timeout_s, fn, args, results), daemon=True
+            target=_entry,
+            args=(r, world, port, threads, timeout_s, fn, args, results, purpose),
+            daemon=True,
         )
         for r in range(world)
     ]
@@ -92,20 +105,20 @@ def run_ranks(
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise HethubError(
-                        f"profiling: {world - len(out)} of {world} ranks still running after "
+                        f"{purpose}: {world - len(out)} of {world} ranks still running after "
                         f"{timeout_s:g} s; stopped them"
                     ) from None
                 if all(not p.is_alive() for p in procs) and results.empty():
                     missing = sorted(set(range(world)) - set(out))
                     raise HethubError(
-                        f"profiling: rank {missing[0]} exited without a result "
+                        f"{purpose}: rank {missing[0]} exited without a result "
                         f"(exit code {procs[missing[0]].exitcode})"
                     ) from None
                 continue
             out[rank] = (status, value)
             if status != "ok":
                 raise HethubError(
-                    f"profiling: rank {rank} failed ({_last_line(value)}); its traceback is above"
+                    f"{purpose}: rank {rank} failed ({_last_line(value)}); its traceback is above"
                 )
     finally:
         for p in procs:
@@ -115,7 +128,7 @@ def run_ranks(
                 p.kill()
                 p.join()
         results.close()
-    return [out[r][1] for r in range(world)]
+    return [pickle.loads(out[r][1]) for r in range(world)]
 
 
 def _last_line(text: str) -> str:

@@ -1,7 +1,7 @@
 """Checkpoints of a training job (torch.distributed.checkpoint), resumable under any plan.
 
 Layout independence: a checkpoint holds FULL tensors keyed by full-model parameter names
-(hethub.runtime.model's names), never one rank's shard: ``model/<name>`` (the weight),
+(hethub.spec.parameters' names), never one rank's shard: ``model/<name>`` (the weight),
 ``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` and ``optim/<name>/step`` (AdamW's state).
 So any plan resumes any other plan's checkpoint: another pipeline split, another TP degree,
 other replicas. Every rank that holds a parameter (its replicas, its TP ranks once they have
@@ -110,19 +110,10 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     return meta
 
 
-def _params(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
-    """This stage's parameters by full-model name, sorted: every TP rank of a stage gathers in
-    this order (gather_full is a collective of the TP group)."""
-    return sorted(
-        ((engine.stage.full_name(n), p) for n, p in engine.stage.named_parameters()),
-        key=lambda item: item[0],
-    )
-
-
 def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
     """The full tensors of this stage's weights and AdamW state, under their checkpoint keys."""
     out = {}
-    for name, param in _params(engine):
+    for name, param in engine.stage.full_parameters():
         state = engine.optimizer.state.get(param) or {}
         out[f"model/{name}"] = engine.gather_full(name, param.detach())
         for moment in MOMENTS:
@@ -192,8 +183,8 @@ def _buffers(
     """Empty full-shape tensors for every key this rank loads, checked against the
     checkpoint's metadata; or the first mismatch, said for the user."""
     buffers = {}
-    for name, param in _params(engine):
-        full = _full_shape(name, param.shape, engine.me.tp)
+    for name, param in engine.stage.full_parameters():
+        full = list(engine.parameter_table[name].shape)
         wanted = {
             f"model/{name}": full,
             **{f"optim/{name}/{m}": full for m in MOMENTS},
@@ -215,17 +206,6 @@ def _buffers(
     return buffers, None
 
 
-def _full_shape(name: str, local: torch.Size, tp: int) -> list[int]:
-    """The full-model shape of parameter ``name`` whose TP shard has shape ``local``."""
-    probe = shard(name, torch.empty(2, 2, device="meta"), 0, 2).shape  # which dim shard() splits
-    shape = list(local)
-    for dim in range(len(shape)):
-        if probe[dim] == 1:
-            shape[dim] *= tp
-            break
-    return shape
-
-
 def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
     """Copy this rank's TP shard of the loaded full tensors into its parameters and optimizer."""
     rank, tp = engine.me.tp_rank, engine.me.tp
@@ -233,9 +213,10 @@ def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state = {}
     with torch.no_grad():
-        for name, param in _params(engine):
-            param.copy_(shard(name, buffers[f"model/{name}"], rank, tp))
-            entry = {m: shard(name, buffers[f"optim/{name}/{m}"], rank, tp) for m in MOMENTS}
+        for name, param in engine.stage.full_parameters():
+            layout = engine.parameter_table[name]
+            param.copy_(shard(layout, buffers[f"model/{name}"], rank, tp))
+            entry = {m: shard(layout, buffers[f"optim/{name}/{m}"], rank, tp) for m in MOMENTS}
             state[index[id(param)]] = {"step": buffers[f"optim/{name}/step"], **entry}
     # The optimizer's own loader puts the moments on the parameters' devices and dtypes and
     # keeps the step counter as saved (a CPU tensor, capturable and fused being off).

@@ -17,16 +17,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from hethub.comm import Communicator, group_backend
-from hethub.runtime.model import Stage, full_state, shard, stage_names
-from hethub.runtime.topology import Topology
+from hethub.comm import Communicator
+from hethub.runtime.model import Stage, full_state, shard
+from hethub.runtime.process_groups import ProcessGroups, Role, create_job_groups
+from hethub.runtime.topology import Topology, parameter_holders
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
+from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan
 from hethub.spec.schedules import FORWARD, stage_sequence
 
@@ -40,6 +44,7 @@ class Engine:
         topology: Topology,
         spec: ModelSpec,
         comm: Communicator,
+        groups: ProcessGroups,
         *,
         seed: int,
         lr: float = 1e-3,
@@ -48,9 +53,10 @@ class Engine:
         speed: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
-        """``devices``: where each rank runs (default: every rank on the CPU); ``speed``: this
-        rank's emulated speed relative to the machine (None: as fast as it runs); ``bucket_bytes``:
-        the gradient sync's bucket cap (spec.buckets)."""
+        """``groups``: the job's process groups (process_groups.create_groups); ``devices``: where
+        each rank runs (default: every rank on the CPU); ``speed``: this rank's emulated speed
+        relative to the machine (None: as fast as it runs); ``bucket_bytes``: the gradient sync's
+        bucket cap (spec.buckets)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
         self.bucket_bytes = bucket_bytes
@@ -58,20 +64,11 @@ class Engine:
         self._step_start = 0.0
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
-        self.devices = devices or [torch.device("cpu")] * topology.world_size
-        self.device = self.devices[self.rank]
-        # Every rank creates every group, in the same order (torch.distributed requires it); a TP
-        # group of accelerators uses their native library.
-        self.tp_group = None
-        for ranks in topology.tp_groups:
-            group = dist.new_group(
-                list(ranks), backend=group_backend([self.devices[r] for r in ranks])
-            )
-            if self.rank in ranks:
-                self.tp_group = group
+        self.device = (devices or [torch.device("cpu")] * topology.world_size)[self.rank]
+        self.parameter_table = parameter_table(spec)
         self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
         self.leader = self.my_tp_ranks[0]
-        self.sync_groups = self._sync_groups()
+        self.tp_group = groups.get(Role.TENSOR, self.my_tp_ranks)
         stages = topology.replica_stages(self.me.replica)
         self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
         self.stage = Stage(
@@ -87,44 +84,41 @@ class Engine:
         self.optimizer = torch.optim.AdamW(
             self.stage.parameters(), lr=lr, weight_decay=weight_decay
         )
-        self.sync_buckets = self._sync_buckets()
-        self.prev_leader = (
-            topology.stage_ranks(self.me.replica, self.me.stage - 1)[0]
-            if not self.is_first
-            else None
-        )
-        self.next_leader = (
-            topology.stage_ranks(self.me.replica, self.me.stage + 1)[0]
-            if not self.is_last
-            else None
-        )
+        self.sync_buckets = self._sync_buckets(groups) if self.rank == self.leader else []
+        self.sync_buckets = self._sync_buckets(groups)
+        # The pipeline neighbours' leaders, and the group each pair talks through.
+        self.prev_leader = self.next_leader = self.prev_group = self.next_group = None
+        if not self.is_first:
+            self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0]
+        if not self.is_last:
+            self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0]
+        if self.rank == self.leader:
+            if not self.is_first:
+                self.prev_group = groups.get(Role.PIPELINE, (self.prev_leader, self.rank))
+            if not self.is_last:
+                self.next_group = groups.get(Role.PIPELINE, (self.rank, self.next_leader))
 
-    def _sync_groups(self) -> dict[str, tuple[tuple[int, ...], object]]:
-        """For every full-model parameter: the leaders of the TP groups holding it, and their group."""
-        holders: dict[str, list[int]] = {}
-        for replica in sorted({r.replica for r in self.topology.ranks}):
-            stages = self.topology.replica_stages(replica)
-            for s in range(stages):
-                ranks = self.topology.stage_ranks(replica, s)
-                info = self.topology.ranks[ranks[0]]
-                for name in stage_names(
-                    self.spec,
-                    info.first_layer,
-                    info.layers,
-                    is_first=s == 0,
-                    is_last=s == stages - 1,
-                ):
-                    holders.setdefault(name, []).append(ranks[0])
-        groups: dict[tuple[int, ...], object] = {}
-        for leaders in sorted({tuple(sorted(set(v))) for v in holders.values()}):
-            groups[leaders] = dist.new_group(list(leaders)) if len(leaders) > 1 else None
-        return {
-            name: (tuple(sorted(set(v))), groups[tuple(sorted(set(v)))])
-            for name, v in holders.items()
-        }
+    @classmethod
+    def for_job(
+        cls,
+        plan: Plan,
+        topology: Topology,
+        spec: ModelSpec,
+        cluster: ClusterSpec,
+        *,
+        devices: list[torch.device] | None = None,
+        **kwargs,
+    ) -> Engine:
+        """Collective: this rank's engine with its communicator and the job's process groups
+        (created here, on every rank alike); ``kwargs`` as for the constructor."""
+        devices = devices or [torch.device("cpu")] * topology.world_size
+        vendors = topology.vendors(cluster)
+        groups = create_job_groups(topology, spec, cluster, devices)
+        return cls(plan, topology, spec, Communicator(vendors), groups, devices=devices, **kwargs)
 
     def step(self, tokens: torch.Tensor) -> float:
-        """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean loss."""
+        """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean
+        loss."""
         loss = self.gradients(tokens)
         with self._timed("optimizer"):
             self.optimizer.step()
@@ -216,7 +210,8 @@ class Engine:
         # broadcasts to its TP group.
         if self.rank != self.leader:
             return []
-        return [self.comm.isend(tensor.contiguous(), peer)]
+        group = self.next_group if peer == self.next_leader else self.prev_group
+        return [self.comm.isend(tensor.contiguous(), peer, group)]
 
     def _receive(self, shape: tuple[int, ...], peer: int, micro_batch: int) -> torch.Tensor:
         # The wait covers the peer's compute still to come and the transfer: a receive cannot
@@ -224,78 +219,72 @@ class Engine:
         buffer = torch.empty(shape, device=self.device)
         with self._timed("recv_wait", micro_batch):
             if self.rank == self.leader:
-                self.comm.recv(buffer, peer)
+                group = self.next_group if peer == self.next_leader else self.prev_group
+                self.comm.recv(buffer, peer, group)
             if len(self.my_tp_ranks) > 1:
                 dist.broadcast(buffer, self.leader, group=self.tp_group)
                 self.comm.native(buffer)
         return buffer
 
-    def _sync_buckets(
-        self,
-    ) -> list[tuple[list[tuple[str, torch.nn.Parameter]], tuple[int, ...], object]]:
+    def _sync_buckets(self, groups: ProcessGroups) -> list[Bucket]:
         """The gradient sync's buckets, fixed for the engine's life (its parameters are updated in
-        place): (the parameters, the leaders holding them, their group), each bucket of parameters
-        held by the same leaders (spec.buckets), in full-model name order. Buckets go in the order
-        of their first name on every rank, so that the collectives of different groups
-        interleave the same way everywhere."""
+        place): parameters held by the same leaders (topology.parameter_holders) in buckets of
+        spec.buckets, in full-model name order. Buckets go in the order of their first name on
+        every rank, so that the collectives of different groups interleave the same way
+        everywhere."""
         tp = len(self.my_tp_ranks)
+        holders = parameter_holders(self.topology, self.spec)
         held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, param in sorted(
-            (self.stage.full_name(n), p) for n, p in self.stage.named_parameters()
-        ):
-            leaders, _ = self.sync_groups[name]
-            if len(leaders) > 1:
-                held.setdefault(leaders, []).append((name, param))
+        for name, param in self.stage.full_parameters():
+            if len(holders[name]) > 1:
+                held.setdefault(holders[name], []).append((name, param))
         buckets = []
         for leaders, params in held.items():
-            group = self.sync_groups[params[0][0]][1]
-            full_bytes = [
-                param.nbytes * (tp if _shard_dim(name) is not None else 1) for name, param in params
-            ]
+            # Only the leaders all-reduce; the other TP ranks take part in gather and broadcast.
+            group = groups.get(Role.GRAD_SYNC, leaders) if self.rank == self.leader else None
+            full_bytes = [param.nbytes * (tp if self._split(name) else 1) for name, param in params]
             buckets += [
-                (params[start:stop], leaders, group)
+                Bucket(params[start:stop], leaders, group)
                 for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)
             ]
         return buckets
+
+    def _split(self, name: str) -> bool:
+        """Whether TP splits parameter ``name`` (else it is whole on every TP rank)."""
+        return self.parameter_table[name].tp_dim is not None
 
     def _sync_gradients(self) -> None:
         """Sum each parameter's gradient over every replica (and the tied head copy) holding it,
         bucket by bucket (_sync_buckets): gather each full gradient in the TP group, flatten the
         bucket, all-reduce it among the holders' leaders, broadcast it back, keep this rank's
         shards."""
-        tp, tp_rank = len(self.my_tp_ranks), self.my_tp_ranks.index(self.rank)
-        for params, leaders, group in self.sync_buckets:
-            self._sync_bucket(params, leaders, group, tp, tp_rank)
+        for bucket in self.sync_buckets:
+            self._sync_bucket(bucket)
 
-    def _sync_bucket(
-        self,
-        params: list[tuple[str, torch.nn.Parameter]],
-        leaders: tuple[int, ...],
-        group,
-        tp: int,
-        tp_rank: int,
-    ) -> None:
-        """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one broadcast."""
+    def _sync_bucket(self, bucket: Bucket) -> None:
+        """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one
+        broadcast."""
+        tp, tp_rank = len(self.my_tp_ranks), self.me.tp_rank
         fulls = []
-        for name, param in params:
+        for name, param in bucket.params:
             fulls.append(self.gather_full(name, param.grad))
-            if _shard_dim(name) is not None:  # the all-gather moved tp - 1 shards in
+            if self._split(name):  # the all-gather moved tp - 1 shards in
                 self.comm.native(param.grad, tp - 1)
         flat = torch.cat([full.reshape(-1) for full in fulls])
         if self.rank == self.leader:
-            self.comm.all_reduce(flat, leaders, group)
+            self.comm.all_reduce(flat, bucket.leaders, bucket.group)
         if tp > 1:
             dist.broadcast(flat, self.leader, group=self.tp_group)
             self.comm.native(flat)
         pieces = flat.split([full.numel() for full in fulls])
-        for (name, param), piece, full in zip(params, pieces, fulls, strict=True):
-            param.grad.copy_(shard(name, piece.view_as(full), tp_rank, tp))
+        for (name, param), piece, full in zip(bucket.params, pieces, fulls, strict=True):
+            param.grad.copy_(shard(self.parameter_table[name], piece.view_as(full), tp_rank, tp))
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP
         shards of it (a gradient, a weight, an optimizer moment): a collective of the TP group."""
         tp = len(self.my_tp_ranks)
-        dim = _shard_dim(name)
+        dim = self.parameter_table[name].tp_dim
         if tp == 1 or dim is None:
             return tensor.clone()
         pieces = [torch.empty_like(tensor) for _ in range(tp)]
@@ -303,11 +292,9 @@ class Engine:
         return torch.cat(pieces, dim=dim)
 
 
-def _shard_dim(name: str) -> int | None:
-    """The dimension shard() splits a full-model tensor along under TP (None: whole everywhere)."""
-    probe = torch.zeros(4, 4)
-    if shard(name, probe, 0, 2).shape[0] == 2:
-        return 0
-    if shard(name, probe, 0, 2).shape[1] == 2:
-        return 1
-    return None
+class Bucket(NamedTuple):
+    """Gradients synced as one flat buffer among the leaders holding them."""
+
+    params: list[tuple[str, torch.nn.Parameter]]
+    leaders: tuple[int, ...]
+    group: object  # the leaders' GRAD_SYNC group on a leader, None on the other TP ranks

@@ -1,18 +1,9 @@
 """Llama and GPT stages, built per rank for its layers and TP shard only, from one seeded
 initialisation of the full model, so that every layout starts from exactly the same weights.
-
-Full-model parameter names (the checkpoint's, whatever the layout):
-  embed.weight [vocab, h]; pos.weight [seq, h] (gpt)
-  layers.{i}.norm1 / norm2 (.weight, .bias for gpt)
-  layers.{i}.q / k / v (.weight [heads*d | kv*d, h], .bias for gpt); layers.{i}.o (.weight [h, h], .bias)
-  layers.{i}.gate / up (.weight [f, h], llama), layers.{i}.down (.weight [h, f], llama)
-  layers.{i}.fc1 (.weight [f, h], .bias), layers.{i}.fc2 (.weight [h, f], .bias) (gpt)
-  final_norm (.weight, .bias for gpt); head.weight [vocab, h] (llama; gpt ties it to embed.weight)
+The parameters' names, shapes and TP splits are hethub.spec.parameters' table.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -27,60 +18,28 @@ from hethub.runtime.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hethub.spec.model import ModelSpec
-
-INIT_STD = 0.02
-COLUMN = ("q", "k", "v", "gate", "up", "fc1")  # sharded over output features
-ROW = ("o", "down", "fc2")  # sharded over input features
+from hethub.spec.parameters import INIT_STD, Init, Parameter, parameter_table
 
 
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """The whole model's initial weights (fp32), the same for every layout given the seed."""
     gen = torch.Generator().manual_seed(seed)
-    h, d, f = spec.hidden, spec.head_dim, spec.ffn_hidden
-    gpt = spec.arch == "gpt"
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * INIT_STD
-
-    state = {"embed.weight": normal(spec.vocab, h)}
-    if gpt:
-        state["pos.weight"] = normal(spec.seq_len, h)
-    shapes = {
-        "q": (spec.heads * d, h),
-        "k": (spec.kv_heads * d, h),
-        "v": (spec.kv_heads * d, h),
-        "o": (h, h),
-    }
-    shapes.update(
-        {"fc1": (f, h), "fc2": (h, f)} if gpt else {"gate": (f, h), "up": (f, h), "down": (h, f)}
-    )
-    for i in range(spec.layers):
-        for norm in ("norm1", "norm2"):
-            state[f"layers.{i}.{norm}.weight"] = torch.ones(h)
-            if gpt:
-                state[f"layers.{i}.{norm}.bias"] = torch.zeros(h)
-        for name, shape in shapes.items():
-            # Output projections scaled down with depth (GPT-2), so deep models start stable.
-            scale = 1 / math.sqrt(2 * spec.layers) if name in ROW else 1.0
-            state[f"layers.{i}.{name}.weight"] = normal(*shape) * scale
-            if gpt:
-                state[f"layers.{i}.{name}.bias"] = torch.zeros(shape[0])
-    state["final_norm.weight"] = torch.ones(h)
-    if gpt:
-        state["final_norm.bias"] = torch.zeros(h)
-    else:
-        state["head.weight"] = normal(spec.vocab, h)
+    state = {}
+    for name, param in parameter_table(spec).items():
+        if param.init is Init.NORMAL:
+            state[name] = torch.randn(*param.shape, generator=gen) * INIT_STD * param.scale
+        elif param.init is Init.ONES:
+            state[name] = torch.ones(param.shape)
+        else:
+            state[name] = torch.zeros(param.shape)
     return state
 
 
-def shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's slice of a full-model tensor."""
-    kind = name.split(".")[-2] if name.startswith("layers.") else name.split(".")[0]
-    if kind in ("embed", "head") or kind in COLUMN:
-        return tensor.chunk(size, dim=0)[rank].clone()
-    if kind in ROW and name.endswith("weight"):
-        return tensor.chunk(size, dim=1)[rank].clone()
-    return tensor.clone()  # norms, positions, row-parallel biases: whole on every rank
+def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank ``rank``'s slice (a copy) of ``tensor``, a full-model tensor of ``param``'s shape."""
+    if param.tp_dim is None:
+        return tensor.clone()
+    return tensor.chunk(size, dim=param.tp_dim)[rank].clone()
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +55,9 @@ class RMSNorm(nn.Module):
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding on (B, heads, T, d)."""
     t, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(t, dtype=torch.float32), inv)  # (T, d/2)
+    # Made on x's device: a table made on the CPU breaks the product on any accelerator.
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)  # (T, d/2)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
     return x * cos + half * sin
@@ -153,7 +113,8 @@ class Layer(nn.Module):
 
 class Stage(nn.Module):
     """Layers [first, first + count) of the model on one TP rank; the first stage also embeds the
-    tokens, the last also normalises, projects to the (vocabulary-parallel) logits and scores them."""
+    tokens, the last also normalises, projects to the (vocabulary-parallel) logits and scores
+    them."""
 
     def __init__(
         self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool
@@ -185,7 +146,7 @@ class Stage(nn.Module):
             tokens = x
             x = self.embed(tokens)
             if self.spec.arch == "gpt":
-                x = x + self.pos(torch.arange(tokens.shape[1]))
+                x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers.values():
             x = layer(x)
         if self.is_last:
@@ -201,42 +162,19 @@ class Stage(nn.Module):
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this stage's TP shard of the full-model weights in."""
-        rank, size = tp_rank(self.group), tp_size(self.group)
+        rank, size, table = tp_rank(self.group), tp_size(self.group), parameter_table(self.spec)
         with torch.no_grad():
-            for name, param in self.named_parameters():
-                param.copy_(shard(self.full_name(name), state[self.full_name(name)], rank, size))
+            for name, param in self.full_parameters():
+                param.copy_(shard(table[name], state[name], rank, size))
 
     def full_name(self, name: str) -> str:
-        """This stage's parameter name as the full model names it."""
+        """This stage's parameter name as the full model names it (hethub.spec.parameters): the
+        module's own name, but for the output projection, which GPT ties to the embedding."""
         if name == "head":
             return "head.weight" if self.spec.arch == "llama" else "embed.weight"
         return name
 
-
-def stage_names(
-    spec: ModelSpec, first: int, count: int, *, is_first: bool, is_last: bool
-) -> list[str]:
-    """The full-model parameter names a stage holds (a shard of each, under TP)."""
-    gpt = spec.arch == "gpt"
-    names = ["embed.weight"] + (["pos.weight"] if gpt else []) if is_first else []
-    per_layer = ["norm1.weight", "norm2.weight", "q.weight", "k.weight", "v.weight", "o.weight"]
-    per_layer += (
-        ["fc1.weight", "fc2.weight"] if gpt else ["gate.weight", "up.weight", "down.weight"]
-    )
-    if gpt:
-        per_layer += [
-            "norm1.bias",
-            "norm2.bias",
-            "q.bias",
-            "k.bias",
-            "v.bias",
-            "o.bias",
-            "fc1.bias",
-            "fc2.bias",
-        ]
-    names += [f"layers.{i}.{n}" for i in range(first, first + count) for n in per_layer]
-    if is_last:
-        names += ["final_norm.weight"] + (["final_norm.bias"] if gpt else [])
-        if not (gpt and is_first):
-            names.append("embed.weight" if gpt else "head.weight")
-    return names
+    def full_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This stage's parameters by full-model name, sorted: the order in which every TP rank
+        of a stage runs its per-parameter collectives (gradient sync, checkpoint gathers)."""
+        return sorted((self.full_name(n), p) for n, p in self.named_parameters())

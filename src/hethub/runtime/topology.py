@@ -1,5 +1,5 @@
 """Who does what: from a plan and a cluster, every rank's replica, stage, TP rank, group and device,
-and the rank sets that talk (TP groups, pipeline neighbours, gradient-sync groups).
+the TP groups, and which stages hold a copy of each parameter (the gradient sync's sets).
 
 A pure function of its inputs, testable without processes. Ranks are laid out by group (in the
 cluster file's order) and by device inside the group (node by node), over the devices the plan
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.spec.cluster import ClusterSpec
+from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import stage_parameters
 from hethub.spec.placement import place
 from hethub.spec.plan import Plan
 
@@ -43,9 +45,6 @@ class Topology:
     ranks: tuple[RankInfo, ...]
     tp_groups: tuple[tuple[int, ...], ...]
     """The ranks of every (replica, stage), in TP-rank order."""
-    stage_syncs: tuple[tuple[int, ...], ...]
-    """Ranks holding the same parameter shard (same layout class, stage and TP rank): these
-    all-reduce gradients natively. Replicas whose stages differ are joined per layer, over these."""
 
     @property
     def world_size(self) -> int:
@@ -58,13 +57,26 @@ class Topology:
     def replica_stages(self, replica: int) -> int:
         return 1 + max(r.stage for r in self.ranks if r.replica == replica)
 
-    def layer_holders(self, layer: int) -> tuple[tuple[int, ...], ...]:
-        """Per replica, the TP group holding ``layer`` (its gradient is averaged over all of them)."""
-        holders: dict[int, list[int]] = {}
-        for r in self.ranks:
-            if r.first_layer <= layer < r.first_layer + r.layers:
-                holders.setdefault(r.replica, []).append(r.rank)
-        return tuple(tuple(ranks) for _, ranks in sorted(holders.items()))
+    def vendors(self, cluster: ClusterSpec) -> list[str]:
+        """Every rank's accelerator vendor, in rank order."""
+        return [cluster.group(r.group).accelerator.vendor for r in self.ranks]
+
+
+def parameter_holders(topology: Topology, model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """For every full-model parameter: the leaders (first TP rank) of the stages holding a copy,
+    sorted. Their gradients are summed over exactly these (every replica, and the GPT head's
+    copy of the embedding)."""
+    holders: dict[str, set[int]] = {}
+    for replica in sorted({r.replica for r in topology.ranks}):
+        stages = topology.replica_stages(replica)
+        for s in range(stages):
+            leader = topology.ranks[topology.stage_ranks(replica, s)[0]]
+            names = stage_parameters(
+                model, leader.first_layer, leader.layers, is_first=s == 0, is_last=s == stages - 1
+            )
+            for name in names:
+                holders.setdefault(name, set()).add(leader.rank)
+    return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
 
 
 def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
@@ -110,12 +122,9 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
             )
         )
     tp_groups: dict[tuple[int, int], list[int]] = {}
-    syncs: dict[tuple, list[int]] = {}
     for r in ranks:
         tp_groups.setdefault((r.replica, r.stage), []).append(r.rank)
-        syncs.setdefault((plan.pipelines[r.pipeline].stages, r.stage, r.tp_rank), []).append(r.rank)
     return Topology(
         tuple(ranks),
         tuple(tuple(sorted(v, key=lambda k: ranks[k].tp_rank)) for v in tp_groups.values()),
-        tuple(tuple(v) for v in syncs.values()),
     )

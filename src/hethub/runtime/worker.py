@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hethub.comm import BRIDGE, NATIVE, Communicator, local_devices
+from hethub.comm import BRIDGE, NATIVE, local_devices
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.progress import ProgressBar
@@ -57,13 +57,12 @@ def train(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
     try:
         rank = dist.get_rank()
-        comm = Communicator(topology, cluster)
-        devices = local_devices([cluster.group(r.group).accelerator.vendor for r in topology.ranks])
-        engine = Engine(
+        devices = local_devices(topology.vendors(cluster))
+        engine = Engine.for_job(
             plan,
             topology,
             model,
-            comm,
+            cluster,
             seed=settings.seed,
             lr=settings.lr,
             devices=devices,
@@ -79,7 +78,9 @@ def train(
             loss = engine.step(
                 global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed)
             )
-            moved = torch.tensor([comm.bytes[NATIVE], comm.bytes[BRIDGE]], dtype=torch.float64)
+            moved = torch.tensor(
+                [engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]], dtype=torch.float64
+            )
             dist.all_reduce(moved)
             timelines = [None] * world if rank == 0 else None
             dist.gather_object(engine.timeline, timelines, dst=0)
