@@ -283,7 +283,7 @@ def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_
     for pid in workers:  # a crash: every worker dies at once, wherever it is
         os.kill(pid, signal.SIGKILL)
     _, stderr = victim.communicate(timeout=60)
-    assert len(workers) == 2 and victim.returncode != 0
+    assert len(workers) == 2 and victim.returncode != 0, stderr  # stderr says why if not
     assert "a worker failed" in stderr
     resumed = hethub(files, "train", "--resume", "runs/crashed", "--json")
     assert resumed.returncode == 0, resumed.stderr
