@@ -84,7 +84,6 @@ class Engine:
         self.optimizer = torch.optim.AdamW(
             self.stage.parameters(), lr=lr, weight_decay=weight_decay
         )
-        self.sync_buckets = self._sync_buckets(groups) if self.rank == self.leader else []
         self.sync_buckets = self._sync_buckets(groups)
         # The pipeline neighbours' leaders, and the group each pair talks through.
         self.prev_leader = self.next_leader = self.prev_group = self.next_group = None
