@@ -588,3 +588,37 @@ def test_subprocess_missing_cluster_file(tmp_path) -> None:
     assert len(lines) == 1, lines
     assert str(missing) in lines[0] and "not found" in lines[0]
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [
+                "plan",
+                "--cluster",
+                "c.yaml",
+                "--model",
+                "tiny-gpt",
+                "--global-batch",
+                "8",
+                "--top",
+                "0",
+            ],
+            "hethub plan: error: --top = 0: must be a positive integer",
+        ),
+        (
+            ["train", "--steps", "-3"],
+            "hethub train: error: --steps = -3: must be a positive integer",
+        ),
+        (
+            ["predict", "--cluster", "c.yaml", "--tp", "two"],
+            "hethub predict: error: --tp = two: must be a positive integer",
+        ),
+    ],
+)
+def test_a_count_flag_below_one_is_one_line_in_every_command(capsys, argv, message) -> None:
+    # argparse checks these flags (hethub.cli.args.positive_int) before any file is read.
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err == message + "\n"

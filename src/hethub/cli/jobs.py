@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
@@ -60,12 +61,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--global-batch",
-        type=int,
+        type=positive_int,
         help=f"sequences per step when planning (default {DEFAULT_GLOBAL_BATCH})",
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)",
     )
     parser.add_argument("--seed", type=int, help="seed of the weights and the batches (default 0)")
@@ -81,7 +82,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "with -2, -3, ... when taken)",
     )
     parser.add_argument(
-        "--checkpoint-every", type=int, help="checkpoint every K steps and at the end (default 20)"
+        "--checkpoint-every",
+        type=positive_int,
+        help="checkpoint every K steps and at the end (default 20)",
     )
     parser.add_argument(
         "--profiles",
@@ -117,10 +120,6 @@ class Job:
 def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = True, say=None) -> Job:
     """Check the inputs, plan if needed, predict, and write the run directory (when ``write``).
     ``measure``: profile this machine for what the profiles lack (never under torchrun)."""
-    for flag in ("steps", "global_batch", "checkpoint_every"):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     if args.resume:
         return _prepare_resume(args, measure, write, say)
     cluster_path = Path(args.cluster) if args.cluster else builtin_cluster()

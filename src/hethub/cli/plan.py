@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from hethub.cli.args import positive_int
 from hethub.cli.predict import PROFILES_HELP, describe, note_missing, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
@@ -30,15 +31,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", required=True, help="preset name or model YAML")
     parser.add_argument(
-        "--global-batch", required=True, type=int, help="sequences per optimizer step"
+        "--global-batch", required=True, type=positive_int, help="sequences per optimizer step"
     )
-    parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    parser.add_argument(
+        "--seq-len", type=positive_int, help="sequence length (default: the model's)"
+    )
     parser.add_argument(
         "--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
     parser.add_argument(
-        "--top", type=int, default=1, metavar="K", help="also list the next best plans"
+        "--top", type=positive_int, default=1, metavar="K", help="also list the next best plans"
     )
     parser.add_argument(
         "--time-limit", type=float, metavar="SECONDS", help="stop searching after this long"
@@ -48,10 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("global_batch", "seq_len", "top"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     if args.time_limit is not None and args.time_limit <= 0:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")
     cluster = load_cluster(args.cluster)

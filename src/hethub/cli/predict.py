@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.predictor.profiled import missing_profiles
@@ -47,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         parser.add_argument(
             f"--{flag.replace('_', '-')}",
             dest=flag,
-            type=int,
+            type=positive_int,
             help=f"shorthand plan: {flag.replace('_', ' ')}",
         )
     parser.add_argument(
@@ -138,10 +139,6 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
             f"(it has {len(cluster.groups)}: {', '.join(cluster.group_names)}); write a plan file"
         )
     model = load_model(args.model, source="--model")
-    for flag in SHORTHAND:
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     tp, pp, dp = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp"))
     if pp > model.layers:
         raise HethubError(

@@ -13,14 +13,13 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hethub.errors import HethubError, SpecError
+from hethub.files import write_atomic
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
 from hethub.spec.model import ARCHS, ModelSpec
@@ -384,14 +383,7 @@ def save_profile(directory: str | Path, profile: LayerProfile | LinkProfile) -> 
     text = json.dumps(to_json(profile), indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-            os.replace(temp, path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, text)
     except OSError as error:
         raise HethubError(f"{path}: cannot write the profile ({error.strerror})") from None
     return path
