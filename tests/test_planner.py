@@ -331,17 +331,3 @@ def test_time_limit_stops_the_search_with_the_best_so_far_or_a_clear_error(tmp_p
         assert json.loads(captured.out)["timed_out"] is True
     else:
         assert code == 2 and "ran out of time" in captured.err and "Traceback" not in captured.err
-
-
-def test_progress_bar_draws_one_line_and_clears_it():
-    import io
-
-    from hethub.report.progress import ProgressBar
-
-    stream = io.StringIO()
-    bar = ProgressBar(stream, width=10)
-    bar.update("phase", 0, 4)
-    bar.update("phase", 4, 4)
-    bar.close()
-    text = stream.getvalue()
-    assert "\n" not in text and "[##########] 100%" in text and text.endswith("\r")

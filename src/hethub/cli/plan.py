@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import yaml
@@ -15,7 +14,7 @@ from hethub.cli.args import positive_int
 from hethub.cli.predict import PROFILES_HELP, describe, note_missing, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
-from hethub.report.progress import ProgressBar
+from hethub.report.terminal import progress_bar
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
 
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     profiles = read_profiles(args.profiles, cluster, cluster.devices)
 
-    bar = ProgressBar(sys.stderr) if not args.json and sys.stderr.isatty() else None
+    bar = None if args.json else progress_bar()
     result = search(
         cluster,
         model,

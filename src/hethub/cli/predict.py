@@ -12,7 +12,7 @@ from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.predictor.profiled import missing_profiles
 from hethub.profile.store import Profiles, load_profiles, select_for_run
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
 from hethub.report.trace import write_trace
 from hethub.spec import (
     ClusterSpec,

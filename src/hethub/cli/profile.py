@@ -18,7 +18,7 @@ from hethub.profile.store import (
     profile_path,
     to_json,
 )
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
 from hethub.spec import load_model
 from hethub.spec.accelerator import catalog
 

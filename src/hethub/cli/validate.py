@@ -14,7 +14,7 @@ import sys
 
 from hethub.cli.jobs import Job, launch, prepare
 from hethub.errors import HethubError
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
 from hethub.spec import load_cluster
 
 

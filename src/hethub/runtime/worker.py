@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hethub.comm import BRIDGE, NATIVE, Communicator, local_devices
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
-from hethub.report.progress import ProgressBar
+from hethub.report.terminal import progress_bar
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -118,7 +118,7 @@ class _StepLog:
         self.prediction = (
             json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         )
-        self.bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+        self.bar = progress_bar()
         self.board = _tensorboard(run)
         # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
         first = {}
@@ -171,8 +171,8 @@ class _StepLog:
             + (" | emulated speeds" if self.emulated else "")
         )
         if self.bar:
-            self.bar.update(f"step {step}/{steps}", step, steps, detail)
-        elif not self.as_json:
+            self.bar.update("step", step, steps, detail)
+        elif not self.as_json:  # a log: one line per step, for people and for grep
             print(f"step {step}/{steps}: {detail}", file=sys.stderr, flush=True)
 
     def finish(self, timelines: list[list[dict]], world: int) -> None:
