@@ -538,6 +538,43 @@ def test_json_output_keys(tmp_path, capsys) -> None:
         assert stage["compute_s"] > 0 and stage["memory_gb"] > 0
 
 
+def test_analytic_figures_say_how_far_they_may_be_from_the_hardware(tmp_path, capsys) -> None:
+    code, out, err = run_cli(capsys, plan_args(tmp_path, tiny_plan(), TWO_GROUPS))
+    assert code == 0 and err == "", err
+    assert out.splitlines()[-1].startswith(
+        "priced by            the analytic model, from the catalog's public figures: under 8% "
+        "mean error on 1,481 measured A100 iterations"
+    )
+    cpu = {"groups": [{"name": "nv", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}
+    code, out, err = run_cli(capsys, plan_args(tmp_path, tiny_plan(), cpu))
+    assert code == 0 and err == "", err
+    last = out.splitlines()[-1]
+    assert "not calibrated for this machine" in last and "hethub profile" in last
+
+
+def test_one_device_is_not_one_devices(tmp_path, capsys) -> None:
+    one = {
+        "groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 1}]
+    }
+    args = shorthand(tmp_path, "--micro-batch", "1", "--global-batch", "8", cluster=one)
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert ", 1 device\n" in out.splitlines()[0] + "\n" and "1 devices" not in out
+
+
+def test_plural_says_one_thing_and_many_things() -> None:
+    from hethub.report.text import plural
+
+    assert [plural(n, "rank") for n in (0, 1, 2, 1440)] == [
+        "0 ranks",
+        "1 rank",
+        "2 ranks",
+        "1,440 ranks",
+    ]
+    assert plural(1, "process", "processes") == "1 process"
+    assert plural(3, "process", "processes") == "3 processes"
+
+
 def test_plan_model_path_is_relative_to_the_plan(tmp_path, capsys, monkeypatch) -> None:
     folder = tmp_path / "plans"
     folder.mkdir()

@@ -24,6 +24,7 @@ from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
+from hethub.report.text import plural
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -397,7 +398,8 @@ def launch(job: Job, *, as_json: bool) -> int:
     ).returncode
     if code:
         print(
-            f"hethub: error: a worker failed and torchrun stopped the {world} workers (exit {code}); "
+            f"hethub: error: a worker failed and torchrun stopped the {plural(world, 'worker')} "
+            f"(exit {code}); "
             f"the failing worker's message is above",
             file=sys.stderr,
         )

@@ -11,10 +11,11 @@ from pathlib import Path
 import yaml
 
 from hethub.cli.args import positive_int
-from hethub.cli.predict import PROFILES_HELP, describe, note_missing, read_profiles
+from hethub.cli.predict import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
 from hethub.report.terminal import progress_bar
+from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
 
@@ -38,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite --out when it exists (default: refuse)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
     parser.add_argument(
         "--top", type=positive_int, default=1, metavar="K", help="also list the next best plans"
@@ -57,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len:
         model = dataclasses.replace(model, seq_len=args.seq_len)
     out = Path(args.out)
+    # Before the search: a plan someone checked or trained is not replaced by a rerun unasked.
+    if out.exists() and not args.force:
+        raise HethubError(
+            f"--out = {args.out!r}: the file exists already; give --force to overwrite it, "
+            f"or another --out"
+        )
     model_ref = _model_reference(args, model, out)
 
     profiles = read_profiles(args.profiles, cluster, cluster.devices)
@@ -77,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise HethubError(_no_plan_message(result, cluster, model, args))
     bound, per_group = upper_bound(result)
     best = result.best
-    if profiles is not None:
-        note_missing(best.plan, cluster, model, profiles, "plan")
+    missing = note_missing(best.plan, cluster, model, profiles, "plan")
     _write(out, best, model, model_ref, args)
 
     efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
@@ -105,7 +114,16 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(describe(best.prediction, best.plan, cluster, model, str(out)))
+    print(
+        describe(
+            best.prediction,
+            best.plan,
+            cluster,
+            model,
+            str(out),
+            priced_by(cluster, profiles, missing),
+        )
+    )
     print()
     print(
         f"upper bound          {bound:,.0f} tokens/s (each group alone: "
@@ -114,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
     print(
-        f"search               {result.candidates_evaluated} plans predicted in {result.search_time_s:.2f} s"
+        f"search               {plural(result.candidates_evaluated, 'plan')} predicted "
+        f"in {result.search_time_s:.2f} s"
         + (" (stopped at --time-limit)" if result.timed_out else "")
     )
     for rank, other in enumerate(others, start=2):

@@ -19,6 +19,7 @@ from hethub.profile.store import (
     to_json,
 )
 from hethub.report.terminal import render_table
+from hethub.report.text import plural
 from hethub.spec import load_model
 from hethub.spec.accelerator import catalog
 
@@ -196,7 +197,7 @@ def describe(
             _fit((link.p2p_latency_s, link.p2p_bytes_per_s)),
             *(
                 "; ".join(
-                    f"{ranks} ranks {_fit(fit)}"
+                    f"{plural(ranks, 'rank')} {_fit(fit)}"
                     for ranks, fit in sorted(getattr(link, kind).items())
                 )
                 for kind in ("allreduce", "broadcast", "allgather")
@@ -208,8 +209,8 @@ def describe(
     first = layers[0].key if layers else None
     shape = (
         f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, ffn {first.ffn_hidden}, "
-        f"seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, {first.threads} thread(s) per rank"
-        + (f", {layers[0].cores} cores" if layers[0].cores else "")
+        f"seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, {plural(first.threads, 'thread')} per rank"
+        + (f", {plural(layers[0].cores, 'core')}" if layers[0].cores else "")
         if first
         else ""
     )

@@ -15,6 +15,7 @@ import sys
 from hethub.cli.jobs import Job, launch, prepare
 from hethub.errors import HethubError
 from hethub.report.terminal import render_table
+from hethub.report.text import plural
 from hethub.spec import load_cluster
 
 
@@ -148,7 +149,7 @@ def describe(report: dict) -> str:
     ]
     lines = [
         f"predicted {report['predicted_iteration_s']:.3f} s per step, measured {report['measured_iteration_s']:.3f} s "
-        f"(median of {report['steps_measured']} steps): error {100 * report['error']:+.1f}%"
+        f"(median of {plural(report['steps_measured'], 'step')}): error {100 * report['error']:+.1f}%"
         + (" (emulated speeds)" if report["emulated"] else ""),
         f"prediction from {report['basis']}",
         "",

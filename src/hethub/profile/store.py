@@ -20,6 +20,7 @@ from typing import Any
 
 from hethub.errors import HethubError, SpecError
 from hethub.files import write_atomic
+from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
 from hethub.spec.model import ARCHS, ModelSpec
@@ -103,8 +104,8 @@ class LayerKey:
         return (
             f"{self.device} tp={self.tp} micro-batch {self.micro_batch} ({self.arch} hidden {self.hidden}, "
             f"heads {self.heads}/{self.kv_heads}, ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
-            f"{self.dtype}, {self.threads} thread{'s' * (self.threads != 1)}, "
-            f"{self.concurrent_ranks} rank{'s' * (self.concurrent_ranks != 1)} at once)"
+            f"{self.dtype}, {plural(self.threads, 'thread')}, "
+            f"{plural(self.concurrent_ranks, 'rank')} at once)"
         )
 
 

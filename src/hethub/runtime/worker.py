@@ -20,6 +20,7 @@ from hethub.comm import BRIDGE, NATIVE, Communicator, local_devices
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.terminal import progress_bar
+from hethub.report.text import plural
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -49,7 +50,8 @@ def train(
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise HethubError(
-            f"{run.plan}: the plan needs {topology.world_size} processes, torchrun started {world} "
+            f"{run.plan}: the plan needs {plural(topology.world_size, 'process', 'processes')}, "
+            f"torchrun started {world} "
             f"(give --nproc-per-node x nodes = {topology.world_size})"
         )
     torch.set_num_threads(1)
@@ -206,7 +208,7 @@ class _StepLog:
             self.run.loss_plot,
             [r["step"] for r in records],
             [r["loss"] for r in records],
-            f"{self.run.path.name}: {self.model.name}, {world} ranks{label}",
+            f"{self.run.path.name}: {self.model.name}, {plural(world, 'rank')}{label}",
         )
         summary = {
             "run_dir": str(self.run.path),
