@@ -1,4 +1,5 @@
-"""Bad input to `hethub predict`: exit status 2, one line on stderr naming file, field, value and rule.
+"""Bad input to `hethub predict`: exit status 2, one line on stderr naming file, field, value
+and rule.
 
 The CLI runs in-process through ``hethub.cli.main`` (fast); one test runs it as a subprocess.
 """
@@ -27,7 +28,8 @@ TWO_GROUPS = {
 
 
 def tiny_plan(**changes) -> dict:
-    """A valid plan of tiny-gpt (8 layers, 4 heads) on group nv; ``changes`` replace top-level fields."""
+    """A valid plan of tiny-gpt (8 layers, 4 heads) on group nv; ``changes`` replace top-level
+    fields."""
     plan = {
         "model": "tiny-gpt",
         "global_batch": 8,

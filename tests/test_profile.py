@@ -584,7 +584,8 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
         8 * lp.layer_forward_s + lp.embed_forward_s + lp.head_forward_s
     )
     assert err == ""
-    # Two devices: two ranks at once, which these profiles lack: the analytic model, and a note each.
+    # Two devices: two ranks at once, which these profiles lack: the analytic model, and a note
+    # each.
     cluster.write_text(
         "groups:\n  - {name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 2}\n"
     )

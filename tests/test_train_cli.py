@@ -231,7 +231,8 @@ def test_resume_refuses_a_run_that_is_done_and_a_run_without_checkpoints(files):
 
 
 def _workers_of(run_dir: str) -> list[int]:
-    """The pids of the torchrun workers training ``run_dir`` (torchrun gives them their own session)."""
+    """The pids of the torchrun workers training ``run_dir`` (torchrun gives them their own
+    session)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:

@@ -193,17 +193,19 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     for flag, value in (("seed", args.seed), ("lr", args.lr)):
         if value is not None and value != getattr(settings, flag):
             raise HethubError(
-                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; a resumed run "
-                f"keeps its seed and learning rate so that it continues exactly"
+                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; "
+                f"a resumed run keeps its seed and learning rate so that it continues exactly"
             )
     if args.data and str(Path(args.data).resolve()) != settings.data:
         raise HethubError(
-            f"--data = {args.data!r}: the run was trained on {settings.data or 'the built-in corpus'}"
+            f"--data = {args.data!r}: the run was trained on "
+            f"{settings.data or 'the built-in corpus'}"
         )
     steps = _given(args.steps, settings.steps)
     if steps <= done:
         raise HethubError(
-            f"--resume = {args.resume!r}: the run is at step {done} already; give --steps above {done}"
+            f"--resume = {args.resume!r}: the run is at step {done} already; "
+            f"give --steps above {done}"
         )
     settings = dataclasses.replace(
         settings,
@@ -251,7 +253,8 @@ def _given(value, default):
 
 
 def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
-    """Bad data (missing, empty, too short, out of the vocabulary) stops before any process starts."""
+    """Bad data (missing, empty, too short, out of the vocabulary) stops before any process
+    starts."""
     from hethub.runtime.data import builtin_corpus, check_tokens, load_tokens
 
     tokens = load_tokens(settings.data) if settings.data else builtin_corpus()
@@ -268,7 +271,8 @@ def _profiles(
     measure: bool,
     say,
 ) -> tuple[Profiles | None, str]:
-    """This machine's profiles for the job (measured first where missing), or None: the analytic model."""
+    """This machine's profiles for the job (measured first where missing), or None: the
+    analytic model."""
     folder = Path(args.profiles)
     if not all_cpu(cluster):
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"

@@ -24,9 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "plan",
         help="find the fastest plan for a cluster and write it as a plan file",
-        description="Search the heterogeneous data x tensor x pipeline plan space with the predictor, "
-        "write the fastest plan that fits in memory, and compare it with the theoretical "
-        "upper bound (the sum of each device group's best throughput alone).",
+        description="Search the heterogeneous data x tensor x pipeline plan space with the "
+        "predictor, write the fastest plan that fits in memory, and compare it with the "
+        "theoretical upper bound (the sum of each device group's best throughput alone).",
     )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", required=True, help="preset name or model YAML")
@@ -158,9 +158,10 @@ def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> s
 def _write(
     out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace
 ) -> None:
+    p = best.prediction
     header = (
-        f"# Written by hethub plan for {args.cluster}: {best.prediction.tokens_per_s:,.0f} tokens/s predicted,\n"
-        f"# {best.prediction.iteration_time_s:.3f} s per step, peak {best.prediction.peak_memory_gb:.1f} GB per device.\n"
+        f"# Written by hethub plan for {args.cluster}: {p.tokens_per_s:,.0f} tokens/s predicted,\n"
+        f"# {p.iteration_time_s:.3f} s per step, peak {p.peak_memory_gb:.1f} GB per device.\n"
     )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,12 +193,16 @@ def _no_plan_message(
 ) -> str:
     what = f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}"
     if result.timed_out:
-        return f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); allow it longer"
+        return (
+            f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); "
+            f"allow it longer"
+        )
     closest = result.closest
     if closest is None:
         return f"{what}: no layout of the cluster can hold the model"
     return (
-        f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
-        f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
-        f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model"
+        f"no plan fits in memory: the closest candidate ({closest.summary}) needs "
+        f"{closest.need_gb:.1f} GB on a device of group {closest.group!r} ({closest.accelerator}, "
+        f"{closest.capacity_gb:g} GB), {closest.over_gb:.1f} GB over; give the cluster more "
+        f"devices or memory, or plan a smaller model"
     )

@@ -1,4 +1,5 @@
-"""`hethub predict`: iteration time, throughput and memory of a plan on a cluster, before a GPU is spent."""
+"""`hethub predict`: iteration time, throughput and memory of a plan on a cluster, before a GPU
+is spent."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
 PROFILES_HELP = (
     "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
-    "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has devices "
-    "when every group's accelerator is a CPU (a local run: all ranks share this machine), else 1; "
+    "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has "
+    "devices when every group's accelerator is a CPU (a local run: all ranks share this machine), "
+    "else 1; "
     "what DIR lacks is priced by the analytic model, with a note on stderr"
 )
 
@@ -174,7 +176,8 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
     tp, pp, dp = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp"))
     if pp > model.layers:
         raise HethubError(
-            f"--pp = {pp}: at most one stage per layer (the model has {plural(model.layers, 'layer')})"
+            f"--pp = {pp}: at most one stage per layer "
+            f"(the model has {plural(model.layers, 'layer')})"
         )
     if args.global_batch % (dp * args.micro_batch):
         raise HethubError(
@@ -249,7 +252,8 @@ def describe(
     lines = [
         (
             f"model {model.name} ({size} parameters), plan {source}: "
-            f"global batch {plan.global_batch} x {model.seq_len} tokens, micro-batch {plan.micro_batch}, "
+            f"global batch {plan.global_batch} x {model.seq_len} tokens, "
+            f"micro-batch {plan.micro_batch}, "
             f"recompute {plan.recompute}, {plan.schedule}, {plural(p.devices, 'device')}"
         ),
         "",
@@ -260,7 +264,8 @@ def describe(
         f"model TFLOP/s/device {p.model_tflops_per_device:.1f}",
         f"pipeline bubble      {100 * p.bubble_fraction:.1f}%",
         f"peak memory          {p.peak_memory_gb:.1f} GB per device",
-        f"fits in memory       {'yes' if p.fits else 'NO: a stage needs more memory than its device has'}",
+        "fits in memory       "
+        + ("yes" if p.fits else "NO: a stage needs more memory than its device has"),
         f"priced by            {basis}",
     ]
     return "\n".join(lines)

@@ -78,7 +78,10 @@ def _announce(job: Job, args: argparse.Namespace) -> None:
             f"{start}into {job.run.path}"
         ),
         f"plan: {job.plan.summary()}",
-        f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, from {job.basis}",
+        (
+            f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, "
+            f"from {job.basis}"
+        ),
     ]
     if job.emulated:
         lines.append(
@@ -101,8 +104,9 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
         first, last = records[0]["loss"], records[-1]["loss"]
         measured = statistics.median(r["iteration_time_s"] for r in records)
         print(
-            f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); median step {measured:.2f} s "
-            f"measured, {job.prediction.iteration_time_s:.2f} s predicted"
+            f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); "
+            f"median step {measured:.2f} s measured, "
+            f"{job.prediction.iteration_time_s:.2f} s predicted"
             + (" (emulated speeds)" if job.emulated else ""),
             file=out,
         )

@@ -100,10 +100,12 @@ class LayerKey:
         )
 
     def describe(self) -> str:
-        """One readable line: 'cpu tp=2 micro-batch 4 (llama h256 ..., fp32, 1 thread, 2 ranks at once)'."""
+        """One readable line: 'cpu tp=2 micro-batch 4 (llama hidden 256, ..., fp32, 1 thread,
+        2 ranks at once)'."""
         return (
-            f"{self.device} tp={self.tp} micro-batch {self.micro_batch} ({self.arch} hidden {self.hidden}, "
-            f"heads {self.heads}/{self.kv_heads}, ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
+            f"{self.device} tp={self.tp} micro-batch {self.micro_batch} "
+            f"({self.arch} hidden {self.hidden}, heads {self.heads}/{self.kv_heads}, "
+            f"ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
             f"{self.dtype}, {plural(self.threads, 'thread')}, "
             f"{plural(self.concurrent_ranks, 'rank')} at once)"
         )
@@ -281,7 +283,8 @@ class Profiles:
         return self.layers.get(key)
 
     def layer_key(self, device: str, model: ModelSpec, tp: int, micro_batch: int) -> LayerKey:
-        """The key a layer of ``model`` on ``device`` is looked up by under the selected conditions."""
+        """The key a layer of ``model`` on ``device`` is looked up by under the selected
+        conditions."""
         return LayerKey.of(
             model,
             device=device,

@@ -104,7 +104,8 @@ class RunDir:
 
 
 def new_run_dir(parent: Path, name: str) -> RunDir:
-    """runs/<name>, or runs/<name>-2, -3, ... when that exists: a new run never overwrites an old one."""
+    """runs/<name>, or runs/<name>-2, -3, ... when that exists: a new run never overwrites an old
+    one."""
     candidate, n = parent / name, 1
     while candidate.exists():
         n += 1
