@@ -279,6 +279,17 @@ def test_bad_flags_are_one_clear_line(tmp_path, capsys, argv, needle):
     assert needle in _error(capsys, ["plan", "--cluster", cluster, "--model", "tiny-llama", *argv])
 
 
+def test_plan_keeps_an_existing_out_file_unless_forced(tmp_path, capsys):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    out = _write(tmp_path, "checked.yaml", "# a plan someone checked\n")
+    argv = ["plan", "--cluster", cluster, "--model", "tiny-llama", "--global-batch", "8"]
+    message = _error(capsys, [*argv, "--out", out])
+    assert f"--out = {out!r}: the file exists already; give --force" in message
+    assert Path(out).read_text() == "# a plan someone checked\n"
+    assert main([*argv, "--out", out, "--force", "--json"]) == 0
+    assert load_plan(out).model == "tiny-llama"
+
+
 def test_missing_cluster_is_one_clear_line(tmp_path, capsys):
     message = _error(
         capsys,
@@ -331,17 +342,3 @@ def test_time_limit_stops_the_search_with_the_best_so_far_or_a_clear_error(tmp_p
         assert json.loads(captured.out)["timed_out"] is True
     else:
         assert code == 2 and "ran out of time" in captured.err and "Traceback" not in captured.err
-
-
-def test_progress_bar_draws_one_line_and_clears_it():
-    import io
-
-    from hethub.report.progress import ProgressBar
-
-    stream = io.StringIO()
-    bar = ProgressBar(stream, width=10)
-    bar.update("phase", 0, 4)
-    bar.update("phase", 4, 4)
-    bar.close()
-    text = stream.getvalue()
-    assert "\n" not in text and "[##########] 100%" in text and text.endswith("\r")

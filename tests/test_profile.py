@@ -592,6 +592,17 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
     assert main([*args, "--pp", "2", "--profiles", str(profiled)]) == 0
     out, err = capsys.readouterr()
     assert err.count("hethub predict: note: no ") == 2 and "2 ranks at once" in err
+    # Without --json the summary says what the figures rest on, and what is analytic.
+    assert main([*args[:-1], "--pp", "2", "--profiles", str(profiled)]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        f"priced by            measured profiles in {profiled}, but 2 missing profiles priced by "
+        "the analytic model" in out
+    )
+    assert main([*args[:-1], "--profiles", str(profiled)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"priced by            measured profiles in {profiled}"
+    )
 
 
 @pytest.mark.parametrize(

@@ -142,9 +142,16 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
         "2",
         "--run-dir",
         "runs/half",
-        *common,
+        *[flag for flag in common if flag != "--json"],
     )
     assert half.returncode == 0, half.stderr
+    # Piped, as in CI or a log: one plain line per step, the figures users grep for.
+    logged = [line for line in half.stderr.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in logged] == ["step 1/2", "step 2/2"]
+    assert all(
+        "loss " in line and " tokens/s | step " in line and "(predicted " in line for line in logged
+    )
+    assert "\x1b[" not in half.stderr + half.stdout  # no bar, no colour
     resumed = hethub(files, "train", "--resume", "runs/half", "--steps", "4", "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert [r["loss"] for r in records(resumed)[0]] == losses[2:]  # bit for bit
@@ -224,7 +231,8 @@ def test_resume_refuses_a_run_that_is_done_and_a_run_without_checkpoints(files):
 
 
 def _workers_of(run_dir: str) -> list[int]:
-    """The pids of the torchrun workers training ``run_dir`` (torchrun gives them their own session)."""
+    """The pids of the torchrun workers training ``run_dir`` (torchrun gives them their own
+    session)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:

@@ -28,14 +28,14 @@ def hethub(cwd, *args):
 
 def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
-    (tmp_path / "plan.yaml").write_text(PLAN)
+    (tmp_path / "two-stages.yaml").write_text(PLAN)
     done = hethub(
         tmp_path,
         "validate",
         "--cluster",
         "cluster.yaml",
         "--plan",
-        "plan.yaml",
+        "two-stages.yaml",
         "--steps",
         "3",
         "--profiles",
@@ -46,18 +46,20 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
     assert report["steps_measured"] == 2  # the warm-up step is left out
+    assert report["run_dir"] == "runs/two-stages"  # named after the plan file
     assert report["basis"].startswith("this machine's profiles")
     assert [(s["stage"], s["layers"]) for s in report["stages"]] == [(0, 5), (1, 3)]
     for s in report["stages"]:
         assert s["measured"]["compute_s"] > 0 and s["predicted"]["compute_s"] > 0
-    # The prediction rests on the profiles alone: predict on them, after the run, gives the same figure.
+    # The prediction rests on the profiles alone: predict on them, after the run, gives the same
+    # figure.
     again = hethub(
         tmp_path,
         "predict",
         "--cluster",
         "cluster.yaml",
         "--plan",
-        "plan.yaml",
+        "two-stages.yaml",
         "--profiles",
         "profiles",
         "--json",

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from hethub import __version__
 from hethub.cli import catalog, plan, predict, profile, train, validate
+from hethub.cli.args import ArgumentParser
 from hethub.errors import HethubError
 
 COMMANDS = (train, validate, plan, predict, profile, catalog)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="hethub",
         description="Train large language models on clusters that mix accelerator kinds.",
     )
@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input is one line on stderr and exit status 2, never a traceback."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse's: a bad flag (said in one line), --help or --version
+        return exit_.code
     try:
         return args.run(args)
     except HethubError as error:

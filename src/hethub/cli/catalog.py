@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
 from hethub.spec.accelerator import catalog
 
 

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import yaml
 
+from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
+from hethub.report.text import plural
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -60,12 +62,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--global-batch",
-        type=int,
+        type=positive_int,
         help=f"sequences per step when planning (default {DEFAULT_GLOBAL_BATCH})",
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)",
     )
     parser.add_argument("--seed", type=int, help="seed of the weights and the batches (default 0)")
@@ -81,7 +83,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "with -2, -3, ... when taken)",
     )
     parser.add_argument(
-        "--checkpoint-every", type=int, help="checkpoint every K steps and at the end (default 20)"
+        "--checkpoint-every",
+        type=positive_int,
+        help="checkpoint every K steps and at the end (default 20)",
     )
     parser.add_argument(
         "--profiles",
@@ -117,10 +121,6 @@ class Job:
 def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = True, say=None) -> Job:
     """Check the inputs, plan if needed, predict, and write the run directory (when ``write``).
     ``measure``: profile this machine for what the profiles lack (never under torchrun)."""
-    for flag in ("steps", "global_batch", "checkpoint_every"):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     if args.resume:
         return _prepare_resume(args, measure, write, say)
     cluster_path = Path(args.cluster) if args.cluster else builtin_cluster()
@@ -193,17 +193,19 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     for flag, value in (("seed", args.seed), ("lr", args.lr)):
         if value is not None and value != getattr(settings, flag):
             raise HethubError(
-                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; a resumed run "
-                f"keeps its seed and learning rate so that it continues exactly"
+                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; "
+                f"a resumed run keeps its seed and learning rate so that it continues exactly"
             )
     if args.data and str(Path(args.data).resolve()) != settings.data:
         raise HethubError(
-            f"--data = {args.data!r}: the run was trained on {settings.data or 'the built-in corpus'}"
+            f"--data = {args.data!r}: the run was trained on "
+            f"{settings.data or 'the built-in corpus'}"
         )
     steps = _given(args.steps, settings.steps)
     if steps <= done:
         raise HethubError(
-            f"--resume = {args.resume!r}: the run is at step {done} already; give --steps above {done}"
+            f"--resume = {args.resume!r}: the run is at step {done} already; "
+            f"give --steps above {done}"
         )
     settings = dataclasses.replace(
         settings,
@@ -251,7 +253,8 @@ def _given(value, default):
 
 
 def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
-    """Bad data (missing, empty, too short, out of the vocabulary) stops before any process starts."""
+    """Bad data (missing, empty, too short, out of the vocabulary) stops before any process
+    starts."""
     from hethub.runtime.data import builtin_corpus, check_tokens, load_tokens
 
     tokens = load_tokens(settings.data) if settings.data else builtin_corpus()
@@ -268,7 +271,8 @@ def _profiles(
     measure: bool,
     say,
 ) -> tuple[Profiles | None, str]:
-    """This machine's profiles for the job (measured first where missing), or None: the analytic model."""
+    """This machine's profiles for the job (measured first where missing), or None: the
+    analytic model."""
     folder = Path(args.profiles)
     if not all_cpu(cluster):
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
@@ -398,7 +402,8 @@ def launch(job: Job, *, as_json: bool) -> int:
     ).returncode
     if code:
         print(
-            f"hethub: error: a worker failed and torchrun stopped the {world} workers (exit {code}); "
+            f"hethub: error: a worker failed and torchrun stopped the {plural(world, 'worker')} "
+            f"(exit {code}); "
             f"the failing worker's message is above",
             file=sys.stderr,
         )

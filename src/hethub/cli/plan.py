@@ -6,15 +6,16 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import yaml
 
-from hethub.cli.predict import PROFILES_HELP, describe, note_missing, read_profiles
+from hethub.cli.args import positive_int
+from hethub.cli.predict import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
-from hethub.report.progress import ProgressBar
+from hethub.report.terminal import progress_bar
+from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
 
@@ -23,22 +24,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "plan",
         help="find the fastest plan for a cluster and write it as a plan file",
-        description="Search the heterogeneous data x tensor x pipeline plan space with the predictor, "
-        "write the fastest plan that fits in memory, and compare it with the theoretical "
-        "upper bound (the sum of each device group's best throughput alone).",
+        description="Search the heterogeneous data x tensor x pipeline plan space with the "
+        "predictor, write the fastest plan that fits in memory, and compare it with the "
+        "theoretical upper bound (the sum of each device group's best throughput alone).",
     )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", required=True, help="preset name or model YAML")
     parser.add_argument(
-        "--global-batch", required=True, type=int, help="sequences per optimizer step"
+        "--global-batch", required=True, type=positive_int, help="sequences per optimizer step"
     )
-    parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    parser.add_argument(
+        "--seq-len", type=positive_int, help="sequence length (default: the model's)"
+    )
     parser.add_argument(
         "--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite --out when it exists (default: refuse)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no progress")
     parser.add_argument(
-        "--top", type=int, default=1, metavar="K", help="also list the next best plans"
+        "--top", type=positive_int, default=1, metavar="K", help="also list the next best plans"
     )
     parser.add_argument(
         "--time-limit", type=float, metavar="SECONDS", help="stop searching after this long"
@@ -48,10 +54,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("global_batch", "seq_len", "top"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise HethubError(f"--{flag.replace('_', '-')} = {value}: must be a positive integer")
     if args.time_limit is not None and args.time_limit <= 0:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")
     cluster = load_cluster(args.cluster)
@@ -59,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len:
         model = dataclasses.replace(model, seq_len=args.seq_len)
     out = Path(args.out)
+    # Before the search: a plan someone checked or trained is not replaced by a rerun unasked.
+    if out.exists() and not args.force:
+        raise HethubError(
+            f"--out = {args.out!r}: the file exists already; give --force to overwrite it, "
+            f"or another --out"
+        )
     model_ref = _model_reference(args, model, out)
 
     profiles = read_profiles(args.profiles, cluster, cluster.devices)
 
-    bar = ProgressBar(sys.stderr) if not args.json and sys.stderr.isatty() else None
+    bar = None if args.json else progress_bar()
     result = search(
         cluster,
         model,
@@ -79,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise HethubError(_no_plan_message(result, cluster, model, args))
     bound, per_group = upper_bound(result)
     best = result.best
-    if profiles is not None:
-        note_missing(best.plan, cluster, model, profiles, "plan")
+    missing = note_missing(best.plan, cluster, model, profiles, "plan")
     _write(out, best, model, model_ref, args)
 
     efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
@@ -107,7 +114,16 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(describe(best.prediction, best.plan, cluster, model, str(out)))
+    print(
+        describe(
+            best.prediction,
+            best.plan,
+            cluster,
+            model,
+            str(out),
+            priced_by(cluster, profiles, missing),
+        )
+    )
     print()
     print(
         f"upper bound          {bound:,.0f} tokens/s (each group alone: "
@@ -116,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
     print(
-        f"search               {result.candidates_evaluated} plans predicted in {result.search_time_s:.2f} s"
+        f"search               {plural(result.candidates_evaluated, 'plan')} predicted "
+        f"in {result.search_time_s:.2f} s"
         + (" (stopped at --time-limit)" if result.timed_out else "")
     )
     for rank, other in enumerate(others, start=2):
@@ -141,9 +158,10 @@ def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> s
 def _write(
     out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace
 ) -> None:
+    p = best.prediction
     header = (
-        f"# Written by hethub plan for {args.cluster}: {best.prediction.tokens_per_s:,.0f} tokens/s predicted,\n"
-        f"# {best.prediction.iteration_time_s:.3f} s per step, peak {best.prediction.peak_memory_gb:.1f} GB per device.\n"
+        f"# Written by hethub plan for {args.cluster}: {p.tokens_per_s:,.0f} tokens/s predicted,\n"
+        f"# {p.iteration_time_s:.3f} s per step, peak {p.peak_memory_gb:.1f} GB per device.\n"
     )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,12 +193,16 @@ def _no_plan_message(
 ) -> str:
     what = f"no plan found for {model.name} on {args.cluster} at global batch {args.global_batch}"
     if result.timed_out:
-        return f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); allow it longer"
+        return (
+            f"{what}: the search ran out of time (--time-limit {args.time_limit:g} s); "
+            f"allow it longer"
+        )
     closest = result.closest
     if closest is None:
         return f"{what}: no layout of the cluster can hold the model"
     return (
-        f"no plan fits in memory: the closest candidate ({closest.summary}) needs {closest.need_gb:.1f} GB on a "
-        f"device of group {closest.group!r} ({closest.accelerator}, {closest.capacity_gb:g} GB), "
-        f"{closest.over_gb:.1f} GB over; give the cluster more devices or memory, or plan a smaller model"
+        f"no plan fits in memory: the closest candidate ({closest.summary}) needs "
+        f"{closest.need_gb:.1f} GB on a device of group {closest.group!r} ({closest.accelerator}, "
+        f"{closest.capacity_gb:g} GB), {closest.over_gb:.1f} GB over; give the cluster more "
+        f"devices or memory, or plan a smaller model"
     )

@@ -18,7 +18,8 @@ from hethub.profile.store import (
     profile_path,
     to_json,
 )
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
+from hethub.report.text import plural
 from hethub.spec import load_model
 from hethub.spec.accelerator import catalog
 
@@ -29,12 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "profile",
         help="measure per-layer time and memory and link speeds on this machine",
-        description="Measure, on this machine's CPU with the runtime's own modules (fp32), the forward and "
-        "backward time and memory of one layer, the embedding and the head, and the optimizer, for "
-        "each TP degree and micro-batch size; and the point-to-point, all-reduce, broadcast and "
-        "all-gather speed between local processes. One profile file per key (device, layer shape, "
-        "dtype, threads, ranks at once, TP, micro-batch); what the directory holds already is kept "
-        "unless --again.",
+        description="Measure, on this machine's CPU with the runtime's own modules (fp32), the "
+        "forward and backward time and memory of one layer, the embedding and the head, and the "
+        "optimizer, for each TP degree and micro-batch size; and the point-to-point, all-reduce, "
+        "broadcast and all-gather speed between local processes. One profile file per key "
+        "(device, layer shape, dtype, threads, ranks at once, TP, micro-batch); what the directory "
+        "holds already is kept unless --again.",
     )
     parser.add_argument("--model", required=True, help="preset name or model YAML")
     parser.add_argument(
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 def _recomputed(profile: LayerProfile) -> str:
     if profile.layer_recompute_forward_s is None or profile.layer_recompute_backward_s is None:
         return "not measured"
-    return f"{profile.layer_recompute_forward_s * 1e3:.3f} / {profile.layer_recompute_backward_s * 1e3:.3f}"
+    forward, backward = profile.layer_recompute_forward_s, profile.layer_recompute_backward_s
+    return f"{forward * 1e3:.3f} / {backward * 1e3:.3f}"
 
 
 def describe(
@@ -196,7 +198,7 @@ def describe(
             _fit((link.p2p_latency_s, link.p2p_bytes_per_s)),
             *(
                 "; ".join(
-                    f"{ranks} ranks {_fit(fit)}"
+                    f"{plural(ranks, 'rank')} {_fit(fit)}"
                     for ranks, fit in sorted(getattr(link, kind).items())
                 )
                 for kind in ("allreduce", "broadcast", "allgather")
@@ -207,21 +209,28 @@ def describe(
     ]
     first = layers[0].key if layers else None
     shape = (
-        f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, ffn {first.ffn_hidden}, "
-        f"seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, {first.threads} thread(s) per rank"
-        + (f", {layers[0].cores} cores" if layers[0].cores else "")
+        f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, "
+        f"ffn {first.ffn_hidden}, seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, "
+        f"{plural(first.threads, 'thread')} per rank"
+        + (f", {plural(layers[0].cores, 'core')}" if layers[0].cores else "")
         if first
         else ""
     )
     return "\n".join(
         [
-            f"profiles of {model} on this machine's CPU as {device!r} ({shape}), per TP rank and micro-batch:",
+            (
+                f"profiles of {model} on this machine's CPU as {device!r} ({shape}), "
+                f"per TP rank and micro-batch:"
+            ),
             "",
             render_table(header, rows),
             "",
             render_table(link_header, link_rows) if link_rows else "no link profile",
             "",
-            f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} (use them with --profiles {out})",
+            (
+                f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} "
+                f"(use them with --profiles {out})"
+            ),
         ]
     )
 

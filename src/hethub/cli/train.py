@@ -11,6 +11,7 @@ import sys
 
 from hethub.cli.jobs import Job, add_job_arguments, launch, plan_devices, prepare
 from hethub.errors import HethubError
+from hethub.report.text import plural
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,11 +73,15 @@ def _announce(job: Job, args: argparse.Namespace) -> None:
     start = f"from step {job.resume_from} " if job.resume_from is not None else ""
     lines = [
         (
-            f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), {plan_devices(job.plan)} "
-            f"ranks, {job.settings.steps} steps {start}into {job.run.path}"
+            f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), "
+            f"{plural(plan_devices(job.plan), 'rank')}, {plural(job.settings.steps, 'step')} "
+            f"{start}into {job.run.path}"
         ),
         f"plan: {job.plan.summary()}",
-        f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, from {job.basis}",
+        (
+            f"predicted {p.iteration_time_s:.2f} s/step, {p.tokens_per_s:,.0f} tokens/s, "
+            f"from {job.basis}"
+        ),
     ]
     if job.emulated:
         lines.append(
@@ -99,8 +104,9 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
         first, last = records[0]["loss"], records[-1]["loss"]
         measured = statistics.median(r["iteration_time_s"] for r in records)
         print(
-            f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); median step {measured:.2f} s "
-            f"measured, {job.prediction.iteration_time_s:.2f} s predicted"
+            f"loss {first:.3f} -> {last:.3f} ({100 * (last - first) / first:+.1f}%); "
+            f"median step {measured:.2f} s measured, "
+            f"{job.prediction.iteration_time_s:.2f} s predicted"
             + (" (emulated speeds)" if job.emulated else ""),
             file=out,
         )

@@ -14,7 +14,8 @@ import sys
 
 from hethub.cli.jobs import Job, launch, prepare
 from hethub.errors import HethubError
-from hethub.report.table import render_table
+from hethub.report.terminal import render_table
+from hethub.report.text import plural
 from hethub.spec import load_cluster
 
 
@@ -72,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     others = [g.name for g in load_cluster(args.cluster).groups if g.accelerator.vendor != "cpu"]
     if others:
         raise HethubError(
-            f"--cluster = {args.cluster!r}: validate measures this machine, so every group must run "
-            f"on its CPU (accelerator: cpu); group {others[0]!r} does not"
+            f"--cluster = {args.cluster!r}: validate measures this machine, so every group "
+            f"must run on its CPU (accelerator: cpu); group {others[0]!r} does not"
         )
     job = prepare(
         job_args,
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare(job: Job) -> dict:
-    """Predicted vs measured: the iteration (median of the steps after the warm-up) and each stage."""
+    """Predicted vs measured: the iteration (median of the steps after the warm-up) and each
+    stage."""
     records = job.run.read_metrics()[1:]
     measured = statistics.median(r["iteration_time_s"] for r in records)
     p = job.prediction
@@ -147,8 +149,10 @@ def describe(report: dict) -> str:
         for s in report["stages"]
     ]
     lines = [
-        f"predicted {report['predicted_iteration_s']:.3f} s per step, measured {report['measured_iteration_s']:.3f} s "
-        f"(median of {report['steps_measured']} steps): error {100 * report['error']:+.1f}%"
+        f"predicted {report['predicted_iteration_s']:.3f} s per step, "
+        f"measured {report['measured_iteration_s']:.3f} s "
+        f"(median of {plural(report['steps_measured'], 'step')}): "
+        f"error {100 * report['error']:+.1f}%"
         + (" (emulated speeds)" if report["emulated"] else ""),
         f"prediction from {report['basis']}",
         "",

@@ -13,14 +13,14 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hethub.errors import HethubError, SpecError
+from hethub.files import write_atomic
+from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
 from hethub.spec.model import ARCHS, ModelSpec
@@ -100,12 +100,14 @@ class LayerKey:
         )
 
     def describe(self) -> str:
-        """One readable line: 'cpu tp=2 micro-batch 4 (llama h256 ..., fp32, 1 thread, 2 ranks at once)'."""
+        """One readable line: 'cpu tp=2 micro-batch 4 (llama hidden 256, ..., fp32, 1 thread,
+        2 ranks at once)'."""
         return (
-            f"{self.device} tp={self.tp} micro-batch {self.micro_batch} ({self.arch} hidden {self.hidden}, "
-            f"heads {self.heads}/{self.kv_heads}, ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
-            f"{self.dtype}, {self.threads} thread{'s' * (self.threads != 1)}, "
-            f"{self.concurrent_ranks} rank{'s' * (self.concurrent_ranks != 1)} at once)"
+            f"{self.device} tp={self.tp} micro-batch {self.micro_batch} "
+            f"({self.arch} hidden {self.hidden}, heads {self.heads}/{self.kv_heads}, "
+            f"ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
+            f"{self.dtype}, {plural(self.threads, 'thread')}, "
+            f"{plural(self.concurrent_ranks, 'rank')} at once)"
         )
 
 
@@ -281,7 +283,8 @@ class Profiles:
         return self.layers.get(key)
 
     def layer_key(self, device: str, model: ModelSpec, tp: int, micro_batch: int) -> LayerKey:
-        """The key a layer of ``model`` on ``device`` is looked up by under the selected conditions."""
+        """The key a layer of ``model`` on ``device`` is looked up by under the selected
+        conditions."""
         return LayerKey.of(
             model,
             device=device,
@@ -384,14 +387,7 @@ def save_profile(directory: str | Path, profile: LayerProfile | LinkProfile) -> 
     text = json.dumps(to_json(profile), indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-            os.replace(temp, path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, text)
     except OSError as error:
         raise HethubError(f"{path}: cannot write the profile ({error.strerror})") from None
     return path

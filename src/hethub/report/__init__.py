@@ -1,1 +1,2 @@
-"""Output for people: tables for the terminal and Chrome traces for Perfetto."""
+"""Output for people: bars and tables for the terminal (or plain lines for a log), the loss
+plot, and Chrome traces for Perfetto."""

@@ -25,7 +25,8 @@ def builtin_corpus() -> torch.Tensor:
 def global_batch(
     corpus: torch.Tensor, step: int, sequences: int, seq_len: int, seed: int
 ) -> torch.Tensor:
-    """The ``step``-th global batch: ``sequences`` windows of seq_len + 1 tokens at seeded offsets."""
+    """The ``step``-th global batch: ``sequences`` windows of seq_len + 1 tokens at seeded
+    offsets."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(corpus) - seq_len - 1, (sequences,), generator=gen)
     return torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])
@@ -43,7 +44,8 @@ def load_tokens(path: str | Path) -> torch.Tensor:
         )
         if not files:
             raise HethubError(
-                f"--data = {str(path)!r}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)})"
+                f"--data = {str(path)!r}: the folder holds no text files "
+                f"({', '.join(TEXT_SUFFIXES)})"
             )
         data = b"\n\n".join(p.read_bytes() for p in files)
         tokens = (

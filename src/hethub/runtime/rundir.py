@@ -14,11 +14,11 @@ runs/<name>/
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hethub.errors import HethubError
+from hethub.files import write_atomic
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +68,7 @@ class RunDir:
         return self.path / "checkpoints"
 
     def write_settings(self, settings: RunSettings) -> None:
-        _write_atomic(self.path / "run.json", json.dumps(asdict(settings), indent=2) + "\n")
+        write_atomic(self.path / "run.json", json.dumps(asdict(settings), indent=2) + "\n")
 
     def read_settings(self) -> RunSettings:
         path = self.path / "run.json"
@@ -94,17 +94,18 @@ class RunDir:
         """Drop the records of steps after ``step``: an interrupted run logged steps after its
         last checkpoint, which the resumed run trains again."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
-        _write_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
+        write_atomic(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write_json(self, path: Path, data: object) -> None:
-        _write_atomic(path, json.dumps(data))
+        write_atomic(path, json.dumps(data))
 
     def write_text(self, path: Path, text: str) -> None:
-        _write_atomic(path, text)
+        write_atomic(path, text)
 
 
 def new_run_dir(parent: Path, name: str) -> RunDir:
-    """runs/<name>, or runs/<name>-2, -3, ... when that exists: a new run never overwrites an old one."""
+    """runs/<name>, or runs/<name>-2, -3, ... when that exists: a new run never overwrites an old
+    one."""
     candidate, n = parent / name, 1
     while candidate.exists():
         n += 1
@@ -116,10 +117,3 @@ def new_run_dir(parent: Path, name: str) -> RunDir:
             f"cannot create the run directory {candidate} ({error.strerror})"
         ) from None
     return RunDir(candidate)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A crash mid-write leaves the old file whole, never half of the new one.
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)

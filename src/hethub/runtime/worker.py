@@ -19,7 +19,8 @@ import torch.distributed as dist
 from hethub.comm import BRIDGE, NATIVE, local_devices
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
-from hethub.report.progress import ProgressBar
+from hethub.report.terminal import progress_bar
+from hethub.report.text import plural
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -49,7 +50,8 @@ def train(
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise HethubError(
-            f"{run.plan}: the plan needs {topology.world_size} processes, torchrun started {world} "
+            f"{run.plan}: the plan needs {plural(topology.world_size, 'process', 'processes')}, "
+            f"torchrun started {world} "
             f"(give --nproc-per-node x nodes = {topology.world_size})"
         )
     torch.set_num_threads(1)
@@ -119,7 +121,7 @@ class _StepLog:
         self.prediction = (
             json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         )
-        self.bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+        self.bar = progress_bar()
         self.board = _tensorboard(run)
         # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
         first = {}
@@ -172,8 +174,8 @@ class _StepLog:
             + (" | emulated speeds" if self.emulated else "")
         )
         if self.bar:
-            self.bar.update(f"step {step}/{steps}", step, steps, detail)
-        elif not self.as_json:
+            self.bar.update("step", step, steps, detail)
+        elif not self.as_json:  # a log: one line per step, for people and for grep
             print(f"step {step}/{steps}: {detail}", file=sys.stderr, flush=True)
 
     def finish(self, timelines: list[list[dict]], world: int) -> None:
@@ -207,7 +209,7 @@ class _StepLog:
             self.run.loss_plot,
             [r["step"] for r in records],
             [r["loss"] for r in records],
-            f"{self.run.path.name}: {self.model.name}, {world} ranks{label}",
+            f"{self.run.path.name}: {self.model.name}, {plural(world, 'rank')}{label}",
         )
         summary = {
             "run_dir": str(self.run.path),
