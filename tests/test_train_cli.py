@@ -230,20 +230,21 @@ def test_resume_refuses_a_run_that_is_done_and_a_run_without_checkpoints(files):
     assert done.returncode == 2 and "no complete checkpoint" in done.stderr
 
 
-def _workers_of(run_dir: str) -> list[int]:
-    """The pids of the torchrun workers training ``run_dir`` (torchrun gives them their own
-    session)."""
+def _workers_of(folder: Path, run_dir: str) -> list[int]:
+    """The pids of the torchrun workers training ``run_dir`` in ``folder`` (torchrun gives them
+    their own session). Matched by working folder too: another test run on this machine may
+    train a run directory of the same name."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # not a process, or gone
+            cwd = os.readlink(entry / "cwd")
+        except OSError:  # not a process, gone, or not ours to read
             continue
-        is_agent = (
-            b"torch.distributed.run" in command
-        )  # torchrun itself carries the workers' arguments
+        is_agent = b"torch.distributed.run" in command  # torchrun carries the workers' arguments
         if (
             not is_agent
+            and cwd == str(folder.resolve())
             and b"--worker-of" in command
             and any(p.endswith(run_dir.encode()) for p in command)
         ):
@@ -287,7 +288,7 @@ def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_
     deadline = time.monotonic() + 180
     while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    workers = _workers_of("runs/crashed")
+    workers = _workers_of(files, "runs/crashed")
     for pid in workers:  # a crash: every worker dies at once, wherever it is
         os.kill(pid, signal.SIGKILL)
     _, stderr = victim.communicate(timeout=60)
