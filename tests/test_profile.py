@@ -29,6 +29,7 @@ from hethub.profile import (
 from hethub.profile.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
+from hethub.spec.plan import Recompute
 
 TINY = load_model("tiny-llama")
 CPU2 = parse_cluster(
@@ -392,7 +393,9 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     without = predict(plan, CPU2, TINY)
     assert [s.forward_s for s in with_profiles.stages] == [s.forward_s for s in without.stages]
     assert without == predict(plan, CPU2, TINY, profiles=None)
-    analytic = stage_work(TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, False, True, False)
+    analytic = stage_work(
+        TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, Recompute.NONE, True, False
+    )
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))
     assert len(notes) == 2 and notes[0].startswith("no profile for cpu tp=1 micro-batch 1")

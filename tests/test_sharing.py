@@ -19,6 +19,7 @@ from hethub.predictor.schedule import schedule_order, simulate
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.profile import empty_profiles
 from hethub.spec import parse_cluster
+from hethub.spec.plan import Recompute
 from tests.test_profile import TINY, key_of, layer_profile, link_profile, plan_of
 
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
@@ -200,7 +201,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
             model=TINY,
             calibration=default_calibration(),
             micro_batch=b,
-            recompute=False,
+            recompute=Recompute.NONE,
             profiles=profiles,
         )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):

@@ -12,6 +12,8 @@ from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
+from hethub.spec.schedules import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +31,8 @@ class Setting:
     model: ModelSpec
     calibration: Calibration
     micro_batch: int
-    recompute: bool
-    schedule: str = "1f1b"
+    recompute: Recompute
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
 

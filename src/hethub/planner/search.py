@@ -35,7 +35,7 @@ from hethub.predictor.profiled import core_sharing
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
+from hethub.spec.plan import PipelineLayout, Plan, Recompute, StageSpec, uniform_layers
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
@@ -134,7 +134,7 @@ def search(
         Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
         for b in MICRO_BATCH_SIZES
         if global_batch % b == 0
-        for r in (False, True)
+        for r in Recompute
     ]
 
     group_best: dict[str, Ranked | None] = {}
@@ -178,8 +178,7 @@ def search(
             setting = next(
                 s
                 for s in settings
-                if s.micro_batch == best.plan.micro_batch
-                and s.recompute == (best.plan.recompute == "full")
+                if s.micro_batch == best.plan.micro_batch and s.recompute == best.plan.recompute
             )
             jobs = [(setting, structure) for structure in mixed_tp(cluster, model, MAX_STAGES)]
             _refine(state, [r for r in _evaluate(state, jobs, "mixed TP degrees") if r is not None])
@@ -339,7 +338,7 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
         model=state.model_ref,
         global_batch=state.global_batch,
         micro_batch=setting.micro_batch,
-        recompute="full" if setting.recompute else "none",
+        recompute=setting.recompute,
         schedule=setting.schedule,
         pipelines=tuple(pipelines),
     )
@@ -433,7 +432,7 @@ def _closest_unplaceable(state: _Search) -> None:
             model=state.model_ref,
             global_batch=state.global_batch,
             micro_batch=setting.micro_batch,
-            recompute="full" if setting.recompute else "none",
+            recompute=setting.recompute,
             pipelines=pipelines,
         )
         _note_overflow(

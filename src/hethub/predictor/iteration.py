@@ -34,7 +34,7 @@ from hethub.profile.store import LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
-from hethub.spec.plan import PipelineLayout, Plan
+from hethub.spec.plan import PipelineLayout, Plan, Recompute
 
 # Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
 # weight (8) and both moments (16), write the bf16 weight (2).
@@ -165,7 +165,7 @@ def predict(
     what they lack stays analytic. A group's emulated ``speed`` divides its compute times.
     """
     cal = calibration or default_calibration()
-    recompute = plan.recompute == "full"
+    recompute = plan.recompute
     costs = [
         _layout_costs(pipeline, blocks, plan, cluster, model, cal, recompute, profiles)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
@@ -338,7 +338,7 @@ def _layout_costs(
     cluster: ClusterSpec,
     model: ModelSpec,
     cal: Calibration,
-    recompute: bool,
+    recompute: Recompute,
     profiles: Profiles | None,
 ) -> _LayoutCosts:
     """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
@@ -458,7 +458,7 @@ def stage_cost(
     tp: int,
     layers: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
     first: bool,
     last: bool,
 ) -> tuple[float, float]:
@@ -491,7 +491,7 @@ def stage_memory_for(
     single_stage: bool,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
     layer's key, else the analytic model's (stage_memory_at)."""
@@ -594,7 +594,7 @@ def stage_work(
     tp: int,
     layers: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
     first: bool,
     last: bool,
 ) -> tuple[float, float]:

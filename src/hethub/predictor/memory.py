@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from hethub.predictor.compute import BYTES_PER_ELEMENT, LOSS_BYTES_PER_ELEMENT
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
+from hethub.spec.schedules import Schedule
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
 GB = 1e9
@@ -62,9 +64,11 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float
     return (replicated + sharded) * BYTES_PER_ELEMENT
 
 
-def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_batches: int) -> int:
+def in_flight_micro_batches(
+    schedule: Schedule, position: int, stages: int, micro_batches: int
+) -> int:
     """Micro-batches whose activations a stage holds at once: 1F1B keeps stages - position."""
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return micro_batches
     return min(stages - position, micro_batches)
 
@@ -77,8 +81,8 @@ def stage_memory(
     stages: int,
     micro_batches: int,
     micro_batch: int,
-    recompute: bool,
-    schedule: str,
+    recompute: Recompute,
+    schedule: Schedule,
 ) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
@@ -104,10 +108,10 @@ def activation_bytes(
     last: bool,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> float:
     """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
-    if recompute:
+    if recompute == Recompute.FULL:
         # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
         layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
         activations = in_flight * layers * layer_input + per_layer
@@ -128,7 +132,7 @@ def stage_memory_at(
     single_stage: bool,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
     params = stage_params(model, layers, first, last, single_stage) / tp

@@ -26,13 +26,13 @@ from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Pr
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan
+from hethub.spec.plan import Plan, Recompute
 
 MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
 def profiled_work(
-    profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool
+    profile: LayerProfile, layers: int, recompute: Recompute, first: bool, last: bool
 ) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
@@ -40,7 +40,8 @@ def profiled_work(
     measured checkpointed times (forward + backward where the profile lacks them), and the
     embedding's and head's forwards run again before their backwards.
     """
-    measured = recompute and None not in (
+    full = recompute == Recompute.FULL
+    measured = full and None not in (
         profile.layer_recompute_forward_s,
         profile.layer_recompute_backward_s,
     )
@@ -48,12 +49,12 @@ def profiled_work(
     backward = layers * (
         profile.layer_recompute_backward_s if measured else profile.layer_backward_s
     )
-    if recompute and not measured:
+    if full and not measured:
         backward += forward
     ends = [(profile.embed_forward_s, profile.embed_backward_s)] * first
     ends += [(profile.head_forward_s, profile.head_backward_s)] * last
     for f, b in ends:
-        forward, backward = forward + f, backward + b + (f if recompute else 0.0)
+        forward, backward = forward + f, backward + b + (f if full else 0.0)
     return forward, backward
 
 
@@ -194,7 +195,7 @@ def profiled_memory(
     single_stage: bool,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
@@ -284,7 +285,7 @@ def missing_profiles(
                 f"the profile for {profile.key.describe()} was measured by an older hethub (method "
                 f"{profile.method}, now {METHOD}): measure again with hethub profile --again"
             )
-        elif plan.recompute == "full" and profile.layer_recompute_backward_s is None:
+        elif plan.recompute == Recompute.FULL and profile.layer_recompute_backward_s is None:
             notes.append(
                 f"the profile for {profile.key.describe()} has no recomputed layer times: "
                 f"recomputation taken as the forward again"

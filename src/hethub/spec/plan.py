@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,9 +10,21 @@ from typing import Any
 import yaml
 
 from hethub.spec.fields import Fields, load_yaml
+from hethub.spec.schedules import Schedule
 
-RECOMPUTE = ("none", "full")
-SCHEDULES = ("1f1b", "gpipe")
+
+class Recompute(enum.StrEnum):
+    """A plan's activation recomputation; its value is how plan files spell it."""
+
+    NONE = "none"
+    """Every layer keeps its activations for its backward."""
+    FULL = "full"
+    """Each stage keeps only its input and runs its forward again before its backward."""
+
+
+# The spellings plan files and the command line accept.
+RECOMPUTE = tuple(r.value for r in Recompute)
+SCHEDULES = tuple(s.value for s in Schedule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,9 +59,14 @@ class Plan:
     """Preset name or path of a model YAML (relative to the plan file)."""
     global_batch: int
     micro_batch: int
-    recompute: str = "none"
-    schedule: str = "1f1b"
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     pipelines: tuple[PipelineLayout, ...]
+
+    def __post_init__(self) -> None:
+        # Plans built in code may spell the choices as strings; the predictor compares members.
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's content."""
@@ -56,8 +74,8 @@ class Plan:
             "model": self.model,
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
-            "recompute": self.recompute,
-            "schedule": self.schedule,
+            "recompute": self.recompute.value,  # plain strings: yaml.safe_dump knows no enums
+            "schedule": self.schedule.value,
             "pipelines": [
                 {
                     "count": p.count,
@@ -125,8 +143,8 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         model=model,
         global_batch=global_batch,
         micro_batch=micro_batch,
-        recompute=top.choice("recompute", RECOMPUTE, "none"),
-        schedule=top.choice("schedule", SCHEDULES, "1f1b"),
+        recompute=Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value)),
+        schedule=Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value)),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
@@ -172,8 +190,8 @@ def uniform_plan(
     dp: int,
     micro_batch: int,
     global_batch: int,
-    recompute: str = "none",
-    schedule: str = "1f1b",
+    recompute: Recompute = Recompute.NONE,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
     layers: int,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
