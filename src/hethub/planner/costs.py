@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
 from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
+from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.model import ModelSpec
@@ -62,44 +63,29 @@ class Setting:
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
     """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of ``group``."""
-    forward, backward = _work(setting, group, tp, 1, False, False)
+    forward, backward = _work(setting, group, tp, 1, MIDDLE)
     return forward + backward
 
 
 @functools.lru_cache(maxsize=65536)
-def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool) -> float:
+def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosition) -> float:
     """Forward plus backward of the embedding (first stage) and the head (last stage)."""
-    forward, backward = _work(setting, group, tp, 0, first, last)
+    forward, backward = _work(setting, group, tp, 0, position)
     return forward + backward
 
 
 def _work(
-    setting: Setting, group: DeviceGroup, tp: int, layers: int, first: bool, last: bool
-) -> tuple[float, float]:
-    if setting.profiles is None and group.speed is None:
-        return stage_work(
-            setting.model,
-            group,
-            setting.calibration,
-            tp,
-            layers,
-            setting.micro_batch,
-            setting.recompute,
-            first,
-            last,
-        )
-    return stage_cost(
+    setting: Setting, group: DeviceGroup, tp: int, layers: int, position: StagePosition
+) -> StageTimes:
+    model, cal, b, recompute = (
         setting.model,
-        group,
         setting.calibration,
-        setting.profiles,
-        tp,
-        layers,
         setting.micro_batch,
         setting.recompute,
-        first,
-        last,
     )
+    if setting.profiles is None and group.speed is None:
+        return stage_work(model, group, cal, tp, layers, b, recompute, position)
+    return stage_cost(model, group, cal, setting.profiles, tp, layers, b, recompute, position)
 
 
 def layer_cap(
@@ -107,20 +93,12 @@ def layer_cap(
 ) -> int:
     """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
     in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
-    return _layer_cap(
-        setting, group, tp, position == 0, position == stages - 1, stages == 1, in_flight
-    )
+    return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight)
 
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cap(
-    setting: Setting,
-    group: DeviceGroup,
-    tp: int,
-    first: bool,
-    last: bool,
-    single: bool,
-    in_flight: int,
+    setting: Setting, group: DeviceGroup, tp: int, position: StagePosition, in_flight: int
 ) -> int:
     def gb(layers: int) -> float:
         if setting.profiles is None:
@@ -128,9 +106,7 @@ def _layer_cap(
                 setting.model,
                 layers,
                 tp,
-                first,
-                last,
-                single,
+                position,
                 in_flight,
                 setting.micro_batch,
                 setting.recompute,
@@ -138,15 +114,13 @@ def _layer_cap(
         return stage_memory_for(
             setting.model,
             group,
-            setting.profiles,
-            layers,
-            tp,
-            first,
-            last,
-            single,
-            in_flight,
-            setting.micro_batch,
-            setting.recompute,
+            profiles=setting.profiles,
+            layers=layers,
+            tp=tp,
+            position=position,
+            in_flight=in_flight,
+            micro_batch=setting.micro_batch,
+            recompute=setting.recompute,
         ).total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers

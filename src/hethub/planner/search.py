@@ -32,6 +32,7 @@ from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.profiled import core_sharing
+from hethub.predictor.stage import StagePosition
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -374,7 +375,7 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
     groups = [cluster.group(slot.group) for slot in layout.slots]
     per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, layout.slots)]
     extra = [
-        end_time(setting, g, slot.tp, s == 0, s == p - 1)
+        end_time(setting, g, slot.tp, StagePosition.of(s, p))
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
     caps = [

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.compute import BYTES_PER_ELEMENT, LOSS_BYTES_PER_ELEMENT
+from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Recompute
 from hethub.spec.schedules import Schedule
@@ -35,14 +36,14 @@ class StageMemory:
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_params(model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool) -> int:
+def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
     """Parameters of a stage (all TP ranks together)."""
     params = layers * model.layer_params()
-    if first:
+    if position.first:
         params += model.embedding_params()
-    if last:
+    if position.last:
         params += model.head_params()
-        if model.arch == "gpt" and not single_stage:
+        if model.arch == "gpt" and not position.alone:
             params += (
                 model.vocab * model.hidden
             )  # the tied head keeps its own copy of the embedding
@@ -90,9 +91,7 @@ def stage_memory(
         model,
         layers,
         tp,
-        position == 0,
-        position == stages - 1,
-        stages == 1,
+        StagePosition.of(position, stages),
         in_flight,
         micro_batch,
         recompute,
@@ -101,6 +100,7 @@ def stage_memory(
 
 def activation_bytes(
     model: ModelSpec,
+    *,
     per_layer: float,
     bytes_per_element: int,
     layers: int,
@@ -127,25 +127,23 @@ def stage_memory_at(
     model: ModelSpec,
     layers: int,
     tp: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     in_flight: int,
     micro_batch: int,
     recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
+    params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
-        layer_activation_bytes(model, tp, micro_batch),
-        BYTES_PER_ELEMENT,
-        layers,
-        tp,
-        last,
-        in_flight,
-        micro_batch,
-        recompute,
+        per_layer=layer_activation_bytes(model, tp, micro_batch),
+        bytes_per_element=BYTES_PER_ELEMENT,
+        layers=layers,
+        tp=tp,
+        last=position.last,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
     )
     return StageMemory(
         params * WEIGHT_BYTES / GB,

@@ -22,6 +22,7 @@ import statistics
 
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
@@ -32,8 +33,8 @@ MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
 def profiled_work(
-    profile: LayerProfile, layers: int, recompute: Recompute, first: bool, last: bool
-) -> tuple[float, float]:
+    profile: LayerProfile, layers: int, recompute: Recompute, position: StagePosition
+) -> StageTimes:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
     With full recomputation the runtime checkpoints the whole stage: its layers take their
@@ -51,16 +52,16 @@ def profiled_work(
     )
     if full and not measured:
         backward += forward
-    ends = [(profile.embed_forward_s, profile.embed_backward_s)] * first
-    ends += [(profile.head_forward_s, profile.head_backward_s)] * last
+    ends = [(profile.embed_forward_s, profile.embed_backward_s)] * position.first
+    ends += [(profile.head_forward_s, profile.head_backward_s)] * position.last
     for f, b in ends:
         forward, backward = forward + f, backward + b + (f if full else 0.0)
-    return forward, backward
+    return StageTimes(forward, backward)
 
 
 def send_times(
     link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int
-) -> tuple[float, float] | None:
+) -> SendTimes | None:
     """(activation forward, its gradient backward) over one stage boundary: leader to leader,
     then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
     message = link.p2p_time(nbytes)
@@ -70,12 +71,12 @@ def send_times(
     )
     if forward is None or backward is None:
         return None
-    return message + forward, message + backward
+    return SendTimes(message + forward, message + backward)
 
 
 @functools.lru_cache(maxsize=4096)
 def param_tensors(
-    model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool
+    model: ModelSpec, layers: int, position: StagePosition
 ) -> tuple[tuple[str, int, bool], ...]:
     """(what, elements of the full tensor, sharded over TP) of every parameter tensor a stage
     holds, as hethub.runtime.model builds them; what is "embed" for the (tied) embedding, else
@@ -104,16 +105,16 @@ def param_tensors(
     else:
         layer += [("other", f * h, True)] * 3  # gate, up, down
     tensors = []
-    if first:
+    if position.first:
         tensors.append(("embed", model.vocab * h, True))
         if gpt:
             tensors.append(("other", model.seq_len * h, False))  # learned positions
     tensors += layer * layers
-    if last:
+    if position.last:
         tensors += [("other", h, False)] * (2 if gpt else 1)  # final norm
         if not gpt:
             tensors.append(("other", model.vocab * h, True))  # the output head
-        elif not single_stage:
+        elif not position.alone:
             tensors.append(
                 ("embed", model.vocab * h, True)
             )  # the tied head's copy of the embedding
@@ -132,11 +133,10 @@ def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
 def grad_sync_time(
     link: LinkProfile,
     model: ModelSpec,
+    *,
     tp: int,
     layers: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     holders: int,
     embed_holders: int,
     bytes_per_element: int,
@@ -152,7 +152,7 @@ def grad_sync_time(
     BUCKET_BYTES ends.
     """
     by_holders: dict[int, list[tuple[int, bool]]] = {}
-    for what, elements, sharded in param_tensors(model, layers, first, last, single_stage):
+    for what, elements, sharded in param_tensors(model, layers, position):
         ranks = embed_holders if what == "embed" else holders
         if ranks > 1:
             by_holders.setdefault(ranks, []).append((elements * bytes_per_element, sharded))
@@ -174,42 +174,37 @@ def optimizer_time(
     model: ModelSpec,
     tp: int,
     layers: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
 ) -> float:
     """The AdamW step over one rank's share of the stage's parameters."""
-    return (
-        profile.optimizer_s_per_param * stage_params(model, layers, first, last, single_stage) / tp
-    )
+    return profile.optimizer_s_per_param * stage_params(model, layers, position) / tp
 
 
 def profiled_memory(
     profile: LayerProfile,
     model: ModelSpec,
+    *,
     bytes_per_element: int,
     layers: int,
     tp: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     in_flight: int,
     micro_batch: int,
     recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
+    params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
-        profile.layer_activation_bytes,
-        bytes_per_element,
-        layers,
-        tp,
-        last,
-        in_flight,
-        micro_batch,
-        recompute,
+        per_layer=profile.layer_activation_bytes,
+        bytes_per_element=bytes_per_element,
+        layers=layers,
+        tp=tp,
+        last=position.last,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
     )
     weights = params * bytes_per_element
     return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
