@@ -4,7 +4,7 @@ and the head's extra time, and how many layers fit in memory, all from the predi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
@@ -12,6 +12,7 @@ from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
+from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Recompute
 from hethub.spec.schedules import Schedule
@@ -26,6 +27,7 @@ class StageSlot:
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()
 class Setting:
     """The plan-wide choices a candidate is costed under."""
 
@@ -36,28 +38,6 @@ class Setting:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.model,
-                    self.calibration,
-                    self.micro_batch,
-                    self.recompute,
-                    self.schedule,
-                    self.profiles,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @functools.lru_cache(maxsize=65536)

@@ -114,7 +114,7 @@ class _StepLog:
             topology,
             as_json,
         )
-        self.emulated = any(g.speed is not None for g in cluster.groups)
+        self.emulated = cluster.emulated
         self.prediction = (
             json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -11,11 +11,13 @@ import yaml
 
 from hethub.errors import SpecError
 from hethub.spec.fields import Fields, suggestion
+from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
 class AcceleratorSpec:
     """One kind of device, with the figures the predictor needs."""
 
@@ -37,30 +39,6 @@ class AcceleratorSpec:
     """The usual node's scale-out network, Gbit/s per node."""
     source: str = ""
     """The public document the figures come from."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.name,
-                    self.vendor,
-                    self.bf16_tflops,
-                    self.memory_gb,
-                    self.memory_bw_gb_s,
-                    self.intra_node_gb_s,
-                    self.host_link_gb_s,
-                    self.network_gbps,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -12,11 +12,13 @@ import yaml
 
 from hethub.errors import SpecError
 from hethub.spec.fields import Fields, load_yaml, suggestion
+from hethub.spec.hashing import hashed_once
 
 ARCHS = ("gpt", "llama")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
 class ModelSpec:
     """Transformer dimensions.
 
@@ -34,31 +36,6 @@ class ModelSpec:
     ffn_hidden: int
     vocab: int
     seq_len: int
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.name,
-                    self.arch,
-                    self.hidden,
-                    self.layers,
-                    self.heads,
-                    self.kv_heads,
-                    self.ffn_hidden,
-                    self.vocab,
-                    self.seq_len,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
     @property
     def head_dim(self) -> int:
