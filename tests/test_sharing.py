@@ -164,9 +164,9 @@ def test_a_pipeline_of_more_ranks_than_cores_is_predicted_faster_through_its_fil
         ops = [
             e
             for e in shared.timeline
-            if e["stage"] == stage.position and e["kind"] in ("forward", "backward")
+            if e.stage == stage.position and e.kind in ("forward", "backward")
         ]
-        assert stage.compute_s == pytest.approx(sum(e["end_s"] - e["start_s"] for e in ops))
+        assert stage.compute_s == pytest.approx(sum(e.end_s - e.start_s for e in ops))
         nominal = 8 * (stage.forward_s + stage.backward_s)
         assert 0.028 / 0.064 * nominal <= stage.compute_s < nominal
 

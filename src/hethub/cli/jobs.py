@@ -370,7 +370,7 @@ def _write_prediction(
             **prediction.to_json(),
             "basis": basis,
             "emulated": emulated,
-            "timeline": prediction.timeline,
+            "timeline": [event.to_dict() for event in prediction.timeline],
         },
     )
 

@@ -33,6 +33,7 @@ from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulat
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import LinkProfile, Profiles
+from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
@@ -82,7 +83,7 @@ class Prediction:
     pipeline_time_s: tuple[float, ...]
     """Per pipeline layout: from the first forward to the last backward."""
     stages: tuple[StagePrediction, ...]
-    timeline: list[dict] | None = field(default=None, compare=False)
+    timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
     def to_json(self) -> dict:
@@ -351,7 +352,7 @@ def _assemble_step(
     pricing: _StepPricing,
     runs: list[_LayoutRun],
     priced: list[_PricedStage],
-    schedule_events: list[dict] | None,
+    schedule_events: list[TimelineEvent] | None,
 ) -> Prediction:
     """The step from its priced stages: it ends when the last optimizer step does."""
     plan, cluster, model = pricing.plan, pricing.cluster, pricing.model
@@ -397,7 +398,9 @@ def _assemble_step(
     )
 
 
-def _step_events(priced: list[_PricedStage], synced: float, loss_sync: float | None) -> list[dict]:
+def _step_events(
+    priced: list[_PricedStage], synced: float, loss_sync: float | None
+) -> list[TimelineEvent]:
     """Each stage's gradient sync and optimizer step, as trace events; after a loss sync, every
     optimizer starts once the last gradient sync and the loss sync are done."""
     events = []
@@ -408,10 +411,10 @@ def _step_events(priced: list[_PricedStage], synced: float, loss_sync: float | N
         if loss_sync is not None:
             duration = optimizer_end - optimizer_start
             optimizer_start, optimizer_end = synced + loss_sync, synced + loss_sync + duration
-        base = {"pipeline": s.pipeline, "stage": s.position, "group": s.group}
+        where = {"pipeline": s.pipeline, "stage": s.position, "group": s.group}
         events += [
-            {**base, "kind": "grad_sync", "start_s": start, "end_s": sync_end},
-            {**base, "kind": "optimizer", "start_s": optimizer_start, "end_s": optimizer_end},
+            TimelineEvent(**where, kind="grad_sync", start_s=start, end_s=sync_end),
+            TimelineEvent(**where, kind="optimizer", start_s=optimizer_start, end_s=optimizer_end),
         ]
     return events
 
@@ -742,32 +745,31 @@ def _send_time(
     return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
 
 
-def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
+def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
     """Every simulated operation and activation/gradient send, as trace events."""
     events = []
     for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
         p = len(run.groups)
         for (s, kind, j), begin, finish in zip(order.ops, start, end):
-            base = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
+            where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
             events.append(
-                {
-                    **base,
-                    "kind": "backward" if kind == BACKWARD else "forward",
-                    "start_s": begin,
-                    "end_s": finish,
-                }
+                TimelineEvent(
+                    **where,
+                    kind="backward" if kind == BACKWARD else "forward",
+                    start_s=begin,
+                    end_s=finish,
+                )
             )
             if kind == FORWARD and s < p - 1:
                 events.append(
-                    {**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]}
+                    TimelineEvent(
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[s]
+                    )
                 )
             if kind == BACKWARD and s > 0:
                 events.append(
-                    {
-                        **base,
-                        "kind": "send",
-                        "start_s": finish,
-                        "end_s": finish + run.send_back_s[s - 1],
-                    }
+                    TimelineEvent(
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[s - 1]
+                    )
                 )
     return events

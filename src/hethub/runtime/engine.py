@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import Communicator, group_backend
+from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, full_state, shard, stage_names
 from hethub.runtime.topology import Topology
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
@@ -154,12 +155,16 @@ class Engine:
         if stretch and self.stretch:
             time.sleep(self.stretch * (time.perf_counter() - start))
         self.timeline.append(
-            {
-                "kind": kind,
-                "micro_batch": micro_batch,
-                "start_s": start - self._step_start,
-                "end_s": time.perf_counter() - self._step_start,
-            }
+            TimelineEvent(
+                pipeline=self.me.pipeline,
+                stage=self.me.stage,
+                group=self.me.group,
+                micro_batch=micro_batch,
+                kind=kind,
+                start_s=start - self._step_start,
+                end_s=time.perf_counter() - self._step_start,
+                source="measured",
+            )
         )
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
