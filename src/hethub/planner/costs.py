@@ -42,7 +42,8 @@ class Setting:
 
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
-    """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of ``group``."""
+    """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of
+    ``group``."""
     forward, backward = _work(setting, group, tp, 1, MIDDLE)
     return forward + backward
 

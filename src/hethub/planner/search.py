@@ -307,7 +307,8 @@ def _evaluate(
 
 
 def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[float, Plan] | None:
-    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its step."""
+    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its
+    step."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:

@@ -501,7 +501,8 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
 def _simulate_shared(
     plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing
 ) -> tuple[list[_LayoutRun], list]:
-    """Every layout's schedule at once, its ranks sharing the machine's cores (predictor.sharing)."""
+    """Every layout's schedule at once, its ranks sharing the machine's cores
+    (predictor.sharing)."""
     layouts = [
         SharedLayout(
             order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),

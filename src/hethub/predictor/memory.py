@@ -112,7 +112,8 @@ def activation_bytes(
 ) -> float:
     """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
     if recompute == Recompute.FULL:
-        # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
+        # Only each layer's input survives the forward; one layer's activations are rebuilt at a
+        # time.
         layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
         activations = in_flight * layers * layer_input + per_layer
     else:

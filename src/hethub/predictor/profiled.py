@@ -244,7 +244,8 @@ def core_sharing(
 
 
 def _device_tps(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, int]]:
-    """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are looked up by."""
+    """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are
+    looked up by."""
     return list(
         dict.fromkeys(
             (cluster.group(s.group).accelerator.name, s.tp)
@@ -273,7 +274,8 @@ def missing_profiles(
         if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
             notes.append(
-                f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model"
+                f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: "
+                "analytic model"
             )
         elif profile.method < METHOD:
             notes.append(
@@ -289,8 +291,9 @@ def missing_profiles(
     for profile in found if sharing else ():
         if profiles.layer(alone_key(profile)) is None:
             notes.append(
-                f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
-                f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair"
+                f"no profile for {alone_key(profile).describe()} in "
+                f"{profiles.source or 'the profiles'}: the {profiles.concurrent_ranks} ranks' "
+                f"share of the {sharing.cores} cores is taken as fair"
             )
     devices = dict.fromkeys(
         cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages
@@ -306,7 +309,8 @@ def missing_profiles(
             continue
         if link.method < METHOD:
             notes.append(
-                f"the link profile of {device} was measured by an older hethub (method {link.method}, "
+                f"the link profile of {device} was measured by an older hethub "
+                f"(method {link.method}, "
                 f"now {METHOD}): measure again with hethub profile --again"
             )
         tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
@@ -314,7 +318,8 @@ def missing_profiles(
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
         if lacking:
             notes.append(
-                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) at once lacks "
+                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) "
+                "at once lacks "
                 f"{', '.join(lacking)}: analytic communication where it is needed"
             )
     return notes

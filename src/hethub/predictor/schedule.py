@@ -172,7 +172,8 @@ _STEADY_PROBE = 24
 
 
 def _run(order: ScheduleOrder, durations: list[float], sends: list[float], every_op: bool):
-    """The simulation proper: end times, and (shift, micro-batches) of each steady cycle it jumped over."""
+    """The simulation proper: end times, and (shift, micro-batches) of each steady cycle it jumped
+    over."""
     p = order.stages
     steps = order.steps
     end = [0.0] * (len(steps) + 1)  # index -1: nothing to wait for, ends at 0

@@ -24,7 +24,8 @@ class AcceleratorSpec:
     name: str
     """Catalog name (lower case) or the name an inline accelerator gives itself."""
     vendor: str
-    """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the bridge."""
+    """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the
+    bridge."""
     bf16_tflops: float
     """Dense bf16 tensor TFLOP/s (fp16 where the device has no bf16)."""
     memory_gb: float
@@ -88,7 +89,8 @@ _INLINE_FIELDS = (
 
 
 def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
-    """A catalog name, or an inline mapping whose omitted figures come from its vendor's defaults."""
+    """A catalog name, or an inline mapping whose omitted figures come from its vendor's
+    defaults."""
     if isinstance(value, str):
         return lookup(value, source, field)
     f = Fields(value, source, field, allowed=_INLINE_FIELDS)

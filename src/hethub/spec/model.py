@@ -48,7 +48,8 @@ class ModelSpec:
 
     @property
     def mlp_matrices(self) -> int:
-        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for SwiGLU."""
+        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for
+        SwiGLU."""
         return 3 if self.arch == "llama" else 2
 
     def layer_params(self) -> int:
@@ -138,7 +139,8 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
 def load_model(
     ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model"
 ) -> ModelSpec:
-    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if given)."""
+    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if
+    given)."""
     text = str(ref)
     if text.lower() in preset_names():
         name = text.lower()
