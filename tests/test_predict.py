@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hethub.cli import main
 from hethub.predictor import default_calibration, predict
+from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import chrome_trace
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 
@@ -275,16 +276,8 @@ def test_trace_has_every_operation_one_row_per_stage_and_opens_as_json(tmp_path)
 
 def test_chrome_trace_separates_predicted_and_measured_timelines():
     events = [
-        {
-            "pipeline": 0,
-            "stage": 0,
-            "group": "g",
-            "kind": "forward",
-            "start_s": 0,
-            "end_s": 1,
-            "source": source,
-        }
-        for source in ("predicted", "measured")
+        TimelineEvent(pipeline=0, stage=0, group="g", kind="forward", start_s=0, end_s=1, source=s)
+        for s in ("predicted", "measured")
     ]
     names = {
         e["args"]["name"]

@@ -9,6 +9,8 @@ import pytest
 from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.spec import lookup, parse_cluster, parse_model
+from hethub.spec.plan import Recompute
+from hethub.spec.schedules import Schedule
 
 CAL = Calibration(
     matmul_efficiency=0.5,
@@ -111,12 +113,12 @@ def test_layer_takes_the_larger_of_host_and_device_time():
         {"arch": "gpt", "hidden": 64, "layers": 1, "heads": 4, "vocab": 100, "seq_len": 16}, "", "t"
     )
     slow_host = dataclasses.replace(CAL, launch_us=1000)
-    cost = compute.layer_cost(tiny, A100, slow_host, 1, 1, False, 0.0)
+    cost = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.NONE, 0.0)
     assert cost.forward_s == pytest.approx(compute.FORWARD_OPS["gpt"] * 1000e-6)  # launch-bound
     assert cost.backward_s == pytest.approx(2 * cost.forward_s)
-    recomputed = compute.layer_cost(tiny, A100, slow_host, 1, 1, True, 0.0)
+    recomputed = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.FULL, 0.0)
     assert recomputed.backward_s == pytest.approx(cost.backward_s + cost.forward_s)
-    big = compute.layer_cost(GPT, A100, CAL, 1, 8, False, 0.0)  # device-bound
+    big = compute.layer_cost(GPT, A100, CAL, 1, 8, Recompute.NONE, 0.0)  # device-bound
     device = sum(compute.gemm_time(f, d, A100, CAL) for f, d in compute.layer_gemms(GPT, 1, 8))
     device += compute.memory_time(compute.layer_memory_bytes(GPT, 1, 8), A100, CAL)
     assert big.forward_s == pytest.approx(device)
@@ -198,8 +200,8 @@ def test_stage_memory_by_hand():
         stages=2,
         micro_batches=8,
         micro_batch=b,
-        recompute=False,
-        schedule="1f1b",
+        recompute=Recompute.NONE,
+        schedule=Schedule.ONE_F_ONE_B,
     )
     params = (2 * GPT.layer_params() + GPT.embedding_params()) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
@@ -215,8 +217,8 @@ def test_stage_memory_by_hand():
         stages=2,
         micro_batches=8,
         micro_batch=b,
-        recompute=True,
-        schedule="1f1b",
+        recompute=Recompute.FULL,
+        schedule=Schedule.ONE_F_ONE_B,
     )
     assert recomputed.activations_gb == pytest.approx((2 * 2 * s * b * h * 2 + per_layer) / 1e9)
     gpipe = memory.stage_memory(
@@ -227,8 +229,8 @@ def test_stage_memory_by_hand():
         stages=2,
         micro_batches=8,
         micro_batch=b,
-        recompute=False,
-        schedule="gpipe",
+        recompute=Recompute.NONE,
+        schedule=Schedule.GPIPE,
     )
     assert gpipe.activations_gb == pytest.approx(8 * 2 * per_layer / 1e9)
 

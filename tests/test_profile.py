@@ -16,6 +16,7 @@ from hethub.planner import search
 from hethub.predictor import default_calibration, predict
 from hethub.predictor.iteration import stage_work
 from hethub.predictor.profiled import missing_profiles, param_tensors
+from hethub.predictor.stage import StagePosition
 from hethub.profile import (
     LayerKey,
     LayerProfile,
@@ -29,6 +30,7 @@ from hethub.profile import (
 from hethub.profile.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
+from hethub.spec.plan import Recompute
 
 TINY = load_model("tiny-llama")
 CPU2 = parse_cluster(
@@ -336,7 +338,7 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         }
     )
     (stage,) = predict(dp, CPU2, TINY, profiles=profiles_of(lp, link)).stages
-    tensors = param_tensors(TINY, 8, True, True, True)
+    tensors = param_tensors(TINY, 8, StagePosition.of(0, 1))
     assert len(tensors) == 8 * 9 + 3
     total = sum(n * 4 for _, n, _ in tensors)
     assert total < BUCKET_BYTES  # one bucket, one all-reduce, as the runtime does
@@ -392,7 +394,9 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     without = predict(plan, CPU2, TINY)
     assert [s.forward_s for s in with_profiles.stages] == [s.forward_s for s in without.stages]
     assert without == predict(plan, CPU2, TINY, profiles=None)
-    analytic = stage_work(TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, False, True, False)
+    analytic = stage_work(
+        TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, Recompute.NONE, StagePosition.of(0, 2)
+    )
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))
     assert len(notes) == 2 and notes[0].startswith("no profile for cpu tp=1 micro-batch 1")

@@ -80,7 +80,8 @@ def test_1f1b_keeps_at_most_stages_minus_position_micro_batches_in_flight():
 def test_a_send_delays_the_next_stage():
     order = schedule_order("1f1b", 2, 1)
     end = simulate(order, [1.0, 1.0], [2.0, 2.0], [0.5], [0.25])
-    # F0 on stage 0 ends at 1, arrives at 1.5, F0 on stage 1 ends 2.5, B0 ends 4.5, arrives 4.75, B0 ends 6.75.
+    # F0 on stage 0 ends at 1, arrives at 1.5, F0 on stage 1 ends 2.5, B0 ends 4.5, arrives 4.75,
+    # B0 ends 6.75.
     assert max(end) == pytest.approx(6.75)
 
 

@@ -19,6 +19,7 @@ from hethub.predictor.schedule import schedule_order, simulate
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.profile import empty_profiles
 from hethub.spec import parse_cluster
+from hethub.spec.plan import Recompute
 from tests.test_profile import TINY, key_of, layer_profile, link_profile, plan_of
 
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
@@ -163,9 +164,9 @@ def test_a_pipeline_of_more_ranks_than_cores_is_predicted_faster_through_its_fil
         ops = [
             e
             for e in shared.timeline
-            if e["stage"] == stage.position and e["kind"] in ("forward", "backward")
+            if e.stage == stage.position and e.kind in ("forward", "backward")
         ]
-        assert stage.compute_s == pytest.approx(sum(e["end_s"] - e["start_s"] for e in ops))
+        assert stage.compute_s == pytest.approx(sum(e.end_s - e.start_s for e in ops))
         nominal = 8 * (stage.forward_s + stage.backward_s)
         assert 0.028 / 0.064 * nominal <= stage.compute_s < nominal
 
@@ -200,7 +201,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
             model=TINY,
             calibration=default_calibration(),
             micro_batch=b,
-            recompute=False,
+            recompute=Recompute.NONE,
             profiles=profiles,
         )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):

@@ -1,4 +1,5 @@
-"""The specs: model presets and parameter counts, the accelerator catalog, cluster and plan files."""
+"""The specs: model presets and parameter counts, the accelerator catalog, cluster and plan
+files."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ class Job:
 
     @property
     def emulated(self) -> bool:
-        return any(g.speed is not None for g in self.cluster.groups)
+        return self.cluster.emulated
 
 
 def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = True, say=None) -> Job:
@@ -367,14 +367,14 @@ def _write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
 def _write_prediction(
     run: RunDir, prediction: Prediction, basis: str, cluster: ClusterSpec
 ) -> None:
-    emulated = any(g.speed is not None for g in cluster.groups)
+    emulated = cluster.emulated
     run.write_json(
         run.prediction,
         {
             **prediction.to_json(),
             "basis": basis,
             "emulated": emulated,
-            "timeline": prediction.timeline,
+            "timeline": [event.to_dict() for event in prediction.timeline],
         },
     )
 

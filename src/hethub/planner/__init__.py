@@ -1,4 +1,5 @@
-"""The automatic parallel planner: pure Python, no torch. It asks the predictor, never the runtime."""
+"""The automatic parallel planner: pure Python, no torch. It asks the predictor, never the
+runtime."""
 
 from hethub.planner.search import Ranked, SearchResult, search, upper_bound
 

@@ -129,7 +129,8 @@ def _orders(groups: list[DeviceGroup]) -> list[tuple[DeviceGroup, ...]]:
 def _replica_counts(
     groups: tuple[DeviceGroup, ...], tp_of: dict[str, int], max_stages: int
 ) -> list[int]:
-    """Replica counts at which some group's stages per replica change (the only ones worth trying)."""
+    """Replica counts at which some group's stages per replica change (the only ones worth
+    trying)."""
     counts = set()
     for g in groups:
         per_tp = g.devices // tp_of[g.name]
@@ -141,7 +142,8 @@ def _replica_counts(
 
 
 def _fit_leftover(best: list[Layout], devices: int) -> Layout | None:
-    """The first of a group's best layouts that fits in ``devices`` devices, with as many replicas as fit."""
+    """The first of a group's best layouts that fits in ``devices`` devices, with as many replicas
+    as fit."""
     for layout in best:
         per_replica = sum(slot.tp for slot in layout.slots)
         if devices >= per_replica:

@@ -4,14 +4,18 @@ and the head's extra time, and how many layers fit in memory, all from the predi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
 from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
+from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
+from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
+from hethub.spec.schedules import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,81 +27,46 @@ class StageSlot:
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()
 class Setting:
     """The plan-wide choices a candidate is costed under."""
 
     model: ModelSpec
     calibration: Calibration
     micro_batch: int
-    recompute: bool
-    schedule: str = "1f1b"
+    recompute: Recompute
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.model,
-                    self.calibration,
-                    self.micro_batch,
-                    self.recompute,
-                    self.schedule,
-                    self.profiles,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
-    """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of ``group``."""
-    forward, backward = _work(setting, group, tp, 1, False, False)
+    """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of
+    ``group``."""
+    forward, backward = _work(setting, group, tp, 1, MIDDLE)
     return forward + backward
 
 
 @functools.lru_cache(maxsize=65536)
-def end_time(setting: Setting, group: DeviceGroup, tp: int, first: bool, last: bool) -> float:
+def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosition) -> float:
     """Forward plus backward of the embedding (first stage) and the head (last stage)."""
-    forward, backward = _work(setting, group, tp, 0, first, last)
+    forward, backward = _work(setting, group, tp, 0, position)
     return forward + backward
 
 
 def _work(
-    setting: Setting, group: DeviceGroup, tp: int, layers: int, first: bool, last: bool
-) -> tuple[float, float]:
-    if setting.profiles is None and group.speed is None:
-        return stage_work(
-            setting.model,
-            group,
-            setting.calibration,
-            tp,
-            layers,
-            setting.micro_batch,
-            setting.recompute,
-            first,
-            last,
-        )
-    return stage_cost(
+    setting: Setting, group: DeviceGroup, tp: int, layers: int, position: StagePosition
+) -> StageTimes:
+    model, cal, b, recompute = (
         setting.model,
-        group,
         setting.calibration,
-        setting.profiles,
-        tp,
-        layers,
         setting.micro_batch,
         setting.recompute,
-        first,
-        last,
     )
+    if setting.profiles is None and group.speed is None:
+        return stage_work(model, group, cal, tp, layers, b, recompute, position)
+    return stage_cost(model, group, cal, setting.profiles, tp, layers, b, recompute, position)
 
 
 def layer_cap(
@@ -105,20 +74,12 @@ def layer_cap(
 ) -> int:
     """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
     in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
-    return _layer_cap(
-        setting, group, tp, position == 0, position == stages - 1, stages == 1, in_flight
-    )
+    return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight)
 
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cap(
-    setting: Setting,
-    group: DeviceGroup,
-    tp: int,
-    first: bool,
-    last: bool,
-    single: bool,
-    in_flight: int,
+    setting: Setting, group: DeviceGroup, tp: int, position: StagePosition, in_flight: int
 ) -> int:
     def gb(layers: int) -> float:
         if setting.profiles is None:
@@ -126,9 +87,7 @@ def _layer_cap(
                 setting.model,
                 layers,
                 tp,
-                first,
-                last,
-                single,
+                position,
                 in_flight,
                 setting.micro_batch,
                 setting.recompute,
@@ -136,15 +95,13 @@ def _layer_cap(
         return stage_memory_for(
             setting.model,
             group,
-            setting.profiles,
-            layers,
-            tp,
-            first,
-            last,
-            single,
-            in_flight,
-            setting.micro_batch,
-            setting.recompute,
+            profiles=setting.profiles,
+            layers=layers,
+            tp=tp,
+            position=position,
+            in_flight=in_flight,
+            micro_batch=setting.micro_batch,
+            recompute=setting.recompute,
         ).total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers

@@ -32,7 +32,8 @@ def pipeline_cost(
 def partition_layers(
     layers: int, per_layer: list[float], extra: list[float], cap: list[int], micro_batches: int
 ) -> list[int] | None:
-    """The split of ``layers`` over the stages minimising pipeline_cost, or None if none fits the caps."""
+    """The split of ``layers`` over the stages minimising pipeline_cost, or None if none fits the
+    caps."""
     p = len(per_layer)
     caps = [min(c, layers - p + 1) for c in cap]
     if p > layers or min(caps) < 1 or sum(caps) < layers:

@@ -32,10 +32,11 @@ from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.profiled import core_sharing
+from hethub.predictor.stage import StagePosition
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
+from hethub.spec.plan import PipelineLayout, Plan, Recompute, StageSpec, uniform_layers
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
@@ -134,7 +135,7 @@ def search(
         Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
         for b in MICRO_BATCH_SIZES
         if global_batch % b == 0
-        for r in (False, True)
+        for r in Recompute
     ]
 
     group_best: dict[str, Ranked | None] = {}
@@ -178,8 +179,7 @@ def search(
             setting = next(
                 s
                 for s in settings
-                if s.micro_batch == best.plan.micro_batch
-                and s.recompute == (best.plan.recompute == "full")
+                if s.micro_batch == best.plan.micro_batch and s.recompute == best.plan.recompute
             )
             jobs = [(setting, structure) for structure in mixed_tp(cluster, model, MAX_STAGES)]
             _refine(state, [r for r in _evaluate(state, jobs, "mixed TP degrees") if r is not None])
@@ -307,7 +307,8 @@ def _evaluate(
 
 
 def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[float, Plan] | None:
-    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its step."""
+    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its
+    step."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
@@ -339,7 +340,7 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
         model=state.model_ref,
         global_batch=state.global_batch,
         micro_batch=setting.micro_batch,
-        recompute="full" if setting.recompute else "none",
+        recompute=setting.recompute,
         schedule=setting.schedule,
         pipelines=tuple(pipelines),
     )
@@ -375,7 +376,7 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
     groups = [cluster.group(slot.group) for slot in layout.slots]
     per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, layout.slots)]
     extra = [
-        end_time(setting, g, slot.tp, s == 0, s == p - 1)
+        end_time(setting, g, slot.tp, StagePosition.of(s, p))
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
     caps = [
@@ -433,7 +434,7 @@ def _closest_unplaceable(state: _Search) -> None:
             model=state.model_ref,
             global_batch=state.global_batch,
             micro_batch=setting.micro_batch,
-            recompute="full" if setting.recompute else "none",
+            recompute=setting.recompute,
             pipelines=pipelines,
         )
         _note_overflow(

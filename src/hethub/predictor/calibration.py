@@ -28,7 +28,8 @@ class Calibration:
     collective_latency_us: float
     """Latency of one step of a ring collective, or of one point-to-point message."""
     step_overhead_ms: float
-    """Fixed cost of one optimizer step outside the model (grad-norm, loss scaling, data loading)."""
+    """Fixed cost of one optimizer step outside the model (grad-norm, loss scaling, data
+    loading)."""
 
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hethub.predictor.calibration import Calibration
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
 
 BYTES_PER_ELEMENT = 2  # bf16 activations and weights
 LOSS_BYTES_PER_ELEMENT = 4  # the cross-entropy works on fp32 logits
@@ -105,7 +106,7 @@ def layer_cost(
     cal: Calibration,
     tp: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
     tp_allreduce_s: float,
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices.
@@ -123,7 +124,7 @@ def layer_cost(
     backward = max(
         BACKWARD_OPS_PER_FORWARD_OP * host_s, 2 * gemm_s + 2 * memory_s + 2 * tp_allreduce_s
     )
-    if recompute:
+    if recompute == Recompute.FULL:
         backward += forward
     return WorkCost(forward, backward, sum(flops for flops, _ in gemms))
 

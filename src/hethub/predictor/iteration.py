@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
@@ -30,11 +31,13 @@ from hethub.predictor.memory import (
 )
 from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import LinkProfile, Profiles
+from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
-from hethub.spec.plan import PipelineLayout, Plan
+from hethub.spec.plan import PipelineLayout, Plan, Recompute
 
 # Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
 # weight (8) and both moments (16), write the bf16 weight (2).
@@ -80,7 +83,7 @@ class Prediction:
     pipeline_time_s: tuple[float, ...]
     """Per pipeline layout: from the first forward to the last backward."""
     stages: tuple[StagePrediction, ...]
-    timeline: list[dict] | None = field(default=None, compare=False)
+    timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
     def to_json(self) -> dict:
@@ -158,153 +161,221 @@ def predict(
     timeline: bool = False,
     profiles: Profiles | None = None,
 ) -> Prediction:
-    """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on ``cluster``.
+    """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on
+    ``cluster``.
 
     ``profiles``: measured profiles under the job's run conditions (Profiles.select); what they
     have for a group's accelerator replaces the analytic model's cost (see predictor.profiled),
     what they lack stays analytic. A group's emulated ``speed`` divides its compute times.
     """
     cal = calibration or default_calibration()
-    recompute = plan.recompute == "full"
     costs = [
-        _layout_costs(pipeline, blocks, plan, cluster, model, cal, recompute, profiles)
+        _layout_costs(pipeline, blocks, plan, cluster, model, cal, profiles)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
     ]
     sharing = None if profiles is None else profiled.core_sharing(plan, cluster, model, profiles)
-    if (
-        sharing is not None
-    ):  # more ranks than cores: every layout's ranks share them, simulated together
+    if sharing is not None:  # more ranks than cores: every layout's ranks share them, together
         runs, orders = _simulate_shared(plan, costs, sharing)
     else:
         runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
-
-    # Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
-    # one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
-    # each stage's shard between them, over the bridge where the vendors differ: hierarchically,
-    # each of a layout's replicas carries an equal slice of the shard across (reduce-scatter
-    # inside the layout, all-reduce of the slices across layouts, all-gather inside), so the
-    # layout with the fewest replicas sets the slice.
-    classes: dict[tuple, list[int]] = {}
-    for index, run in enumerate(runs):
-        classes.setdefault(run.pipeline.stages, []).append(index)
-    slowest = max(run.time_s for run in runs)
-    fewest = min(sum(runs[i].pipeline.count for i in members) for members in classes.values())
-    leaders = {runs[members[0]].groups[0] for members in classes.values()}
-    cross_bw = (
-        {
-            group.name: min(comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders)
-            for group in {g for run in runs for g in run.groups}
-        }
-        if len(classes) > 1
-        else {}
+    pricing = _StepPricing(
+        plan=plan,
+        cluster=cluster,
+        model=model,
+        cal=cal,
+        profiles=profiles,
+        sync=_sync_classes(runs, cluster, cal),
+        holders=profiled.holders(plan, model) if profiles is not None else (0, 0),
+        plan_link=_plan_link(plan, cluster, profiles) if profiles is not None else None,
     )
-    holders = profiled.holders(plan, model) if profiles is not None else (0, 0)
-    plan_link = _plan_link(plan, cluster, profiles) if profiles is not None else None
-    stages: list[StagePrediction] = []
-    step_events: list[dict] = []
+    stages = [
+        _price_stage(pricing, runs, index, s)
+        for index, run in enumerate(runs)
+        for s in range(len(run.groups))
+    ]
+    return _assemble_step(pricing, runs, stages, _timeline(runs, orders) if timeline else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _SyncClasses:
+    """Who syncs gradients with whom.
+
+    Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
+    one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
+    each stage's shard between them, over the bridge where the vendors differ: hierarchically,
+    each of a layout's replicas carries an equal slice of the shard across (reduce-scatter
+    inside the layout, all-reduce of the slices across layouts, all-gather inside), so the
+    layout with the fewest replicas sets the slice.
+    """
+
+    classes: int
+    """Distinct tuples of stages among the layouts."""
+    peers: list[list[int]]
+    """Per layout: the indices of the layouts with its stages (itself included)."""
+    replicas: list[int]
+    """Per layout: the replicas of it and its peers, which all-reduce natively together."""
+    slowest_s: float
+    """The longest pipeline time: where a sync across unlike layouts starts."""
+    fewest: int
+    """The fewest replicas of one class of layouts."""
+    cross_bw: dict[str, float]
+    """Per group: its bandwidth to the slowest of the classes' leading groups (only with more
+    than one class)."""
+
+
+def _sync_classes(runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration) -> _SyncClasses:
+    members: dict[tuple, list[int]] = {}
+    peers = []  # per layout, its class's list, which the later layouts of the class join
+    for index, run in enumerate(runs):
+        peers.append(members.setdefault(run.pipeline.stages, []))
+        peers[-1].append(index)
+    leaders = {runs[indices[0]].groups[0] for indices in members.values()}
+    return _SyncClasses(
+        classes=len(members),
+        peers=peers,
+        replicas=[sum(runs[i].pipeline.count for i in indices) for indices in peers],
+        slowest_s=max(run.time_s for run in runs),
+        fewest=min(sum(runs[i].pipeline.count for i in indices) for indices in members.values()),
+        cross_bw=(
+            {
+                group.name: min(
+                    comm.cross_group_bw(cluster, group, leader, cal) for leader in leaders
+                )
+                for group in {g for run in runs for g in run.groups}
+            }
+            if len(members) > 1
+            else {}
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPricing:
+    """What pricing every stage's part of the step needs, the same for all of them."""
+
+    plan: Plan
+    cluster: ClusterSpec
+    model: ModelSpec
+    cal: Calibration
+    profiles: Profiles | None
+    sync: _SyncClasses
+    holders: tuple[int, int]
+    """(stages holding each layer, stages holding the embedding), for the profiled sync."""
+    plan_link: LinkProfile | None
+    """The link profile that prices the whole plan's collectives, if one does."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PricedStage:
+    prediction: StagePrediction
+    sync_start_s: float
+    """When its gradient sync can start: its last backward, or, with peers in other layouts,
+    the last backward of them all."""
+
+
+def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
+    """Stage ``s`` of layout ``index``: its simulated compute, its gradient sync and optimizer
+    step, and its memory."""
+    plan, model, profiles, sync = pricing.plan, pricing.model, pricing.profiles, pricing.sync
+    run = runs[index]
+    stage, group = run.pipeline.stages[s], run.groups[s]
+    p, m = len(run.groups), run.pipeline.micro_batches
+    position = StagePosition.of(s, p)
+    peers = sync.peers[index]
+    if sync.classes > 1:
+        start = sync.slowest_s
+    elif len(peers) > 1:
+        start = max(runs[i].stage_end_s[s] for i in peers)
+    else:
+        start = run.stage_end_s[s]
+    state = stage_state(
+        model, group, pricing.cal, stage.tp, stage.layers, position, sync.replicas[index]
+    )
+    grad_sync, optimizer = state.grad_sync_s, state.optimizer_s
+    measured = (
+        None
+        if profiles is None
+        else _profiled_state(
+            model,
+            group,
+            profiles,
+            pricing.plan_link,
+            stage.tp,
+            stage.layers,
+            plan.micro_batch,
+            position,
+            *pricing.holders,
+        )
+    )
+    if measured is not None and measured.grad_sync_s is not None:
+        grad_sync = measured.grad_sync_s  # over every holder of each tensor, whatever its layout
+    elif sync.classes > 1:  # a layer's gradient is the mean over every layout's replicas
+        grad_sync += comm.ring_allreduce_time(
+            state.params * GRAD_BYTES / sync.fewest,
+            sync.classes,
+            sync.cross_bw[group.name],
+            pricing.cal,
+        )
+    if measured is not None and measured.optimizer_s is not None:
+        optimizer = measured.optimizer_s
+    memory = stage_memory_for(
+        model,
+        group,
+        profiles=profiles,
+        layers=stage.layers,
+        tp=stage.tp,
+        position=position,
+        in_flight=in_flight_micro_batches(plan.schedule, s, p, m),
+        micro_batch=plan.micro_batch,
+        recompute=plan.recompute,
+    )
+    prediction = StagePrediction(
+        pipeline=index,
+        position=s,
+        group=group.name,
+        accelerator=group.accelerator.name,
+        tp=stage.tp,
+        layers=stage.layers,
+        forward_s=run.forward_s[s],
+        backward_s=run.backward_s[s],
+        compute_s=run.compute_s[s],
+        send_s=run.send_s[s] if s < p - 1 else 0.0,
+        grad_sync_s=grad_sync,
+        optimizer_s=optimizer,
+        end_s=run.stage_end_s[s],
+        memory=memory,
+    )
+    return _PricedStage(prediction, start)
+
+
+def _assemble_step(
+    pricing: _StepPricing,
+    runs: list[_LayoutRun],
+    priced: list[_PricedStage],
+    schedule_events: list[TimelineEvent] | None,
+) -> Prediction:
+    """The step from its priced stages: it ends when the last optimizer step does."""
+    plan, cluster, model = pricing.plan, pricing.cluster, pricing.model
     iteration = busy = span = synced = stepped = 0.0
-    for index, run in enumerate(runs):
-        p, m = len(run.groups), run.pipeline.micro_batches
-        members = classes[run.pipeline.stages]
-        replicas = sum(runs[i].pipeline.count for i in members)
-        for s, (stage, group) in enumerate(zip(run.pipeline.stages, run.groups)):
-            start = (
-                max(runs[i].stage_end_s[s] for i in members)
-                if len(members) > 1
-                else run.stage_end_s[s]
-            )
-            if len(classes) > 1:
-                start = slowest
-            measured = (
-                None
-                if profiles is None
-                else _profiled_state(
-                    model,
-                    group,
-                    profiles,
-                    plan_link,
-                    stage.tp,
-                    stage.layers,
-                    plan.micro_batch,
-                    s == 0,
-                    s == p - 1,
-                    p == 1,
-                    *holders,
-                )
-            )
-            params, sync, optimizer = stage_state(
-                model, group, cal, stage.tp, stage.layers, s == 0, s == p - 1, p == 1, replicas
-            )
-            if measured is not None and measured[0] is not None:
-                sync = measured[0]  # over every holder of each tensor, whatever its layout
-            elif len(classes) > 1:  # a layer's gradient is the mean over every layout's replicas
-                sync += comm.ring_allreduce_time(
-                    params * GRAD_BYTES / fewest, len(classes), cross_bw[group.name], cal
-                )
-            if measured is not None and measured[1] is not None:
-                optimizer = measured[1]
-            compute = run.compute_s[s]
-            in_flight = in_flight_micro_batches(plan.schedule, s, p, m)
-            stages.append(
-                StagePrediction(
-                    pipeline=index,
-                    position=s,
-                    group=group.name,
-                    accelerator=group.accelerator.name,
-                    tp=stage.tp,
-                    layers=stage.layers,
-                    forward_s=run.forward_s[s],
-                    backward_s=run.backward_s[s],
-                    compute_s=compute,
-                    send_s=run.send_s[s] if s < p - 1 else 0.0,
-                    grad_sync_s=sync,
-                    optimizer_s=optimizer,
-                    end_s=run.stage_end_s[s],
-                    memory=stage_memory_for(
-                        model,
-                        group,
-                        profiles,
-                        stage.layers,
-                        stage.tp,
-                        s == 0,
-                        s == p - 1,
-                        p == 1,
-                        in_flight,
-                        plan.micro_batch,
-                        recompute,
-                    ),
-                )
-            )
-            iteration = max(iteration, start + sync + optimizer)
-            synced, stepped = max(synced, start + sync), max(stepped, optimizer)
-            devices = run.pipeline.count * stage.tp
-            busy += devices * compute
-            span += devices * run.time_s
-            if timeline:
-                base = {"pipeline": index, "stage": s, "group": group.name}
-                step_events += [
-                    {**base, "kind": "grad_sync", "start_s": start, "end_s": start + sync},
-                    {
-                        **base,
-                        "kind": "optimizer",
-                        "start_s": start + sync,
-                        "end_s": start + sync + optimizer,
-                    },
-                ]
+    for stage in priced:
+        s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
+        iteration = max(iteration, start + s.grad_sync_s + s.optimizer_s)
+        synced, stepped = max(synced, start + s.grad_sync_s), max(stepped, s.optimizer_s)
+        devices = run.pipeline.count * s.tp
+        busy += devices * s.compute_s
+        span += devices * run.time_s
     devices = sum(p.count * p.devices for p in plan.pipelines)
+    # With a link profile, the runtime's way: it all-reduces the loss over every rank, and only
+    # then does any rank step its optimizer.
     loss_sync = (
-        plan_link.allreduce_time(LOSS_REPORT_BYTES, devices) if plan_link is not None else None
+        None
+        if pricing.plan_link is None
+        else pricing.plan_link.allreduce_time(LOSS_REPORT_BYTES, devices)
     )
-    if (
-        loss_sync is not None
-    ):  # the runtime all-reduces the loss over every rank before the optimizer steps
+    if loss_sync is not None:
         iteration = synced + loss_sync + stepped
-        for event in step_events:
-            if event["kind"] == "optimizer":
-                duration = event["end_s"] - event["start_s"]
-                event["start_s"], event["end_s"] = synced + loss_sync, synced + loss_sync + duration
-    iteration += cal.step_overhead_ms * 1e-3
-
+    iteration += pricing.cal.step_overhead_ms * 1e-3
+    stages = [stage.prediction for stage in priced]
     return Prediction(
         iteration_time_s=iteration,
         tokens_per_s=plan.global_batch * model.seq_len / iteration,
@@ -319,11 +390,35 @@ def predict(
         bubble_fraction=1.0 - busy / span,
         pipeline_time_s=tuple(run.time_s for run in runs),
         stages=tuple(stages),
-        timeline=_timeline(runs, orders) + step_events if timeline else None,
+        timeline=(
+            None
+            if schedule_events is None
+            else schedule_events + _step_events(priced, synced, loss_sync)
+        ),
     )
 
 
-@functools.lru_cache(maxsize=256)
+def _step_events(
+    priced: list[_PricedStage], synced: float, loss_sync: float | None
+) -> list[TimelineEvent]:
+    """Each stage's gradient sync and optimizer step, as trace events; after a loss sync, every
+    optimizer starts once the last gradient sync and the loss sync are done."""
+    events = []
+    for stage in priced:
+        s, start = stage.prediction, stage.sync_start_s
+        sync_end = start + s.grad_sync_s
+        optimizer_start, optimizer_end = sync_end, sync_end + s.optimizer_s
+        if loss_sync is not None:
+            duration = optimizer_end - optimizer_start
+            optimizer_start, optimizer_end = synced + loss_sync, synced + loss_sync + duration
+        where = {"pipeline": s.pipeline, "stage": s.position, "group": s.group}
+        events += [
+            TimelineEvent(**where, kind="grad_sync", start_s=start, end_s=sync_end),
+            TimelineEvent(**where, kind="optimizer", start_s=optimizer_start, end_s=optimizer_end),
+        ]
+    return events
+
+
 def _model_flops(model: ModelSpec) -> float:
     """Model FLOPs of one sequence, forward and backward (recomputation not counted)."""
     forward = model.layers * sum(flops for flops, _ in layer_gemms(model, 1, 1))
@@ -338,33 +433,22 @@ def _layout_costs(
     cluster: ClusterSpec,
     model: ModelSpec,
     cal: Calibration,
-    recompute: bool,
     profiles: Profiles | None,
 ) -> _LayoutCosts:
     """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
-    p, b = len(pipeline.stages), plan.micro_batch
+    p, b, recompute = len(pipeline.stages), plan.micro_batch, plan.recompute
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends, sends_back = [], [], [], []
     for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
+        position = StagePosition.of(s, p)
         if profiles is None and group.speed is None:
-            f, bw = stage_work(
-                model, group, cal, stage.tp, stage.layers, b, recompute, s == 0, s == p - 1
-            )
+            times = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, position)
         else:
-            f, bw = stage_cost(
-                model,
-                group,
-                cal,
-                profiles,
-                stage.tp,
-                stage.layers,
-                b,
-                recompute,
-                s == 0,
-                s == p - 1,
+            times = stage_cost(
+                model, group, cal, profiles, stage.tp, stage.layers, b, recompute, position
             )
-        forward.append(f)
-        backward.append(bw)
+        forward.append(times.forward_s)
+        backward.append(times.backward_s)
         if s < p - 1:
             measured = (
                 None
@@ -379,13 +463,12 @@ def _layout_costs(
                     pipeline.stages[s + 1].tp,
                 )
             )
-            if measured is None:
+            if measured is None:  # analytic: the gradient takes as long as the activation
                 activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
-                measured = (
-                    _send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal),
-                ) * 2
-            sends.append(measured[0])
-            sends_back.append(measured[1])
+                one_way = _send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal)
+                measured = SendTimes(one_way, one_way)
+            sends.append(measured.forward_s)
+            sends_back.append(measured.backward_s)
     return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
 
 
@@ -418,7 +501,8 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
 def _simulate_shared(
     plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing
 ) -> tuple[list[_LayoutRun], list]:
-    """Every layout's schedule at once, its ranks sharing the machine's cores (predictor.sharing)."""
+    """Every layout's schedule at once, its ranks sharing the machine's cores
+    (predictor.sharing)."""
     layouts = [
         SharedLayout(
             order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),
@@ -458,40 +542,37 @@ def stage_cost(
     tp: int,
     layers: int,
     micro_batch: int,
-    recompute: bool,
-    first: bool,
-    last: bool,
-) -> tuple[float, float]:
-    """Forward and backward seconds of one micro-batch through a stage: measured where ``profiles``
-    hold the layer's key, else analytic (stage_work); divided by the group's emulated speed."""
+    recompute: Recompute,
+    position: StagePosition,
+) -> StageTimes:
+    """One micro-batch through a stage: measured where ``profiles`` hold the layer's key, else
+    analytic (stage_work); divided by the group's emulated speed."""
     profile = (
         None
         if profiles is None
         else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     )
     if profile is None:
-        forward, backward = stage_work(
-            model, group, cal, tp, layers, micro_batch, recompute, first, last
-        )
+        times = stage_work(model, group, cal, tp, layers, micro_batch, recompute, position)
     else:
-        forward, backward = profiled.profiled_work(profile, layers, recompute, first, last)
-    if group.speed is not None:  # the runtime stretches each forward and backward by 1 / speed
-        forward, backward = forward / group.speed, backward / group.speed
-    return forward, backward
+        times = profiled.profiled_work(profile, layers, recompute, position)
+    if group.speed is None:
+        return times
+    # The runtime stretches each forward and backward by 1 / speed.
+    return StageTimes(times.forward_s / group.speed, times.backward_s / group.speed)
 
 
 def stage_memory_for(
     model: ModelSpec,
     group: DeviceGroup,
+    *,
     profiles: Profiles | None,
     layers: int,
     tp: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
     layer's key, else the analytic model's (stage_memory_at)."""
@@ -501,21 +582,17 @@ def stage_memory_for(
         else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     )
     if profile is None:
-        return stage_memory_at(
-            model, layers, tp, first, last, single_stage, in_flight, micro_batch, recompute
-        )
+        return stage_memory_at(model, layers, tp, position, in_flight, micro_batch, recompute)
     return profiled.profiled_memory(
         profile,
         model,
-        profiles.bytes_per_element,
-        layers,
-        tp,
-        first,
-        last,
-        single_stage,
-        in_flight,
-        micro_batch,
-        recompute,
+        bytes_per_element=profiles.bytes_per_element,
+        layers=layers,
+        tp=tp,
+        position=position,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
     )
 
 
@@ -535,34 +612,33 @@ def _profiled_state(
     tp: int,
     layers: int,
     micro_batch: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     holders: int,
     embed_holders: int,
-) -> tuple[float | None, float | None]:
-    """(gradient sync, optimizer step) of a stage from the profiles; None for what they lack."""
+) -> _MeasuredState:
+    """A stage's gradient sync and optimizer step from the profiles; None for what they lack."""
     sync = None
     if link is not None and link.device == group.accelerator.name:
         sync = profiled.grad_sync_time(
             link,
             model,
-            tp,
-            layers,
-            first,
-            last,
-            single_stage,
-            holders,
-            embed_holders,
-            profiles.bytes_per_element,
+            tp=tp,
+            layers=layers,
+            position=position,
+            holders=holders,
+            embed_holders=embed_holders,
+            bytes_per_element=profiles.bytes_per_element,
         )
     profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     optimizer = (
-        None
-        if profile is None
-        else profiled.optimizer_time(profile, model, tp, layers, first, last, single_stage)
+        None if profile is None else profiled.optimizer_time(profile, model, tp, layers, position)
     )
-    return sync, optimizer
+    return _MeasuredState(sync, optimizer)
+
+
+class _MeasuredState(NamedTuple):
+    grad_sync_s: float | None
+    optimizer_s: float | None
 
 
 def _profiled_send(
@@ -573,7 +649,7 @@ def _profiled_send(
     b: DeviceGroup,
     tp_a: int,
     tp_b: int,
-) -> tuple[float, float] | None:
+) -> SendTimes | None:
     """Measured times over a boundary between stages on one kind of accelerator, or None."""
     if a.accelerator.name != b.accelerator.name:
         return None
@@ -594,25 +670,24 @@ def stage_work(
     tp: int,
     layers: int,
     micro_batch: int,
-    recompute: bool,
-    first: bool,
-    last: bool,
-) -> tuple[float, float]:
-    """Forward and backward seconds of one micro-batch through a stage."""
+    recompute: Recompute,
+    position: StagePosition,
+) -> StageTimes:
+    """One micro-batch through a stage, from the analytic model."""
     acc = group.accelerator
     tp_allreduce = comm.group_allreduce_time(
         micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT, tp, group, cal
     )
     layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce)
     forward, backward = layers * layer.forward_s, layers * layer.backward_s
-    if first:  # vocabulary-parallel embedding: a lookup and one all-reduce
+    if position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
         embed = embedding_cost(model, acc, cal, tp, micro_batch)
         forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
-    if last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
+    if position.last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
         head = head_cost(model, acc, cal, tp, micro_batch)
         loss_sync = 3 * comm.group_allreduce_time(micro_batch * model.seq_len * 4, tp, group, cal)
         forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
-    return forward, backward
+    return StageTimes(forward, backward)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -622,13 +697,12 @@ def stage_state(
     cal: Calibration,
     tp: int,
     layers: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     replicas: int,
-) -> tuple[float, float, float]:
-    """(parameters per device, gradient all-reduce among the layout's replicas, optimizer step) of a stage."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
+) -> _StageState:
+    """A stage's parameters per device, gradient all-reduce among its layout's replicas and
+    optimizer step, from the analytic model."""
+    params = stage_params(model, layers, position) / tp
     replicas_per_node = max(
         1, group.devices_per_node // tp
     )  # stage-major: a stage's replicas share nodes
@@ -639,7 +713,14 @@ def stage_state(
         / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
         OPTIMIZER_OPS * cal.launch_us * 1e-6,
     )
-    return params, sync, optimizer
+    return _StageState(params, sync, optimizer)
+
+
+class _StageState(NamedTuple):
+    params: float
+    """Per device."""
+    grad_sync_s: float
+    optimizer_s: float
 
 
 def _send_time(
@@ -665,32 +746,31 @@ def _send_time(
     return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
 
 
-def _timeline(runs: list[_LayoutRun], orders: list) -> list[dict]:
+def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
     """Every simulated operation and activation/gradient send, as trace events."""
     events = []
     for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
         p = len(run.groups)
         for (s, kind, j), begin, finish in zip(order.ops, start, end):
-            base = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
+            where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
             events.append(
-                {
-                    **base,
-                    "kind": "backward" if kind == BACKWARD else "forward",
-                    "start_s": begin,
-                    "end_s": finish,
-                }
+                TimelineEvent(
+                    **where,
+                    kind="backward" if kind == BACKWARD else "forward",
+                    start_s=begin,
+                    end_s=finish,
+                )
             )
             if kind == FORWARD and s < p - 1:
                 events.append(
-                    {**base, "kind": "send", "start_s": finish, "end_s": finish + run.send_s[s]}
+                    TimelineEvent(
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[s]
+                    )
                 )
             if kind == BACKWARD and s > 0:
                 events.append(
-                    {
-                        **base,
-                        "kind": "send",
-                        "start_s": finish,
-                        "end_s": finish + run.send_back_s[s - 1],
-                    }
+                    TimelineEvent(
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[s - 1]
+                    )
                 )
     return events

@@ -12,7 +12,10 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.compute import BYTES_PER_ELEMENT, LOSS_BYTES_PER_ELEMENT
+from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
+from hethub.spec.schedules import Schedule
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
 GB = 1e9
@@ -33,14 +36,14 @@ class StageMemory:
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_params(model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool) -> int:
+def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
     """Parameters of a stage (all TP ranks together)."""
     params = layers * model.layer_params()
-    if first:
+    if position.first:
         params += model.embedding_params()
-    if last:
+    if position.last:
         params += model.head_params()
-        if model.arch == "gpt" and not single_stage:
+        if model.arch == "gpt" and not position.alone:
             params += (
                 model.vocab * model.hidden
             )  # the tied head keeps its own copy of the embedding
@@ -62,9 +65,11 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float
     return (replicated + sharded) * BYTES_PER_ELEMENT
 
 
-def in_flight_micro_batches(schedule: str, position: int, stages: int, micro_batches: int) -> int:
+def in_flight_micro_batches(
+    schedule: Schedule, position: int, stages: int, micro_batches: int
+) -> int:
     """Micro-batches whose activations a stage holds at once: 1F1B keeps stages - position."""
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return micro_batches
     return min(stages - position, micro_batches)
 
@@ -77,8 +82,8 @@ def stage_memory(
     stages: int,
     micro_batches: int,
     micro_batch: int,
-    recompute: bool,
-    schedule: str,
+    recompute: Recompute,
+    schedule: Schedule,
 ) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
@@ -86,9 +91,7 @@ def stage_memory(
         model,
         layers,
         tp,
-        position == 0,
-        position == stages - 1,
-        stages == 1,
+        StagePosition.of(position, stages),
         in_flight,
         micro_batch,
         recompute,
@@ -97,6 +100,7 @@ def stage_memory(
 
 def activation_bytes(
     model: ModelSpec,
+    *,
     per_layer: float,
     bytes_per_element: int,
     layers: int,
@@ -104,11 +108,12 @@ def activation_bytes(
     last: bool,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> float:
     """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
-    if recompute:
-        # Only each layer's input survives the forward; one layer's activations are rebuilt at a time.
+    if recompute == Recompute.FULL:
+        # Only each layer's input survives the forward; one layer's activations are rebuilt at a
+        # time.
         layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
         activations = in_flight * layers * layer_input + per_layer
     else:
@@ -123,25 +128,23 @@ def stage_memory_at(
     model: ModelSpec,
     layers: int,
     tp: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
+    params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
-        layer_activation_bytes(model, tp, micro_batch),
-        BYTES_PER_ELEMENT,
-        layers,
-        tp,
-        last,
-        in_flight,
-        micro_batch,
-        recompute,
+        per_layer=layer_activation_bytes(model, tp, micro_batch),
+        bytes_per_element=BYTES_PER_ELEMENT,
+        layers=layers,
+        tp=tp,
+        last=position.last,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
     )
     return StageMemory(
         params * WEIGHT_BYTES / GB,

@@ -22,25 +22,27 @@ import statistics
 
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan
+from hethub.spec.plan import Plan, Recompute
 
 MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
 def profiled_work(
-    profile: LayerProfile, layers: int, recompute: bool, first: bool, last: bool
-) -> tuple[float, float]:
+    profile: LayerProfile, layers: int, recompute: Recompute, position: StagePosition
+) -> StageTimes:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
     With full recomputation the runtime checkpoints the whole stage: its layers take their
     measured checkpointed times (forward + backward where the profile lacks them), and the
     embedding's and head's forwards run again before their backwards.
     """
-    measured = recompute and None not in (
+    full = recompute == Recompute.FULL
+    measured = full and None not in (
         profile.layer_recompute_forward_s,
         profile.layer_recompute_backward_s,
     )
@@ -48,18 +50,18 @@ def profiled_work(
     backward = layers * (
         profile.layer_recompute_backward_s if measured else profile.layer_backward_s
     )
-    if recompute and not measured:
+    if full and not measured:
         backward += forward
-    ends = [(profile.embed_forward_s, profile.embed_backward_s)] * first
-    ends += [(profile.head_forward_s, profile.head_backward_s)] * last
+    ends = [(profile.embed_forward_s, profile.embed_backward_s)] * position.first
+    ends += [(profile.head_forward_s, profile.head_backward_s)] * position.last
     for f, b in ends:
-        forward, backward = forward + f, backward + b + (f if recompute else 0.0)
-    return forward, backward
+        forward, backward = forward + f, backward + b + (f if full else 0.0)
+    return StageTimes(forward, backward)
 
 
 def send_times(
     link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int
-) -> tuple[float, float] | None:
+) -> SendTimes | None:
     """(activation forward, its gradient backward) over one stage boundary: leader to leader,
     then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
     message = link.p2p_time(nbytes)
@@ -69,12 +71,12 @@ def send_times(
     )
     if forward is None or backward is None:
         return None
-    return message + forward, message + backward
+    return SendTimes(message + forward, message + backward)
 
 
 @functools.lru_cache(maxsize=4096)
 def param_tensors(
-    model: ModelSpec, layers: int, first: bool, last: bool, single_stage: bool
+    model: ModelSpec, layers: int, position: StagePosition
 ) -> tuple[tuple[str, int, bool], ...]:
     """(what, elements of the full tensor, sharded over TP) of every parameter tensor a stage
     holds, as hethub.runtime.model builds them; what is "embed" for the (tied) embedding, else
@@ -103,16 +105,16 @@ def param_tensors(
     else:
         layer += [("other", f * h, True)] * 3  # gate, up, down
     tensors = []
-    if first:
+    if position.first:
         tensors.append(("embed", model.vocab * h, True))
         if gpt:
             tensors.append(("other", model.seq_len * h, False))  # learned positions
     tensors += layer * layers
-    if last:
+    if position.last:
         tensors += [("other", h, False)] * (2 if gpt else 1)  # final norm
         if not gpt:
             tensors.append(("other", model.vocab * h, True))  # the output head
-        elif not single_stage:
+        elif not position.alone:
             tensors.append(
                 ("embed", model.vocab * h, True)
             )  # the tied head's copy of the embedding
@@ -131,11 +133,10 @@ def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
 def grad_sync_time(
     link: LinkProfile,
     model: ModelSpec,
+    *,
     tp: int,
     layers: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     holders: int,
     embed_holders: int,
     bytes_per_element: int,
@@ -151,7 +152,7 @@ def grad_sync_time(
     BUCKET_BYTES ends.
     """
     by_holders: dict[int, list[tuple[int, bool]]] = {}
-    for what, elements, sharded in param_tensors(model, layers, first, last, single_stage):
+    for what, elements, sharded in param_tensors(model, layers, position):
         ranks = embed_holders if what == "embed" else holders
         if ranks > 1:
             by_holders.setdefault(ranks, []).append((elements * bytes_per_element, sharded))
@@ -173,42 +174,37 @@ def optimizer_time(
     model: ModelSpec,
     tp: int,
     layers: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
 ) -> float:
     """The AdamW step over one rank's share of the stage's parameters."""
-    return (
-        profile.optimizer_s_per_param * stage_params(model, layers, first, last, single_stage) / tp
-    )
+    return profile.optimizer_s_per_param * stage_params(model, layers, position) / tp
 
 
 def profiled_memory(
     profile: LayerProfile,
     model: ModelSpec,
+    *,
     bytes_per_element: int,
     layers: int,
     tp: int,
-    first: bool,
-    last: bool,
-    single_stage: bool,
+    position: StagePosition,
     in_flight: int,
     micro_batch: int,
-    recompute: bool,
+    recompute: Recompute,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
-    params = stage_params(model, layers, first, last, single_stage) / tp
+    params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
-        profile.layer_activation_bytes,
-        bytes_per_element,
-        layers,
-        tp,
-        last,
-        in_flight,
-        micro_batch,
-        recompute,
+        per_layer=profile.layer_activation_bytes,
+        bytes_per_element=bytes_per_element,
+        layers=layers,
+        tp=tp,
+        last=position.last,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
     )
     weights = params * bytes_per_element
     return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
@@ -248,7 +244,8 @@ def core_sharing(
 
 
 def _device_tps(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, int]]:
-    """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are looked up by."""
+    """The (accelerator, TP degree) pairs of the plan's stages, each once: what its layers are
+    looked up by."""
     return list(
         dict.fromkeys(
             (cluster.group(s.group).accelerator.name, s.tp)
@@ -277,14 +274,15 @@ def missing_profiles(
         if profile is None:
             key = profiles.layer_key(device, model, tp, plan.micro_batch)
             notes.append(
-                f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: analytic model"
+                f"no profile for {key.describe()} in {profiles.source or 'the profiles'}: "
+                "analytic model"
             )
         elif profile.method < METHOD:
             notes.append(
                 f"the profile for {profile.key.describe()} was measured by an older hethub (method "
                 f"{profile.method}, now {METHOD}): measure again with hethub profile --again"
             )
-        elif plan.recompute == "full" and profile.layer_recompute_backward_s is None:
+        elif plan.recompute == Recompute.FULL and profile.layer_recompute_backward_s is None:
             notes.append(
                 f"the profile for {profile.key.describe()} has no recomputed layer times: "
                 f"recomputation taken as the forward again"
@@ -293,8 +291,9 @@ def missing_profiles(
     for profile in found if sharing else ():
         if profiles.layer(alone_key(profile)) is None:
             notes.append(
-                f"no profile for {alone_key(profile).describe()} in {profiles.source or 'the profiles'}: "
-                f"the {profiles.concurrent_ranks} ranks' share of the {sharing.cores} cores is taken as fair"
+                f"no profile for {alone_key(profile).describe()} in "
+                f"{profiles.source or 'the profiles'}: the {profiles.concurrent_ranks} ranks' "
+                f"share of the {sharing.cores} cores is taken as fair"
             )
     devices = dict.fromkeys(
         cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages
@@ -310,7 +309,8 @@ def missing_profiles(
             continue
         if link.method < METHOD:
             notes.append(
-                f"the link profile of {device} was measured by an older hethub (method {link.method}, "
+                f"the link profile of {device} was measured by an older hethub "
+                f"(method {link.method}, "
                 f"now {METHOD}): measure again with hethub profile --again"
             )
         tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
@@ -318,7 +318,8 @@ def missing_profiles(
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
         if lacking:
             notes.append(
-                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) at once lacks "
+                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) "
+                "at once lacks "
                 f"{', '.join(lacking)}: analytic communication where it is needed"
             )
     return notes

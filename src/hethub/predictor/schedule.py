@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hethub.spec.schedules import BACKWARD, FORWARD, stage_sequence
+from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, stage_sequence
 
 __all__ = [
     "BACKWARD",
@@ -52,7 +52,7 @@ class ScheduleOrder:
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_order(schedule: str, stages: int, micro_batches: int) -> ScheduleOrder:
+def schedule_order(schedule: Schedule, stages: int, micro_batches: int) -> ScheduleOrder:
     """Build the dependency structure of a schedule once.
 
     Ordering key: stages * position + (stage for forwards, stages - 1 - stage for backwards).
@@ -81,7 +81,9 @@ def schedule_order(schedule: str, stages: int, micro_batches: int) -> ScheduleOr
         steps.append((prev, dep, send, 2 * s + kind))
     last_op = tuple(previous[s] for s in range(stages))
     m, p = micro_batches, stages
-    if schedule == "gpipe":  # all forwards, then all backwards: each a run of identical positions
+    if (
+        schedule == Schedule.GPIPE
+    ):  # all forwards, then all backwards: each a run of identical positions
         periodic = ((1, m - 1, 1), (m + 1, 2 * m - 1, 1))
     else:  # 1F1B: every stage alternates forward and backward from position p-1 to 2m-p
         periodic = ((p - 1, 2 * m - p, 2),)
@@ -125,7 +127,7 @@ def simulate(
 
 
 def stage_end_times(
-    schedule: str,
+    schedule: Schedule,
     forward_s: list[float],
     backward_s: list[float],
     send_forward_s: list[float],
@@ -170,7 +172,8 @@ _STEADY_PROBE = 24
 
 
 def _run(order: ScheduleOrder, durations: list[float], sends: list[float], every_op: bool):
-    """The simulation proper: end times, and (shift, micro-batches) of each steady cycle it jumped over."""
+    """The simulation proper: end times, and (shift, micro-batches) of each steady cycle it jumped
+    over."""
     p = order.stages
     steps = order.steps
     end = [0.0] * (len(steps) + 1)  # index -1: nothing to wait for, ends at 0

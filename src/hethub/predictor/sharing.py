@@ -56,7 +56,8 @@ class SharedLayout:
 
     order: ScheduleOrder
     forward_s: list[float]
-    """Per stage, one micro-batch with every rank of the job computing (emulated stretch included)."""
+    """Per stage, one micro-batch with every rank of the job computing (emulated stretch
+    included)."""
     backward_s: list[float]
     send_forward_s: list[float]
     """Per boundary: an activation forward."""
@@ -151,7 +152,8 @@ class _Stage:
         self.sleep_until = self.left = 0.0
 
     def work(self, i: int) -> float:
-        """What operation ``i`` computes, in seconds with every rank computing (its stretch left out)."""
+        """What operation ``i`` computes, in seconds with every rank computing (its stretch left
+        out)."""
         kind = self.layout.order.ops[i][1]
         duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[
             self.index

@@ -23,6 +23,7 @@ from hethub.files import write_atomic
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
+from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ARCHS, ModelSpec
 
 FORMAT = 1
@@ -223,6 +224,17 @@ def _time(fit: Fit, points: Points | None, nbytes: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once(
+    # Its dicts cannot be hashed: their keys stand for them (equal Profiles have equal keys).
+    key=lambda p: (
+        p.source,
+        p.dtype,
+        p.threads,
+        p.concurrent_ranks,
+        frozenset(p.layers),
+        frozenset(p.links),
+    )
+)
 class Profiles:
     """The profiles of one directory, and the run conditions a prediction selects them under.
 
@@ -237,27 +249,6 @@ class Profiles:
     threads: int = 1
     concurrent_ranks: int = 1
     """Ranks of the job computing at once on one machine (1: each rank has its device to itself)."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.source,
-                    self.dtype,
-                    self.threads,
-                    self.concurrent_ranks,
-                    frozenset(self.layers),
-                    frozenset(self.links),
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
     def select(
         self, *, dtype: str = "fp32", threads: int = 1, concurrent_ranks: int = 1

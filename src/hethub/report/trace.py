@@ -1,8 +1,7 @@
 """Chrome trace files (open in https://ui.perfetto.dev or chrome://tracing) of step timelines.
 
-A timeline is a list of events: dicts with ``pipeline``, ``stage``, ``group``, ``kind`` (forward,
-backward, send, grad_sync, optimizer), ``start_s``, ``end_s`` and optionally ``micro_batch`` and
-``source`` (e.g. "predicted" or "measured", so that two timelines can be shown one above the other).
+A timeline is a list of TimelineEvents (report.timeline); their ``source`` ("predicted" or
+"measured", None counting as predicted) lets two timelines be shown one above the other.
 """
 
 from __future__ import annotations
@@ -10,38 +9,36 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hethub.report.timeline import TimelineEvent
+
 COMPUTE_KINDS = ("forward", "backward")
 
 
-def chrome_trace(events: list[dict], title: str = "hethub") -> dict:
+def chrome_trace(events: list[TimelineEvent], title: str = "hethub") -> dict:
     """The trace as a JSON-ready object: one process per (source, pipeline), two rows per stage."""
     processes: dict[tuple[str, int], int] = {}
     rows: dict[tuple[int, int], str] = {}
     trace = []
     for event in events:
-        source = event.get("source", "predicted")
-        pid = processes.setdefault((source, event["pipeline"]), len(processes) + 1)
-        compute = event["kind"] in COMPUTE_KINDS
-        tid = 2 * event["stage"] + (0 if compute else 1)
+        source = event.source or "predicted"
+        pid = processes.setdefault((source, event.pipeline), len(processes) + 1)
+        compute = event.kind in COMPUTE_KINDS
+        tid = 2 * event.stage + (0 if compute else 1)
         rows[(pid, tid)] = (
-            f"stage {event['stage']} · {event['group']}"
+            f"stage {event.stage} · {event.group}"
             if compute
-            else f"stage {event['stage']} · communication"
+            else f"stage {event.stage} · communication"
         )
-        label = (
-            event["kind"]
-            if event.get("micro_batch") is None
-            else f"{event['kind']} {event['micro_batch']}"
-        )
+        label = event.kind if event.micro_batch is None else f"{event.kind} {event.micro_batch}"
         trace.append(
             {
                 "name": label,
-                "cat": event["kind"],
+                "cat": event.kind,
                 "ph": "X",
                 "pid": pid,
                 "tid": tid,
-                "ts": event["start_s"] * 1e6,
-                "dur": max(event["end_s"] - event["start_s"], 0.0) * 1e6,
+                "ts": event.start_s * 1e6,
+                "dur": max(event.end_s - event.start_s, 0.0) * 1e6,
             }
         )
     for (source, pipeline), pid in processes.items():
@@ -72,6 +69,6 @@ def chrome_trace(events: list[dict], title: str = "hethub") -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
-def write_trace(path: Path, events: list[dict], title: str = "hethub") -> None:
+def write_trace(path: Path, events: list[TimelineEvent], title: str = "hethub") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, title)))

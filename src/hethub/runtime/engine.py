@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import Communicator
+from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, full_state, shard
 from hethub.runtime.process_groups import ProcessGroups, Role, create_job_groups
 from hethub.runtime.topology import Topology, parameter_holders
@@ -31,7 +32,7 @@ from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
-from hethub.spec.plan import Plan
+from hethub.spec.plan import Plan, Recompute
 from hethub.spec.schedules import FORWARD, stage_sequence
 
 
@@ -60,7 +61,7 @@ class Engine:
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
         self.bucket_bytes = bucket_bytes
-        self.timeline: list[dict] = []
+        self.timeline: list[TimelineEvent] = []
         self._step_start = 0.0
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
@@ -141,18 +142,23 @@ class Engine:
     def _timed(
         self, kind: str, micro_batch: int | None = None, stretch: bool = False
     ) -> Iterator[None]:
-        """Record the enclosed work as one timeline event; with ``stretch``, then sleep the emulated slowdown."""
+        """Record the enclosed work as one timeline event; with ``stretch``, then sleep the
+        emulated slowdown."""
         start = time.perf_counter()
         yield
         if stretch and self.stretch:
             time.sleep(self.stretch * (time.perf_counter() - start))
         self.timeline.append(
-            {
-                "kind": kind,
-                "micro_batch": micro_batch,
-                "start_s": start - self._step_start,
-                "end_s": time.perf_counter() - self._step_start,
-            }
+            TimelineEvent(
+                pipeline=self.me.pipeline,
+                stage=self.me.stage,
+                group=self.me.group,
+                micro_batch=micro_batch,
+                kind=kind,
+                start_s=start - self._step_start,
+                end_s=time.perf_counter() - self._step_start,
+                source="measured",
+            )
         )
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -199,7 +205,7 @@ class Engine:
         return loss_sum
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plan.recompute == "full":
+        if self.plan.recompute is Recompute.FULL:
             return checkpoint(self.stage, x, use_reentrant=False)
         return self.stage(x)
 

@@ -9,17 +9,19 @@ grad_sync (gradient all-reduce and loss reduction) and optimizer.
 
 from __future__ import annotations
 
+from hethub.report.timeline import TimelineEvent
+
 COMPUTE = ("forward", "backward")
 COMMUNICATION = ("send_wait", "grad_sync")
 IDLE = ("recv_wait",)
 
 
-def stage_times(events: list[dict], iteration_s: float) -> dict[str, float]:
+def stage_times(events: list[TimelineEvent], iteration_s: float) -> dict[str, float]:
     """Seconds of the step this rank spent computing, communicating, idle and in the optimizer;
     idle also holds whatever the events do not cover (the time before its first operation)."""
 
     def total(kinds: tuple[str, ...]) -> float:
-        return sum(e["end_s"] - e["start_s"] for e in events if e["kind"] in kinds)
+        return sum(e.end_s - e.start_s for e in events if e.kind in kinds)
 
     compute, comm, optimizer = total(COMPUTE), total(COMMUNICATION), total(("optimizer",))
     return {

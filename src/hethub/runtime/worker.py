@@ -21,6 +21,7 @@ from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
+from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -117,7 +118,7 @@ class _StepLog:
             topology,
             as_json,
         )
-        self.emulated = any(g.speed is not None for g in cluster.groups)
+        self.emulated = cluster.emulated
         self.prediction = (
             json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         )
@@ -132,9 +133,14 @@ class _StepLog:
         ]
 
     def step(
-        self, step: int, steps: int, loss: float, timelines: list[list[dict]], moved: torch.Tensor
+        self,
+        step: int,
+        steps: int,
+        loss: float,
+        timelines: list[list[TimelineEvent]],
+        moved: torch.Tensor,
     ) -> None:
-        elapsed = max(e["end_s"] for events in timelines for e in events)
+        elapsed = max(e.end_s for events in timelines for e in events)
         predicted = self.prediction["iteration_time_s"] if self.prediction else None
         record = {
             "step": step,
@@ -178,26 +184,20 @@ class _StepLog:
         elif not self.as_json:  # a log: one line per step, for people and for grep
             print(f"step {step}/{steps}: {detail}", file=sys.stderr, flush=True)
 
-    def finish(self, timelines: list[list[dict]], world: int) -> None:
+    def finish(self, timelines: list[list[TimelineEvent]], world: int) -> None:
         if self.bar:
             self.bar.close()
         if self.board:
             self.board.close()
         events = []
         if self.prediction:
-            events += [{**e, "source": "predicted"} for e in self.prediction.get("timeline", [])]
+            events += [
+                TimelineEvent.from_dict({**e, "source": "predicted"})
+                for e in self.prediction.get("timeline", [])
+            ]
         if timelines:
             for r in self.leaders:
-                events += [
-                    {
-                        **e,
-                        "pipeline": r.pipeline,
-                        "stage": r.stage,
-                        "group": r.group,
-                        "source": "measured",
-                    }
-                    for e in timelines[r.rank]
-                ]
+                events += timelines[r.rank]  # the engine marks them with its rank's stage
         label = " (emulated speeds)" if self.emulated else ""
         write_trace(
             self.run.trace,

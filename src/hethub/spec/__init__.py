@@ -1,9 +1,10 @@
 """Typed, validated inputs: the accelerator catalog, cluster, model and plan files."""
 
 from hethub.spec.accelerator import AcceleratorSpec, catalog, lookup
+from hethub.spec.check import check_plan
 from hethub.spec.cluster import ClusterSpec, DeviceGroup, load_cluster, parse_cluster
 from hethub.spec.model import ModelSpec, load_model, parse_model, preset_names
-from hethub.spec.plan import PipelineLayout, Plan, StageSpec, check_plan, load_plan, parse_plan
+from hethub.spec.plan import PipelineLayout, Plan, StageSpec, load_plan, parse_plan
 
 __all__ = [
     "AcceleratorSpec",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -11,18 +11,21 @@ import yaml
 
 from hethub.errors import SpecError
 from hethub.spec.fields import Fields, suggestion
+from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
 class AcceleratorSpec:
     """One kind of device, with the figures the predictor needs."""
 
     name: str
     """Catalog name (lower case) or the name an inline accelerator gives itself."""
     vendor: str
-    """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the bridge."""
+    """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the
+    bridge."""
     bf16_tflops: float
     """Dense bf16 tensor TFLOP/s (fp16 where the device has no bf16)."""
     memory_gb: float
@@ -37,30 +40,6 @@ class AcceleratorSpec:
     """The usual node's scale-out network, Gbit/s per node."""
     source: str = ""
     """The public document the figures come from."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.name,
-                    self.vendor,
-                    self.bf16_tflops,
-                    self.memory_gb,
-                    self.memory_bw_gb_s,
-                    self.intra_node_gb_s,
-                    self.host_link_gb_s,
-                    self.network_gbps,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @functools.cache
@@ -110,7 +89,8 @@ _INLINE_FIELDS = (
 
 
 def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
-    """A catalog name, or an inline mapping whose omitted figures come from its vendor's defaults."""
+    """A catalog name, or an inline mapping whose omitted figures come from its vendor's
+    defaults."""
     if isinstance(value, str):
         return lookup(value, source, field)
     f = Fields(value, source, field, allowed=_INLINE_FIELDS)

@@ -18,7 +18,8 @@ than that gets a bucket of its own."""
 
 
 def bucket_bounds(sizes: Sequence[int], cap: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """(start, stop) index ranges of consecutive ``sizes`` (bytes), each adding up to at most ``cap``."""
+    """(start, stop) index ranges of consecutive ``sizes`` (bytes), each adding up to at most
+    ``cap``."""
     bounds, start, filled = [], 0, 0
     for i, size in enumerate(sizes):
         if i > start and filled + size > cap:

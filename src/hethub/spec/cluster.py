@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hethub.spec.accelerator import AcceleratorSpec, parse_accelerator
 from hethub.spec.fields import Fields, load_yaml
+from hethub.spec.hashing import hashed_once
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
 class DeviceGroup:
     """Identical nodes of one accelerator kind."""
 
@@ -23,28 +25,6 @@ class DeviceGroup:
     """Scale-out network per node, Gbit/s."""
     speed: float | None = None
     """Emulated speed relative to this machine, for local runs only (None: real hardware)."""
-
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.name,
-                    self.accelerator,
-                    self.nodes,
-                    self.devices_per_node,
-                    self.network_gbps,
-                    self.speed,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
     @property
     def devices(self) -> int:
@@ -70,6 +50,12 @@ class ClusterSpec:
             if group.name == name:
                 return group
         raise KeyError(name)
+
+    @property
+    def emulated(self) -> bool:
+        """Whether any group runs at an emulated ``speed`` (a local run standing in for slower
+        devices): its measured times then say what the emulation gives, not real hardware."""
+        return any(group.speed is not None for group in self.groups)
 
     @property
     def group_names(self) -> tuple[str, ...]:

@@ -53,7 +53,8 @@ class Fields:
                         source,
                         self.path(str(key)),
                         data[key],
-                        f"unknown field{suggestion(str(key), allowed)}; allowed: {', '.join(sorted(allowed))}",
+                        f"unknown field{suggestion(str(key), allowed)}; allowed: "
+                        f"{', '.join(sorted(allowed))}",
                     )
 
     def path(self, key: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -12,11 +12,13 @@ import yaml
 
 from hethub.errors import SpecError
 from hethub.spec.fields import Fields, load_yaml, suggestion
+from hethub.spec.hashing import hashed_once
 
 ARCHS = ("gpt", "llama")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
 class ModelSpec:
     """Transformer dimensions.
 
@@ -35,31 +37,6 @@ class ModelSpec:
     vocab: int
     seq_len: int
 
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: instances key the predictor's and planner's caches in their inner loops.
-        object.__setattr__(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.name,
-                    self.arch,
-                    self.hidden,
-                    self.layers,
-                    self.heads,
-                    self.kv_heads,
-                    self.ffn_hidden,
-                    self.vocab,
-                    self.seq_len,
-                )
-            ),
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
-
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -71,7 +48,8 @@ class ModelSpec:
 
     @property
     def mlp_matrices(self) -> int:
-        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for SwiGLU."""
+        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for
+        SwiGLU."""
         return 3 if self.arch == "llama" else 2
 
     def layer_params(self) -> int:
@@ -161,7 +139,8 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
 def load_model(
     ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model"
 ) -> ModelSpec:
-    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if given)."""
+    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if
+    given)."""
     text = str(ref)
     if text.lower() in preset_names():
         name = text.lower()

@@ -25,7 +25,8 @@ class StageBlock(NamedTuple):
     group: str
     tp: int
     starts: tuple[int, ...]
-    """Per replica, the group-device index of its first TP rank (node = index // devices_per_node)."""
+    """Per replica, the group-device index of its first TP rank
+    (node = index // devices_per_node)."""
 
     def devices(self, replica: int) -> range:
         """The group-device indices of one replica's TP ranks."""
@@ -45,7 +46,8 @@ class StageBlock(NamedTuple):
 
 
 def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[StageBlock]]:
-    """The block of every stage, indexed [pipeline][stage]; SpecError if a group runs out of devices."""
+    """The block of every stage, indexed [pipeline][stage]; SpecError if a group runs out of
+    devices."""
     wanted = [
         (i, s, stage.group, stage.tp, pipeline.count)
         for i, pipeline in enumerate(plan.pipelines)
@@ -57,7 +59,8 @@ def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[Stage
         per_node = cluster.group(group).devices_per_node
         cursor, starts = used.get(group, 0), []
         for _ in range(count):
-            # Keep a TP group inside one node (or, for the measured runs that span nodes, on whole nodes).
+            # Keep a TP group inside one node (or, for the measured runs that span nodes, on whole
+            # nodes).
             if (
                 (cursor // per_node != (cursor + tp - 1) // per_node)
                 if tp <= per_node
@@ -68,7 +71,34 @@ def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[Stage
             cursor += tp
         blocks[(i, s)] = StageBlock(i, s, group, tp, tuple(starts))
         used[group] = cursor
-    for name, devices in used.items():
+    _check_group_sizes(wanted, used, cluster, source)
+    return [[blocks[(i, s)] for s in range(len(p.stages))] for i, p in enumerate(plan.pipelines)]
+
+
+def _check_group_sizes(
+    wanted: list[tuple[int, int, str, int, int]],
+    placed: dict[str, int],
+    cluster: ClusterSpec,
+    source: str,
+) -> None:
+    """The device-count rule: SpecError where a group has fewer devices than the plan's stages
+    take side by side, or (with gaps that keep each TP group inside a node) once placed."""
+    if all(devices <= cluster.group(name).devices for name, devices in placed.items()):
+        return  # placing only adds gaps: the stages side by side fit too (the predictor's path)
+    needed: dict[str, int] = {}
+    for _, _, group, tp, count in wanted:  # in the plan's order: the first group over is named
+        needed[group] = needed.get(group, 0) + count * tp
+    for name, devices in needed.items():
+        group = cluster.group(name)
+        if devices > group.devices:
+            raise SpecError(
+                source,
+                "pipelines",
+                f"{devices} devices of group {name!r}",
+                f"a plan may use at most the group's {group.devices} devices "
+                f"({group.nodes} nodes x {group.devices_per_node})",
+            )
+    for name, devices in placed.items():
         group = cluster.group(name)
         if devices > group.devices:
             raise SpecError(
@@ -77,4 +107,3 @@ def place(plan: Plan, cluster: ClusterSpec, source: str = "") -> list[list[Stage
                 f"{devices} devices of group {name!r} once every TP group sits inside one node",
                 f"a plan may use at most the group's {group.devices} devices",
             )
-    return [[blocks[(i, s)] for s in range(len(p.stages))] for i, p in enumerate(plan.pipelines)]

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hethub.errors import SpecError
-from hethub.spec.cluster import ClusterSpec
-from hethub.spec.fields import Fields, load_yaml, suggestion
-from hethub.spec.model import ModelSpec
+from hethub.spec.fields import Fields, load_yaml
+from hethub.spec.schedules import Schedule
 
-RECOMPUTE = ("none", "full")
-SCHEDULES = ("1f1b", "gpipe")
+
+class Recompute(enum.StrEnum):
+    """A plan's activation recomputation; its value is how plan files spell it."""
+
+    NONE = "none"
+    """Every layer keeps its activations for its backward."""
+    FULL = "full"
+    """Each stage keeps only its input and runs its forward again before its backward."""
+
+
+# The spellings plan files and the command line accept.
+RECOMPUTE = tuple(r.value for r in Recompute)
+SCHEDULES = tuple(s.value for s in Schedule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,9 +59,14 @@ class Plan:
     """Preset name or path of a model YAML (relative to the plan file)."""
     global_batch: int
     micro_batch: int
-    recompute: str = "none"
-    schedule: str = "1f1b"
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     pipelines: tuple[PipelineLayout, ...]
+
+    def __post_init__(self) -> None:
+        # Plans built in code may spell the choices as strings; the predictor compares members.
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's content."""
@@ -59,8 +74,8 @@ class Plan:
             "model": self.model,
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
-            "recompute": self.recompute,
-            "schedule": self.schedule,
+            "recompute": self.recompute.value,  # plain strings: yaml.safe_dump knows no enums
+            "schedule": self.schedule.value,
             "pipelines": [
                 {
                     "count": p.count,
@@ -77,7 +92,8 @@ class Plan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
     def summary(self) -> str:
-        """One line: micro-batch, recomputation and each layout as count x [group/tp/layers ...] x micro-batches."""
+        """One line: micro-batch, recomputation and each layout as
+        count x [group/tp/layers ...] x micro-batches."""
         layouts = "; ".join(
             f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
             f"x{p.micro_batches}mb"
@@ -87,7 +103,8 @@ class Plan:
 
 
 def parse_plan(data: Any, source: str = "") -> Plan:
-    """Validate a parsed plan file on its own (see check_plan for the cluster and the model)."""
+    """Validate a parsed plan file on its own (see spec.check.check_plan for the cluster and the
+    model)."""
     top = Fields(
         data,
         source,
@@ -126,8 +143,8 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         model=model,
         global_batch=global_batch,
         micro_batch=micro_batch,
-        recompute=top.choice("recompute", RECOMPUTE, "none"),
-        schedule=top.choice("schedule", SCHEDULES, "1f1b"),
+        recompute=Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value)),
+        schedule=Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value)),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
@@ -154,78 +171,8 @@ def _even_split(global_batch: int, micro_batch: int, replicas: int, top: Fields)
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan file (on its own; see check_plan)."""
+    """Read and validate a plan file (on its own; see spec.check.check_plan)."""
     return parse_plan(load_yaml(path, "plan"), str(path))
-
-
-def check_plan(
-    plan: Plan,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    source: str = "",
-    *,
-    tp_within_node: bool = True,
-) -> None:
-    """Raise SpecError unless the plan fits the model and the cluster's groups and device counts.
-
-    ``tp_within_node=False`` lets a stage's TP span whole nodes: the predictor prices that (on the
-    network) for measured reference runs, but hethub's planner and runtime never do it.
-    """
-    used: dict[str, int] = {}
-    for i, pipeline in enumerate(plan.pipelines):
-        layers = sum(stage.layers for stage in pipeline.stages)
-        if layers != model.layers:
-            split = "+".join(str(s.layers) for s in pipeline.stages)
-            raise SpecError(
-                source,
-                f"pipelines[{i}].stages[*].layers",
-                split,
-                f"must sum to the model's {model.layers} layers (they sum to {layers})",
-            )
-        for j, stage in enumerate(pipeline.stages):
-            field = f"pipelines[{i}].stages[{j}]"
-            if stage.group not in cluster.group_names:
-                raise SpecError(
-                    source,
-                    f"{field}.group",
-                    stage.group,
-                    f"no such group in the cluster{suggestion(stage.group, cluster.group_names)}; "
-                    f"groups: {', '.join(cluster.group_names)}",
-                )
-            group = cluster.group(stage.group)
-            spans_nodes = not tp_within_node and stage.tp % group.devices_per_node == 0
-            if not spans_nodes and (
-                stage.tp > group.devices_per_node or group.devices_per_node % stage.tp
-            ):
-                raise SpecError(
-                    source,
-                    f"{field}.tp",
-                    stage.tp,
-                    f"tensor parallelism stays inside a node: must divide devices_per_node "
-                    f"({group.devices_per_node}) of group {group.name!r}",
-                )
-            if model.heads % stage.tp or model.kv_heads % stage.tp:
-                raise SpecError(
-                    source,
-                    f"{field}.tp",
-                    stage.tp,
-                    f"must divide the model's heads ({model.heads}) and kv_heads ({model.kv_heads})",
-                )
-            used[stage.group] = used.get(stage.group, 0) + pipeline.count * stage.tp
-    for name, devices in used.items():
-        group = cluster.group(name)
-        if devices > group.devices:
-            raise SpecError(
-                source,
-                "pipelines",
-                f"{devices} devices of group {name!r}",
-                f"a plan may use at most the group's {group.devices} devices "
-                f"({group.nodes} nodes x {group.devices_per_node})",
-            )
-    # Placement builds on plans, so it is imported here rather than at the top.
-    from hethub.spec.placement import place
-
-    place(plan, cluster, source)  # with every TP group inside a node, the plan must still fit
 
 
 def uniform_layers(layers: int, stages: int) -> list[int]:
@@ -243,11 +190,12 @@ def uniform_plan(
     dp: int,
     micro_batch: int,
     global_batch: int,
-    recompute: str = "none",
-    schedule: str = "1f1b",
+    recompute: Recompute = Recompute.NONE,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
     layers: int,
 ) -> Plan:
-    """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of ``group``."""
+    """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
+    ``group``."""
     split = uniform_layers(layers, pp)
     return parse_plan(
         {

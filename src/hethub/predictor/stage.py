@@ -1,0 +1,52 @@
+"""The vocabulary of pricing one pipeline stage: where it sits in its pipeline, and the times
+one micro-batch costs it and its boundary to the next stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True, slots=True)
+class StagePosition:
+    """What a stage holds besides its layers, which depends only on where it sits."""
+
+    first: bool
+    """It holds the embedding."""
+    last: bool
+    """It holds the head and computes the loss."""
+    alone: bool
+    """It is its pipeline's only stage (gpt's tied head then needs no copy of the embedding)."""
+
+    @staticmethod
+    def of(index: int, stages: int) -> StagePosition:
+        """The position of stage ``index`` (0-based) of ``stages``: one shared instance each, as
+        positions key the predictor's caches."""
+        return _POSITIONS[(index == 0, index == stages - 1, stages == 1)]
+
+
+_POSITIONS = {
+    (first, last, alone): StagePosition(first=first, last=last, alone=alone)
+    for first in (False, True)
+    for last in (False, True)
+    for alone in (False, True)
+}
+MIDDLE = StagePosition.of(1, 3)
+"""A stage with layers alone: what one more layer costs any stage."""
+
+
+class StageTimes(NamedTuple):
+    """Seconds one micro-batch takes through a stage."""
+
+    forward_s: float
+    backward_s: float
+    """Recomputation included."""
+
+
+class SendTimes(NamedTuple):
+    """Seconds one micro-batch's tensors take over the boundary between two stages."""
+
+    forward_s: float
+    """The activation, to the next stage."""
+    backward_s: float
+    """Its gradient, back."""
