@@ -400,7 +400,7 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))
     assert len(notes) == 2 and notes[0].startswith("no profile for cpu tp=1 micro-batch 1")
-    assert "no link profile for cpu with 2 rank(s) at once" in notes[1]
+    assert "no link profile for cpu with 2 ranks at once" in notes[1]
     cpu4 = parse_cluster(
         {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}
     )

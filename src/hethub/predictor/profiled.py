@@ -24,6 +24,7 @@ from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_par
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
+from hethub.report.text import plural
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -303,7 +304,8 @@ def missing_profiles(
         link = profiles.link_for(device)
         if link is None:
             notes.append(
-                f"no link profile for {device} with {profiles.concurrent_ranks} rank(s) at once in "
+                f"no link profile for {device} with "
+                f"{plural(profiles.concurrent_ranks, 'rank')} at once in "
                 f"{profiles.source or 'the profiles'}: analytic communication"
             )
             continue
@@ -318,7 +320,7 @@ def missing_profiles(
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
         if lacking:
             notes.append(
-                f"the link profile of {device} with {profiles.concurrent_ranks} rank(s) "
+                f"the link profile of {device} with {plural(profiles.concurrent_ranks, 'rank')} "
                 "at once lacks "
                 f"{', '.join(lacking)}: analytic communication where it is needed"
             )

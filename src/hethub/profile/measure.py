@@ -36,6 +36,7 @@ from hethub.profile.store import (
     load_profiles,
     save_profile,
 )
+from hethub.report.text import plural
 from hethub.runtime.model import Stage, full_state
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
 from hethub.spec.model import ModelSpec
@@ -531,7 +532,7 @@ def ensure_profiles(
             if progress:
                 progress(
                     f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
-                    f"{max(concurrent_ranks, tp)} rank(s) at once"
+                    f"{plural(max(concurrent_ranks, tp), 'rank')} at once"
                 )
             for profile in measure_layers(
                 model,
