@@ -48,6 +48,7 @@ def planned(workdir: Path, name: str, cluster: dict, profiles: Path) -> dict:
             str(profiles.resolve()),
             "--out",
             f"{name}.yaml",
+            "--force",  # a --workdir kept from an earlier run holds this file already
         ],
         cwd=workdir,
         capture_output=True,

@@ -10,6 +10,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,27 +76,29 @@ SMALL_CASES = [  # (name, model, global batch, groups): at most 16 devices, two 
 def plan_command(cluster: str, model: str, global_batch: int) -> tuple[dict, float]:
     """Run the whole `hethub plan` command as a user would; its JSON and its wall time."""
     started = time.perf_counter()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hethub",
-            "plan",
-            "--cluster",
-            str(CLUSTERS / f"{cluster}.yaml"),
-            "--model",
-            model,
-            "--global-batch",
-            str(global_batch),
-            "--json",
-            "--out",
-            f"/tmp/hethub-bench-{cluster}.yaml",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
+    # A fresh folder each time: plan --out keeps an existing file (its --force is for users).
+    with tempfile.TemporaryDirectory(prefix="hethub-bench-") as out:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hethub",
+                "plan",
+                "--cluster",
+                str(CLUSTERS / f"{cluster}.yaml"),
+                "--model",
+                model,
+                "--global-batch",
+                str(global_batch),
+                "--json",
+                "--out",
+                str(Path(out) / f"{cluster}.yaml"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
     return json.loads(done.stdout), time.perf_counter() - started
 
 
