@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from hethub.profile.spawn import free_port
 from hethub.runtime.engine import Engine
-from hethub.runtime.model import Stage, full_state
+from hethub.runtime.model import Stage
 from hethub.runtime.topology import build_topology
 from hethub.spec import parse_cluster, parse_model, parse_plan
 
@@ -73,8 +73,7 @@ def torch_rank(spec, steps):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank = dist.get_rank()
-    module = Stage(spec, 4 * rank, 4, None, is_first=rank == 0, is_last=rank == 1)
-    module.load_full(full_state(spec, 0))
+    module = Stage.build(spec, 4 * rank, 4, None, is_first=rank == 0, is_last=rank == 1, seed=0)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
 
     def loss_fn(logits, targets):
@@ -133,8 +132,7 @@ def pipeline_seconds(which, steps):
 def single_process_seconds(steps):
     torch.set_num_threads(1)
     spec = parse_model(MODEL, "bench", "bench")
-    model = Stage(spec, 0, spec.layers, None, is_first=True, is_last=True)
-    model.load_full(full_state(spec, 0))
+    model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     for step in range(steps):

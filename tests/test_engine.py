@@ -10,7 +10,7 @@ from hethub.comm import BRIDGE
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
 from hethub.runtime.engine import Engine
-from hethub.runtime.model import Stage, full_state, shard
+from hethub.runtime.model import Stage, shard
 from hethub.runtime.topology import build_topology
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
@@ -38,8 +38,7 @@ def batches(spec, global_batch):
 
 def reference(preset, global_batch):
     spec = load_model(preset)
-    model = Stage(spec, 0, spec.layers, None, is_first=True, is_last=True)
-    model.load_full(full_state(spec, SEED))
+    model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, grads = [], None
     for tokens in batches(spec, global_batch):
@@ -126,6 +125,16 @@ PLANS = {
             ],
         },
     ),
+    "4 replicas, 2 per vendor": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "pipelines": [
+                {"count": 2, "micro_batches": 1, "stages": [stage("nv", 1, 8)]},
+                {"count": 2, "micro_batches": 1, "stages": [stage("amd", 1, 8)]},
+            ],
+        },
+    ),
     "recompute, gpipe": (
         "tiny-llama",
         {
@@ -140,9 +149,19 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [name for name in PLANS if name != "4 replicas, 2 per vendor"])
 def test_layout_matches_the_single_process_reference(name):
     check_against_reference(name, BUCKET_BYTES)
+
+
+def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_rank():
+    # Exact like every layout; and each step the bridge carries what one exchange between the
+    # two vendors needs: their two first ranks each send the gradients once (2 G in all), where a
+    # flat ring over the four ranks would send 2 * 3 / 4 G out of each (6 G).
+    results = check_against_reference("4 replicas, 2 per vendor", BUCKET_BYTES)
+    gradient_bytes = 4 * load_model("tiny-llama").parameter_count()  # G: fp32 gradients
+    bridged = sum(moved[BRIDGE] for *_, moved in results)
+    assert bridged == STEPS * 2 * gradient_bytes
 
 
 def test_gradients_synced_in_many_small_buckets_match_the_reference_too():
@@ -174,6 +193,7 @@ def check_against_reference(name, bucket_bytes):
             torch.testing.assert_close(
                 grad, shard(table[full_name], ref_grads[full_name], tp_rank, tp), msg=full_name
             )
+    return results
 
 
 def _dies_or_trains(rank, world, preset, plan_dict):

@@ -4,6 +4,8 @@ its input's device meets a meta tensor and fails here, as it would on any accele
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -64,3 +66,5 @@ def test_a_stage_holds_exactly_the_table_s_parameters_at_their_shapes(
     )
     for name, param in held.items():
         assert tuple(param.shape) == table[name].shape, name
+    # the table counts what the predictor counts
+    assert sum(math.prod(p.shape) for p in table.values()) == spec.parameter_count()

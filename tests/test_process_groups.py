@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from hethub.profile.spawn import run_ranks
-from hethub.runtime.process_groups import BRIDGE_BACKEND, Role, create_groups, job_groups
+from hethub.runtime.process_groups import (
+    BRIDGE_BACKEND,
+    Role,
+    create_groups,
+    job_groups,
+    vendor_parts,
+)
 from hethub.runtime.topology import build_topology, parameter_holders
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 
@@ -53,9 +59,12 @@ def test_the_job_lists_its_tp_pipeline_sync_and_vendor_groups():
     assert by_role[Role.WORLD] == [(0, 1, 2, 3, 4)]
     assert by_role[Role.TENSOR] == [(0, 1), (2, 3)]  # the amd TP-1 stage needs no group
     assert by_role[Role.PIPELINE] == [(0, 4)]  # stage leaders 0 (nv) and 4 (amd)
-    # layers 0-4 and the embedding: leaders 0 and 2; layers 5-7 and the head: 2 and 4
-    assert by_role[Role.GRAD_SYNC] == [(0, 2), (2, 4)]
+    # layers 0-4 and the embedding: leaders 0 (nv) and 2 (amd), one per vendor: only the
+    # bridge; layers 5-7 and the head: 2 and 4, both amd: natively
     assert sorted(set(parameter_holders(topo, MODEL).values())) == [(0, 2), (2, 4)]
+    assert by_role[Role.GRAD_SYNC] == [(2, 4)]
+    assert by_role[Role.SYNC_BRIDGE] == [(0, 2)]
+    assert Role.SYNC_LOCAL not in by_role
     assert by_role[Role.VENDOR] == [(0, 1), (2, 3, 4)]
     assert len(specs) == len({(s.role, s.ranks) for s in specs})
 
@@ -72,9 +81,34 @@ def test_a_group_is_native_only_where_all_its_ranks_share_a_vendor_and_a_backend
     assert backend[(Role.VENDOR, (0, 1))] == "nccl"
     # two vendors on one backend name (RCCL is torch's nccl on ROCm) still cannot talk natively
     all_nccl = job_groups(topo, MODEL, vendors, ["nccl"] * 5)
-    sync = {s.ranks: s.backend for s in all_nccl if s.role is Role.GRAD_SYNC}
-    assert sync == {(0, 2): BRIDGE_BACKEND, (2, 4): "nccl"}
+    sync = {(s.role, s.ranks): s.backend for s in all_nccl if "sync" in s.role}
+    assert sync == {(Role.SYNC_BRIDGE, (0, 2)): BRIDGE_BACKEND, (Role.GRAD_SYNC, (2, 4)): "nccl"}
     assert {s.backend for s in all_nccl if s.role is Role.TENSOR} == {"nccl"}
+
+
+def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
+    # 2 nv replicas and 2 amd replicas of the whole model: one sync set of four leaders
+    plan = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 4,
+            "pipelines": [
+                {"count": 2, "stages": [{"group": "nv", "tp": 1, "layers": 8}]},
+                {"count": 2, "stages": [{"group": "amd", "tp": 1, "layers": 8}]},
+            ],
+        }
+    )
+    check_plan(plan, CLUSTER, MODEL)
+    topo = build_topology(plan, CLUSTER)
+    vendors = topo.vendors(CLUSTER)
+    assert vendor_parts((0, 1, 2, 3), vendors) == ((0, 1), (2, 3))
+    specs = job_groups(topo, MODEL, vendors, ["nccl"] * 4)
+    sync = [(s.role, s.ranks, s.backend) for s in specs if "sync" in s.role]
+    assert sync == [
+        (Role.SYNC_LOCAL, (0, 1), "nccl"),
+        (Role.SYNC_LOCAL, (2, 3), "nccl"),
+        (Role.SYNC_BRIDGE, (0, 2), BRIDGE_BACKEND),
+    ]
 
 
 def _create(rank, world):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hethub.profile.spawn import run_ranks
-from hethub.runtime.model import Stage, full_state, shard
+from hethub.runtime.model import Stage, shard
 from hethub.spec import load_model
 from hethub.spec.parameters import parameter_table
 
@@ -18,8 +18,7 @@ def _batch(spec, seed=1):
 
 
 def _loss_and_grads(spec, group):
-    model = Stage(spec, 0, spec.layers, group, is_first=True, is_last=True)
-    model.load_full(full_state(spec, 7))
+    model = Stage.build(spec, 0, spec.layers, group, is_first=True, is_last=True, seed=7)
     tokens = _batch(spec)
     loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()

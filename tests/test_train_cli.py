@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hethub.runtime.data import builtin_corpus, global_batch
-from hethub.runtime.model import Stage, full_state
+from hethub.runtime.model import Stage
 from hethub.spec import load_model
 
 CLUSTER = """groups:
@@ -46,8 +46,7 @@ pipelines:
 
 def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
     spec = load_model("tiny-llama")
-    model = Stage(spec, 0, spec.layers, None, is_first=True, is_last=True)
-    model.load_full(full_state(spec, seed))
+    model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     corpus, losses = builtin_corpus(), []
     for step in range(steps):

@@ -48,13 +48,44 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
         """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""
         # A ring all-reduce moves 2 (n - 1) / n of the tensor out of every rank.
-        self.bytes[self.path(*ranks)] += (
-            2 * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
-        )
+        self._counted(ranks, tensor, 2 * (len(ranks) - 1), len(ranks))
+        self._collective(dist.all_reduce, tensor, group)
+        return tensor
+
+    def _counted(self, ranks: tuple[int, ...], tensor: torch.Tensor, parts: int, of: int) -> None:
+        """Count ``parts`` / ``of`` of ``tensor``'s bytes as moved by this rank on the ranks'
+        path (whole bytes, rounded down)."""
+        self.bytes[self.path(*ranks)] += parts * tensor.numel() * tensor.element_size() // of
+
+    def _collective(self, collective, tensor: torch.Tensor, group, **kwargs) -> None:
+        """Run ``collective`` on ``tensor`` in place, staged through host memory for gloo."""
         staged = self._staged(tensor, group)
-        dist.all_reduce(staged, group=group)
+        collective(staged, group=group, **kwargs)
         if staged is not tensor:
             tensor.copy_(staged)
+
+    def hierarchical_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        local: tuple[int, ...],
+        local_group,
+        bridge: tuple[int, ...],
+        bridge_group,
+    ) -> torch.Tensor:
+        """Sum ``tensor`` over ranks of several vendors: reduce it to the first rank of this
+        rank's vendor part (``local``, through its native ``local_group``), all-reduce among
+        those first ranks (``bridge``, one per vendor, over the host-staged ``bridge_group``),
+        broadcast the sum back inside the part. Only one copy per vendor crosses the bridge,
+        where a flat ring over every rank would send 2 (n - 1) / n of it out of each."""
+        first = local[0]
+        if len(local) > 1:
+            self._counted(local, tensor, len(local) - 1, len(local))
+            self._collective(dist.reduce, tensor, local_group, dst=first)
+        if self.rank == first:
+            self.all_reduce(tensor, bridge, bridge_group)
+        if len(local) > 1:
+            self._counted(local, tensor, len(local) - 1, len(local))
+            self._collective(dist.broadcast, tensor, local_group, src=first)
         return tensor
 
     def native(self, tensor: torch.Tensor, factor: float = 1.0) -> None:

@@ -25,8 +25,13 @@ from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
-from hethub.runtime.model import Stage, full_state, shard
-from hethub.runtime.process_groups import ProcessGroups, Role, create_job_groups
+from hethub.runtime.model import Stage, shard
+from hethub.runtime.process_groups import (
+    ProcessGroups,
+    Role,
+    create_job_groups,
+    vendor_parts,
+)
 from hethub.runtime.topology import Topology, parameter_holders
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 from hethub.spec.cluster import ClusterSpec
@@ -72,16 +77,16 @@ class Engine:
         self.tp_group = groups.get(Role.TENSOR, self.my_tp_ranks)
         stages = topology.replica_stages(self.me.replica)
         self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
-        self.stage = Stage(
+        self.stage = Stage.build(
             spec,
             self.me.first_layer,
             self.me.layers,
             self.tp_group,
             is_first=self.is_first,
             is_last=self.is_last,
+            seed=seed,
+            device=self.device,
         )
-        self.stage.load_full(full_state(spec, seed))
-        self.stage.to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.stage.parameters(), lr=lr, weight_decay=weight_decay
         )
@@ -245,14 +250,25 @@ class Engine:
                 held.setdefault(holders[name], []).append((name, param))
         buckets = []
         for leaders, params in held.items():
-            # Only the leaders all-reduce; the other TP ranks take part in gather and broadcast.
-            group = groups.get(Role.GRAD_SYNC, leaders) if self.rank == self.leader else None
+            # Only the leaders reduce; the other TP ranks take part in gather and broadcast.
+            sync = self._grad_sync(leaders, groups) if self.rank == self.leader else None
             full_bytes = [param.nbytes * (tp if self._split(name) else 1) for name, param in params]
             buckets += [
-                Bucket(params[start:stop], leaders, group)
+                Bucket(params[start:stop], sync)
                 for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)
             ]
         return buckets
+
+    def _grad_sync(self, leaders: tuple[int, ...], groups: ProcessGroups) -> GradSync:
+        """How this leader sums gradients with the other ``leaders``: one all-reduce in their
+        native group when they share a vendor, else hierarchically (process_groups)."""
+        parts = vendor_parts(leaders, self.comm.vendor)
+        if len(parts) == 1:
+            return GradSync(leaders, groups.get(Role.GRAD_SYNC, leaders))
+        local = next(part for part in parts if self.rank in part)
+        bridge = tuple(part[0] for part in parts)
+        bridge_group = groups.get(Role.SYNC_BRIDGE, bridge) if self.rank == local[0] else None
+        return GradSync(local, groups.get(Role.SYNC_LOCAL, local), bridge, bridge_group)
 
     def _split(self, name: str) -> bool:
         """Whether TP splits parameter ``name`` (else it is whole on every TP rank)."""
@@ -276,8 +292,14 @@ class Engine:
             if self._split(name):  # the all-gather moved tp - 1 shards in
                 self.comm.native(param.grad, tp - 1)
         flat = torch.cat([full.reshape(-1) for full in fulls])
-        if self.rank == self.leader:
-            self.comm.all_reduce(flat, bucket.leaders, bucket.group)
+        if bucket.sync is not None:  # this rank leads its stage
+            sync = bucket.sync
+            if sync.bridge:
+                self.comm.hierarchical_all_reduce(
+                    flat, sync.local, sync.local_group, sync.bridge, sync.bridge_group
+                )
+            else:
+                self.comm.all_reduce(flat, sync.local, sync.local_group)
         if tp > 1:
             dist.broadcast(flat, self.leader, group=self.tp_group)
             self.comm.native(flat)
@@ -297,9 +319,21 @@ class Engine:
         return torch.cat(pieces, dim=dim)
 
 
+class GradSync(NamedTuple):
+    """A leader's share of summing a bucket over the leaders holding it."""
+
+    local: tuple[int, ...]
+    """The leaders of this rank's vendor (all of them, when the set has one vendor)."""
+    local_group: object
+    bridge: tuple[int, ...] = ()
+    """The first leader of each vendor's part, when the set spans vendors."""
+    bridge_group: object = None
+    """Their group, on those first leaders only."""
+
+
 class Bucket(NamedTuple):
     """Gradients synced as one flat buffer among the leaders holding them."""
 
     params: list[tuple[str, torch.nn.Parameter]]
-    leaders: tuple[int, ...]
-    group: object  # the leaders' GRAD_SYNC group on a leader, None on the other TP ranks
+    sync: GradSync | None
+    """None on a rank that does not lead its stage: it only gathers and receives."""

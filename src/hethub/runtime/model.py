@@ -5,6 +5,8 @@ The parameters' names, shapes and TP splits are hethub.spec.parameters' table.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import nn
 
@@ -21,18 +23,24 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import INIT_STD, Init, Parameter, parameter_table
 
 
+def initial_value(param: Parameter, seed: int) -> torch.Tensor:
+    """The whole of ``param``'s initial value (fp32, on the CPU), the same for every layout given
+    the seed. Each parameter draws from a generator of its own, seeded by its name: a rank makes
+    the parameters it holds, one at a time, never the whole model. Drawn on the CPU so that ranks
+    on different devices (whose generators differ) start from the same weights."""
+    if param.init is Init.ONES:
+        return torch.ones(param.shape)
+    if param.init is Init.ZEROS:
+        return torch.zeros(param.shape)
+    seed_of_name = (seed * 1_000_003 + zlib.crc32(param.name.encode())) % 2**63
+    gen = torch.Generator().manual_seed(seed_of_name)
+    # in place: no second full-size tensor while a large parameter is made
+    return torch.randn(*param.shape, generator=gen).mul_(INIT_STD).mul_(param.scale)
+
+
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial weights (fp32), the same for every layout given the seed."""
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, param in parameter_table(spec).items():
-        if param.init is Init.NORMAL:
-            state[name] = torch.randn(*param.shape, generator=gen) * INIT_STD * param.scale
-        elif param.init is Init.ONES:
-            state[name] = torch.ones(param.shape)
-        else:
-            state[name] = torch.zeros(param.shape)
-    return state
+    """The whole model's initial weights (fp32): a single-process reference's, or a test's."""
+    return {name: initial_value(param, seed) for name, param in parameter_table(spec).items()}
 
 
 def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -159,6 +167,34 @@ class Stage(nn.Module):
         return vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, self.group
         )
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        first: int,
+        count: int,
+        group,
+        *,
+        is_first: bool,
+        is_last: bool,
+        seed: int,
+        device: torch.device | str = "cpu",
+    ) -> Stage:
+        """The stage made on ``device`` with its TP shard of the seeded initial weights: laid
+        out on the meta device (no memory), then only this stage's shards are allocated and
+        filled, one parameter at a time."""
+        with torch.device("meta"):
+            stage = cls(spec, first, count, group, is_first=is_first, is_last=is_last)
+        stage.to_empty(device=device)
+        rank, size = tp_rank(group), tp_size(group)
+        table = parameter_table(spec)
+        with torch.no_grad():
+            for name, param in stage.full_parameters():
+                full = initial_value(table[name], seed)
+                tp_dim = table[name].tp_dim
+                param.copy_(full if tp_dim is None else full.chunk(size, dim=tp_dim)[rank])
+        return stage
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this stage's TP shard of the full-model weights in."""

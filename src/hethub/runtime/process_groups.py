@@ -35,7 +35,9 @@ class Role(StrEnum):
     WORLD = "world"  # every rank: bootstrap, barriers, the bridge between vendors
     TENSOR = "tensor"  # the TP ranks of one stage
     PIPELINE = "pipeline"  # the leaders of two neighbouring stages: activations and gradients
-    GRAD_SYNC = "grad_sync"  # the leaders of every stage holding the same parameters
+    GRAD_SYNC = "grad_sync"  # the leaders of every stage holding the same parameters (one vendor)
+    SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync set that spans vendors
+    SYNC_BRIDGE = "sync_bridge"  # the first rank of each vendor's part of such a set
     VENDOR = "vendor"  # every rank of one vendor, when the job spans several
     MEASURE = "measure"  # ranks the profiler times a collective among
 
@@ -66,8 +68,9 @@ def job_groups(
     specs = [GroupSpec(Role.WORLD, world, BRIDGE_BACKEND)]
 
     def add(role: Role, ranks: tuple[int, ...]) -> None:
-        if len(ranks) > 1:
-            specs.append(GroupSpec(role, ranks, shared_backend(ranks, vendors, backends)))
+        spec = GroupSpec(role, ranks, shared_backend(ranks, vendors, backends))
+        if len(ranks) > 1 and spec not in specs:  # two sync sets may share a vendor's part
+            specs.append(spec)
 
     for ranks in topology.tp_groups:
         add(Role.TENSOR, ranks)
@@ -77,12 +80,28 @@ def job_groups(
         ]
         for sender, receiver in pairwise(leaders):
             add(Role.PIPELINE, (sender, receiver))
+    # A sync set inside one vendor all-reduces natively; one that spans vendors reduces inside
+    # each vendor natively and only the parts' first ranks cross the bridge (hierarchical).
     for leaders in sorted(set(parameter_holders(topology, model).values())):
-        add(Role.GRAD_SYNC, leaders)
+        parts = vendor_parts(leaders, vendors)
+        if len(parts) == 1:
+            add(Role.GRAD_SYNC, leaders)
+            continue
+        for part in parts:
+            add(Role.SYNC_LOCAL, part)
+        add(Role.SYNC_BRIDGE, tuple(part[0] for part in parts))
     if len(set(vendors)) > 1:
         for vendor in dict.fromkeys(vendors):
             add(Role.VENDOR, tuple(r for r in world if vendors[r] == vendor))
     return tuple(specs)
+
+
+def vendor_parts(ranks: Sequence[int], vendors: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """``ranks`` split by vendor, each part sorted, the parts in the order of their first rank."""
+    parts: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        parts.setdefault(vendors[rank], []).append(rank)
+    return tuple(tuple(part) for part in parts.values())
 
 
 def blocks(world: int, size: int) -> list[tuple[int, ...]]:
