@@ -179,6 +179,18 @@ def test_unknown_inline_vendor_with_suggestion(tmp_path, capsys) -> None:
     )
 
 
+@pytest.mark.parametrize("value", ["fp16", "fp8", "bf17"])
+def test_unsupported_precision_in_plan(tmp_path, capsys, value) -> None:
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(precision=value)),
+        "plan.yaml",
+        "precision",
+        f"'{value}'",
+        "must be one of bf16, fp32",
+    )
+
+
 def test_unknown_preset_in_plan(tmp_path, capsys) -> None:
     assert_error(
         capsys,

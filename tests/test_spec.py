@@ -20,7 +20,7 @@ from hethub.spec import (
     preset_names,
 )
 from hethub.spec.model import llama_ffn_hidden
-from hethub.spec.plan import PipelineLayout, StageSpec, uniform_layers
+from hethub.spec.plan import PipelineLayout, Precision, StageSpec, uniform_layers
 
 # --------------------------------------------------------------------------------------------
 # Model presets and parameter counts
@@ -372,6 +372,7 @@ def test_plan_defaults() -> None:
     assert plan.micro_batch == 1
     assert plan.recompute == "none"
     assert plan.schedule == "1f1b"
+    assert plan.precision == Precision.BF16
     first, second = plan.pipelines
     assert first.count == 1
     assert second.count == 3
@@ -405,6 +406,7 @@ def test_plan_yaml_round_trip() -> None:
         micro_batch=2,
         recompute="full",
         schedule="gpipe",
+        precision="fp32",
         pipelines=(
             PipelineLayout(
                 count=2,
@@ -420,8 +422,11 @@ def test_plan_yaml_round_trip() -> None:
         ),
     )
     text = plan.to_yaml()
+    assert "precision: fp32" in text
     again = parse_plan(yaml.safe_load(text), "round-trip")
     assert again == plan
+    assert again.precision is Precision.FP32
+    assert plan.summary().startswith("fp32, micro-batch 2")
 
 
 def test_parsed_plan_round_trips_through_yaml() -> None:

@@ -22,8 +22,19 @@ class Recompute(enum.StrEnum):
     """Each stage keeps only its input and runs its forward again before its backward."""
 
 
+class Precision(enum.StrEnum):
+    """The numeric format a plan trains in; its value is how plan files spell it."""
+
+    BF16 = "bf16"
+    """Mixed precision as Megatron runs it: bf16 weights, activations and matmuls; fp32 main
+    gradients, master weights and Adam moments."""
+    FP32 = "fp32"
+    """Everything in fp32."""
+
+
 # The spellings plan files and the command line accept.
 RECOMPUTE = tuple(r.value for r in Recompute)
+PRECISIONS = tuple(p.value for p in Precision)
 SCHEDULES = tuple(s.value for s in Schedule)
 
 
@@ -61,12 +72,16 @@ class Plan:
     micro_batch: int
     recompute: Recompute = Recompute.NONE
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    precision: Precision = Precision.BF16
+    """bf16 by default: what GPU users expect, what published runs of these models use, and what
+    the predictor was calibrated on."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
         # Plans built in code may spell the choices as strings; the predictor compares members.
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "precision", Precision(self.precision))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's content."""
@@ -76,6 +91,7 @@ class Plan:
             "micro_batch": self.micro_batch,
             "recompute": self.recompute.value,  # plain strings: yaml.safe_dump knows no enums
             "schedule": self.schedule.value,
+            "precision": self.precision.value,
             "pipelines": [
                 {
                     "count": p.count,
@@ -92,14 +108,17 @@ class Plan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
     def summary(self) -> str:
-        """One line: micro-batch, recomputation and each layout as
+        """One line: precision, micro-batch, recomputation and each layout as
         count x [group/tp/layers ...] x micro-batches."""
         layouts = "; ".join(
             f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
             f"x{p.micro_batches}mb"
             for p in self.pipelines
         )
-        return f"micro-batch {self.micro_batch}, recompute {self.recompute}: {layouts}"
+        return (
+            f"{self.precision}, micro-batch {self.micro_batch}, recompute {self.recompute}: "
+            f"{layouts}"
+        )
 
 
 def parse_plan(data: Any, source: str = "") -> Plan:
@@ -108,7 +127,15 @@ def parse_plan(data: Any, source: str = "") -> Plan:
     top = Fields(
         data,
         source,
-        allowed=("model", "global_batch", "micro_batch", "recompute", "schedule", "pipelines"),
+        allowed=(
+            "model",
+            "global_batch",
+            "micro_batch",
+            "recompute",
+            "schedule",
+            "precision",
+            "pipelines",
+        ),
     )
     model = top.string("model")
     global_batch = top.positive_int("global_batch")
@@ -145,6 +172,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         micro_batch=micro_batch,
         recompute=Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value)),
         schedule=Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value)),
+        precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
@@ -192,6 +220,7 @@ def uniform_plan(
     global_batch: int,
     recompute: Recompute = Recompute.NONE,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
+    precision: Precision = Precision.BF16,
     layers: int,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
@@ -204,6 +233,7 @@ def uniform_plan(
             "micro_batch": micro_batch,
             "recompute": recompute,
             "schedule": schedule,
+            "precision": precision,
             "pipelines": [
                 {"count": dp, "stages": [{"group": group, "tp": tp, "layers": n} for n in split]}
             ],
