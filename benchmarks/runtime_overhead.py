@@ -35,6 +35,7 @@ MICRO_BATCH, MICRO_BATCHES = 2, 8
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
 PLAN = {
     "model": "bench",
+    "precision": "fp32",  # as torch.distributed.pipelining's stages below
     "global_batch": MICRO_BATCH * MICRO_BATCHES,
     "micro_batch": MICRO_BATCH,
     "pipelines": [

@@ -22,6 +22,7 @@ CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 
 PLAN = {
     "model": "m",
     "global_batch": 4,
+    "precision": "fp32",  # the stage's own bytes; bf16 adds 2-byte copies of its weights
     "pipelines": [
         {"count": 1, "stages": [{"group": "cpu", "tp": 1, "layers": 2} for _ in range(4)]}
     ],

@@ -11,6 +11,7 @@ from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, shard
+from hethub.runtime.precision import MasterWeights
 from hethub.runtime.topology import build_topology
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
@@ -36,18 +37,22 @@ def batches(spec, global_batch):
     ]
 
 
-def reference(preset, global_batch):
+def reference(preset, global_batch, precision="fp32"):
+    """One process, the whole model, the same recipe (runtime.precision): the losses of STEPS
+    AdamW steps and the first step's (fp32 master) gradients."""
     spec = load_model(preset)
     model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    weights = MasterWeights(model, precision)
+    optimizer = torch.optim.AdamW(weights.parameters(), lr=LR, weight_decay=0.0)
     losses, grads = [], None
     for tokens in batches(spec, global_batch):
         loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         if grads is None:
-            grads = {model.full_name(n): p.grad.clone() for n, p in model.named_parameters()}
+            grads = {name: p.grad.clone() for name, p in weights.named}
         optimizer.step()
         optimizer.zero_grad()
+        weights.copy_to_model()
         losses.append(loss.item())
     return losses, grads
 
@@ -69,12 +74,8 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
         if grads is None:
-            grads = {
-                engine.stage.full_name(n): p.grad.clone()
-                for n, p in engine.stage.named_parameters()
-            }
-        engine.optimizer.step()
-        engine.optimizer.zero_grad()
+            grads = {name: p.grad.clone() for name, p in engine.weights.named}
+        engine.update()
     me = topology.ranks[rank]
     return losses, grads, me.tp_rank, me.tp, dict(engine.comm.bytes)
 
@@ -164,19 +165,35 @@ def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_r
     assert bridged == STEPS * 2 * gradient_bytes
 
 
+BF16_LAYOUTS = [
+    "pp 5/3",
+    "tp 2",
+    "pp x tp, tp 2 then 1",
+    "unlike replicas, uneven split, across vendors",
+    "recompute, gpipe",
+]
+
+
+@pytest.mark.parametrize("name", BF16_LAYOUTS)
+def test_bf16_layout_matches_the_single_process_bf16_reference(name):
+    check_against_reference(name, BUCKET_BYTES, "bf16")
+
+
 def test_gradients_synced_in_many_small_buckets_match_the_reference_too():
     # The layouts above fit each sync group in one bucket; a small cap splits every group into
     # many, some of a single tensor over the cap, across TP, replicas and the tied embedding.
     check_against_reference("unlike replicas, uneven split, across vendors", 4096)
 
 
-def check_against_reference(name, bucket_bytes):
+def check_against_reference(name, bucket_bytes, precision="fp32"):
+    """fp32: the first step's gradients (assert_close) and the losses of STEPS steps (1e-5);
+    bf16: the losses within 2e-2 of the bf16 reference's, and not those of fp32."""
     preset, fields = PLANS[name]
-    plan_dict = {"model": preset, "micro_batch": 1, **fields}
+    plan_dict = {"model": preset, "micro_batch": 1, "precision": precision, **fields}
     plan = parse_plan(plan_dict)
     check_plan(plan, CLUSTER, load_model(preset))
     world = build_topology(plan, CLUSTER).world_size
-    ref_losses, ref_grads = reference(preset, plan.global_batch)
+    ref_losses, ref_grads = reference(preset, plan.global_batch, precision)
     results = run_ranks(_rank, world, preset, plan_dict, bucket_bytes, timeout_s=120)
     vendors = {
         CLUSTER.group(s["group"]).accelerator.vendor
@@ -186,6 +203,12 @@ def check_against_reference(name, bucket_bytes):
     bridged = sum(moved[BRIDGE] for *_, moved in results)
     # Only a plan whose stages or replicas span vendors moves anything over the bridge.
     assert (bridged > 0) == (len(vendors) > 1)
+    if precision == "bf16":
+        fp32_losses, _ = reference(preset, plan.global_batch, "fp32")
+        for losses, *_ in results:
+            assert losses == pytest.approx(ref_losses, rel=2e-2)
+            assert losses != pytest.approx(fp32_losses, rel=1e-4)  # it did train in bf16
+        return results
     table = parameter_table(load_model(preset))
     for losses, grads, tp_rank, tp, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -16,6 +16,7 @@ import torch
 
 from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.model import Stage
+from hethub.runtime.precision import MasterWeights
 from hethub.spec import load_model
 
 CLUSTER = """groups:
@@ -25,6 +26,7 @@ CLUSTER = """groups:
 PLAN = """model: tiny-llama
 global_batch: 4
 micro_batch: 1
+precision: fp32
 pipelines:
   - count: 1
     micro_batches: 4
@@ -36,6 +38,7 @@ pipelines:
 OTHER_PLAN = """model: tiny-llama
 global_batch: 4
 micro_batch: 1
+precision: fp32
 pipelines:
   - count: 1
     stages:
@@ -44,10 +47,12 @@ pipelines:
 """
 
 
-def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
+def reference_losses(steps: int, seed: int, lr: float, precision: str = "fp32") -> list[float]:
+    """One process, the whole model, the runtime's recipe for ``precision``."""
     spec = load_model("tiny-llama")
     model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    weights = MasterWeights(model, precision)
+    optimizer = torch.optim.AdamW(weights.parameters(), lr=lr, weight_decay=0.0)
     corpus, losses = builtin_corpus(), []
     for step in range(steps):
         tokens = global_batch(corpus, step, 4, spec.seq_len, seed)
@@ -55,6 +60,7 @@ def reference_losses(steps: int, seed: int, lr: float) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        weights.copy_to_model()
         losses.append(loss.item())
     return losses
 
@@ -106,6 +112,7 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     assert all(
         r["comm_bytes"]["bridge"] > 0 for r in steps
     )  # the stage boundary crosses vendors, every step
+    assert {r["precision"] for r in steps} == {"fp32"}
     assert final["world_size"] == 2 and "loss" not in final
     assert [r["group"] for r in final["ranks"]] == ["nv", "amd"]
     run = files / "runs" / "whole"
@@ -180,6 +187,29 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     assert (files / "runs/half/plan.before-step-4.yaml").read_text() != (
         files / "runs/half/plan.yaml"
     ).read_text()
+
+
+def test_a_bf16_run_trains_in_bf16_and_resumes_bit_for_bit(files):
+    (files / "plan.yaml").write_text(PLAN.replace("precision: fp32", "precision: bf16"))
+    common = ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--seed", "3", "--lr", "1e-3"]
+    common += ["--json", "--timeout", "60"]
+    whole = hethub(files, "train", *common, "--steps", "4", "--run-dir", "runs/whole")
+    assert whole.returncode == 0, whole.stderr
+    steps = records(whole)[0]
+    losses = [r["loss"] for r in steps]
+    assert {r["precision"] for r in steps} == {"bf16"}
+    bf16, fp32 = reference_losses(4, 3, 1e-3, "bf16"), reference_losses(4, 3, 1e-3)
+    assert losses == pytest.approx(bf16, rel=2e-2)
+    # It did compute in bf16: the first step (the same weights everywhere) is the bf16
+    # reference's, and not fp32's (they differ by ~1e-5 here; layouts in fp32 by < 1e-6).
+    assert losses[0] == pytest.approx(bf16[0], rel=1e-6)
+    assert losses[0] != pytest.approx(fp32[0], rel=1e-6)
+    half = hethub(files, "train", *common, "--steps", "2", "--run-dir", "runs/half")
+    assert half.returncode == 0, half.stderr
+    resumed = hethub(files, "train", "--resume", "runs/half", "--steps", "4", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    # the bf16 weights are made again from the fp32 masters the checkpoint holds
+    assert [r["loss"] for r in records(resumed)[0]] == losses[2:]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The unified communicator: one interface for point-to-point and collectives, whatever the
 devices."""
 
-from hethub.comm.backends import device_backend, local_device, local_devices, native_backend
+from hethub.comm.backends import device_backend, local_device, native_backend, peak_memory_bytes
 from hethub.comm.communicator import BRIDGE, NATIVE, Communicator
 
 __all__ = [
@@ -10,6 +10,6 @@ __all__ = [
     "Communicator",
     "device_backend",
     "local_device",
-    "local_devices",
     "native_backend",
+    "peak_memory_bytes",
 ]

@@ -8,7 +8,8 @@ other replicas. Every rank that holds a parameter (its replicas, its TP ranks on
 gathered it, the GPT head copy of the embedding) offers the same full tensor under the same
 key; DCP's default save planner keeps one of them (dedup_save_plans, keyed by name and offset)
 and spreads the writes over the ranks. On load every rank reads the full tensors of its stage
-and keeps its TP shard.
+and keeps its TP shard. The weights are the fp32 master weights in either precision
+(runtime.precision), so a checkpoint resumes under another precision too.
 
 Cost: every TP rank gathers whole weights and moments (three times its stage's full size in
 memory for a moment), fine for the models this runs on CPU; big models would save a sharded
@@ -113,7 +114,7 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
 def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
     """The full tensors of this stage's weights and AdamW state, under their checkpoint keys."""
     out = {}
-    for name, param in engine.stage.full_parameters():
+    for name, param in engine.weights.named:
         state = engine.optimizer.state.get(param) or {}
         out[f"model/{name}"] = engine.gather_full(name, param.detach())
         for moment in MOMENTS:
@@ -183,7 +184,7 @@ def _buffers(
     """Empty full-shape tensors for every key this rank loads, checked against the
     checkpoint's metadata; or the first mismatch, said for the user."""
     buffers = {}
-    for name, param in engine.stage.full_parameters():
+    for name, param in engine.weights.named:
         full = list(engine.parameter_table[name].shape)
         wanted = {
             f"model/{name}": full,
@@ -213,7 +214,7 @@ def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state = {}
     with torch.no_grad():
-        for name, param in engine.stage.full_parameters():
+        for name, param in engine.weights.named:
             layout = engine.parameter_table[name]
             param.copy_(shard(layout, buffers[f"model/{name}"], rank, tp))
             entry = {m: shard(layout, buffers[f"optim/{name}/{m}"], rank, tp) for m in MOMENTS}
@@ -223,3 +224,4 @@ def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
     full = optimizer.state_dict()
     full["state"] = state
     optimizer.load_state_dict(full)
+    engine.weights.copy_to_model()  # bf16: the stage computes with the loaded masters

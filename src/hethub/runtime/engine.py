@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, shard
+from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import (
     ProcessGroups,
     Role,
@@ -55,12 +56,12 @@ class Engine:
         seed: int,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
-        devices: list[torch.device] | None = None,
+        device: torch.device | None = None,
         speed: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
-        """``groups``: the job's process groups (process_groups.create_groups); ``devices``: where
-        each rank runs (default: every rank on the CPU); ``speed``: this rank's emulated speed
+        """``groups``: the job's process groups (process_groups.create_groups); ``device``: where
+        this rank runs (default: the CPU); ``speed``: this rank's emulated speed
         relative to the machine (None: as fast as it runs); ``bucket_bytes``: the gradient sync's
         bucket cap (spec.buckets)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
@@ -70,7 +71,7 @@ class Engine:
         self._step_start = 0.0
         self.rank = dist.get_rank()
         self.me = topology.ranks[self.rank]
-        self.device = (devices or [torch.device("cpu")] * topology.world_size)[self.rank]
+        self.device = device or torch.device("cpu")
         self.parameter_table = parameter_table(spec)
         self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
         self.leader = self.my_tp_ranks[0]
@@ -87,8 +88,11 @@ class Engine:
             seed=seed,
             device=self.device,
         )
+        # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
+        # precision (runtime.precision).
+        self.weights = MasterWeights(self.stage, plan.precision)
         self.optimizer = torch.optim.AdamW(
-            self.stage.parameters(), lr=lr, weight_decay=weight_decay
+            self.weights.parameters(), lr=lr, weight_decay=weight_decay
         )
         self.sync_buckets = self._sync_buckets(groups)
         # The pipeline neighbours' leaders, and the group each pair talks through.
@@ -111,24 +115,38 @@ class Engine:
         spec: ModelSpec,
         cluster: ClusterSpec,
         *,
-        devices: list[torch.device] | None = None,
+        device: torch.device | None = None,
         **kwargs,
     ) -> Engine:
-        """Collective: this rank's engine with its communicator and the job's process groups
-        (created here, on every rank alike); ``kwargs`` as for the constructor."""
-        devices = devices or [torch.device("cpu")] * topology.world_size
-        vendors = topology.vendors(cluster)
-        groups = create_job_groups(topology, spec, cluster, devices)
-        return cls(plan, topology, spec, Communicator(vendors), groups, devices=devices, **kwargs)
+        """Collective: this rank's engine on ``device`` (default: the CPU) with its communicator
+        and the job's process groups (created here, on every rank alike); ``kwargs`` as for the
+        constructor."""
+        device = device or torch.device("cpu")
+        groups = create_job_groups(topology, spec, cluster, device)
+        return cls(
+            plan,
+            topology,
+            spec,
+            Communicator(topology.vendors(cluster)),
+            groups,
+            device=device,
+            **kwargs,
+        )
 
     def step(self, tokens: torch.Tensor) -> float:
         """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean
         loss."""
         loss = self.gradients(tokens)
         with self._timed("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update()
         return loss
+
+    def update(self) -> None:
+        """The optimizer step on the synced gradients (``gradients``); the stage then computes
+        with the new weights."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.copy_to_model()
 
     def gradients(self, tokens: torch.Tensor) -> float:
         """Forward and backward of the global batch and the gradient sync, without the update:
@@ -226,7 +244,7 @@ class Engine:
     def _receive(self, shape: tuple[int, ...], peer: int, micro_batch: int) -> torch.Tensor:
         # The wait covers the peer's compute still to come and the transfer: a receive cannot
         # tell them apart, so the timeline calls it a wait.
-        buffer = torch.empty(shape, device=self.device)
+        buffer = torch.empty(shape, device=self.device, dtype=self.weights.compute_dtype)
         with self._timed("recv_wait", micro_batch):
             if self.rank == self.leader:
                 group = self.next_group if peer == self.next_leader else self.prev_group
@@ -245,7 +263,7 @@ class Engine:
         tp = len(self.my_tp_ranks)
         holders = parameter_holders(self.topology, self.spec)
         held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, param in self.stage.full_parameters():
+        for name, param in self.weights.named:
             if len(holders[name]) > 1:
                 held.setdefault(holders[name], []).append((name, param))
         buckets = []

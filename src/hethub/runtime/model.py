@@ -57,7 +57,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Normalised in fp32 whatever x's dtype (a bf16 mean of squares loses the small ones).
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +70,7 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
     # Made on x's device: a table made on the CPU breaks the product on any accelerator.
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     angles = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)  # (T, d/2)
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
     return x * cos + half * sin
 

@@ -141,8 +141,11 @@ def create_groups(specs: Sequence[GroupSpec]) -> ProcessGroups:
 
 
 def create_job_groups(
-    topology: Topology, model: ModelSpec, cluster: ClusterSpec, devices: Sequence[torch.device]
+    topology: Topology, model: ModelSpec, cluster: ClusterSpec, device: torch.device
 ) -> ProcessGroups:
-    """Collective: every group of the job of ``topology`` whose ranks run on ``devices``."""
-    backends = [device_backend(device) for device in devices]
+    """Collective over the world group: every group of the job of ``topology``, this rank
+    running on ``device``. Every rank first learns every other's backend (each chose its own
+    device on its own node), so that all of them list the same groups."""
+    backends: list[str | None] = [None] * topology.world_size
+    dist.all_gather_object(backends, device_backend(device))
     return create_groups(job_groups(topology, model, topology.vendors(cluster), backends))

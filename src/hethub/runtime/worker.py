@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hethub.comm import BRIDGE, NATIVE, local_devices
+from hethub.comm import BRIDGE, NATIVE, local_device, peak_memory_bytes
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.terminal import progress_bar
@@ -60,7 +60,8 @@ def train(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
     try:
         rank = dist.get_rank()
-        devices = local_devices(topology.vendors(cluster))
+        # Each rank on its node's accelerator of its group's kind, by LOCAL_RANK, else the CPU.
+        device = local_device(topology.vendors(cluster)[rank], int(os.environ["LOCAL_RANK"]))
         engine = Engine.for_job(
             plan,
             topology,
@@ -68,7 +69,7 @@ def train(
             cluster,
             seed=settings.seed,
             lr=settings.lr,
-            devices=devices,
+            device=device,
             speed=cluster.group(topology.ranks[rank].group).speed,
         )
         start = load_checkpoint(engine, latest_checkpoint(run.checkpoints))["step"] if resume else 0
@@ -85,10 +86,13 @@ def train(
                 [engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]], dtype=torch.float64
             )
             dist.all_reduce(moved)
-            timelines = [None] * world if rank == 0 else None
-            dist.gather_object(engine.timeline, timelines, dst=0)
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object((engine.timeline, peak_memory_bytes(device)), gathered, dst=0)
             if log:
-                log.step(step + 1, settings.steps, loss, timelines, moved - moved_before)
+                timelines = [timeline for timeline, _ in gathered]
+                peaks = [peak for _, peak in gathered if peak is not None]
+                peak = max(peaks) if peaks else None
+                log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
             moved_before = moved
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
                 save_checkpoint(engine, run.checkpoints, step + 1, {"plan": plan.to_dict()})
@@ -139,12 +143,14 @@ class _StepLog:
         loss: float,
         timelines: list[list[TimelineEvent]],
         moved: torch.Tensor,
+        peak_memory: int | None,
     ) -> None:
         elapsed = max(e.end_s for events in timelines for e in events)
         predicted = self.prediction["iteration_time_s"] if self.prediction else None
         record = {
             "step": step,
             "loss": loss,
+            "precision": self.plan.precision.value,
             "iteration_time_s": elapsed,
             "tokens_per_s": self.plan.global_batch * self.model.seq_len / elapsed,
             "predicted_iteration_s": predicted,
@@ -166,6 +172,9 @@ class _StepLog:
                 for r in self.leaders
             ],
             "emulated": self.emulated,
+            # The largest over the ranks of the device memory each held at its peak (None when
+            # every rank runs on a CPU, where nothing counts it).
+            "peak_memory_gb": peak_memory / 1e9 if peak_memory is not None else None,
         }
         self.run.append_metrics(record)
         if self.board:

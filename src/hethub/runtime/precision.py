@@ -1,0 +1,73 @@
+"""Training precision on one stage: fp32 throughout, or bf16 mixed precision as Megatron-LM runs
+it.
+
+bf16: the stage's weights, activations and matmuls are bf16 (the messages between stages too);
+each weight's gradient is accumulated over the micro-batches into an fp32 "main grad" as soon as
+its backward produces it; the fp32 master weights hold the truth, AdamW steps them in fp32, and
+the bf16 weights are copied from them after each step; the loss is computed in fp32. What the
+gradient sync, the optimizer and checkpoints see are the master weights and their fp32 grads, so
+they work alike in both precisions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hethub.spec.plan import Precision
+
+COMPUTE_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP32: torch.float32}
+
+
+class MasterWeights:
+    """The trained parameters of ``stage`` under ``precision``, by full-model name: the stage's
+    own in fp32; fp32 masters of its (then bf16) weights in bf16."""
+
+    def __init__(self, stage: nn.Module, precision: Precision) -> None:
+        self.stage, self.precision = stage, Precision(precision)
+        named = stage.full_parameters()
+        if self.precision is Precision.FP32:
+            self.named = named
+            return
+        self.named = []
+        for name, param in named:
+            # One parameter at a time: the fp32 value becomes the master, the stage keeps a bf16
+            # copy, so no moment holds two fp32 copies of the stage.
+            master = nn.Parameter(param.detach().float().clone())
+            param.data = param.data.to(COMPUTE_DTYPE[self.precision])
+            param.register_post_accumulate_grad_hook(_accumulate_into(master))
+            self.named.append((name, master))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the stage's activations and of the messages between stages."""
+        return COMPUTE_DTYPE[self.precision]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps."""
+        return [param for _, param in self.named]
+
+    def copy_to_model(self) -> None:
+        """After an optimizer step (or a checkpoint load): the stage computes with the masters'
+        new values."""
+        if self.precision is Precision.FP32:
+            return
+        with torch.no_grad():
+            for (_, param), (_, master) in zip(
+                self.stage.full_parameters(), self.named, strict=True
+            ):
+                param.copy_(master)
+
+
+def _accumulate_into(master: nn.Parameter):
+    """A hook that adds a bf16 weight's fresh gradient into its master's fp32 grad and frees it,
+    so the sum over micro-batches is taken in fp32 (Megatron's main_grad)."""
+
+    def hook(param: torch.Tensor) -> None:
+        if master.grad is None:
+            master.grad = param.grad.float()
+        else:
+            master.grad.add_(param.grad)
+        param.grad = None
+
+    return hook
