@@ -75,3 +75,18 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[name], msg=name)
+
+
+def test_the_profiler_measures_the_gpu_in_bf16_and_fp32(tmp_path):
+    from hethub.profile.measure import ensure_profiles, measure_layers
+    from hethub.spec import load_model
+
+    gpt = load_model("tiny-gpt")  # runs in bf16 whatever the runtime's Llama rotary does
+    profiles = ensure_profiles(tmp_path, gpt, "h100", [1], [1, 2], repeats=3, dtype="bf16")
+    assert len(profiles.layers) == 2 and not profiles.links  # no links measured on a GPU
+    for profile in profiles.layers.values():
+        assert profile.key.device == "h100" and profile.key.dtype == "bf16"
+        assert profile.layer_forward_s > 0 and profile.optimizer_s_per_param > 0
+        assert profile.layer_param_bytes == gpt.layer_params() * 2
+    (fp32,) = measure_layers(load_model("tiny-llama"), "h100", [1], [1], repeats=3)
+    assert fp32.key.dtype == "fp32" and fp32.layer_backward_s > 0

@@ -619,7 +619,8 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
             ["--tp", "2", "--concurrent-ranks", "3"],
             "--concurrent-ranks = 3: must be a multiple of --tp 2",
         ),
-        (["--device", "a100-80gb"], "--device = 'a100-80gb': a nvidia accelerator"),
+        (["--device", "gaudi2"], "--device = 'gaudi2': an Intel accelerator; hethub profile"),
+        (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
         (["--threads", "1,2"], "--threads = 1,2: give one thread count"),
     ],
 )
@@ -657,3 +658,102 @@ def test_unknown_model_and_missing_profiles_exit_2(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "profile directory not found" in err and err.count("\n") == 1
+
+
+# --- dtype and device ------------------------------------------------------------------------
+
+
+def _runtime_runs_bf16(model) -> bool:
+    """Whether the runtime's layer of ``model`` runs in bf16 here (its Llama rotary promoted q and
+    k to fp32 before issue 15)."""
+    import torch
+
+    from hethub.runtime.model import Layer
+
+    layer = Layer(model, None).to(torch.bfloat16)
+    try:
+        layer(torch.zeros(1, model.seq_len, model.hidden, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt"])
+def test_a_bf16_profile_is_keyed_bf16_and_keeps_half_the_bytes(name, tmp_path):
+    from hethub.profile.measure import ensure_profiles, measure_layers
+
+    model = load_model(name)
+    if not _runtime_runs_bf16(model):
+        pytest.skip(f"the runtime's {model.arch} layer does not run in bf16 in this checkout")
+    profiles = ensure_profiles(
+        tmp_path, model, "cpu", [1], [1], repeats=3, links=False, dtype="bf16"
+    )
+    (bf16,) = profiles.layers.values()
+    assert bf16.key == key_of(model, dtype="bf16", concurrent_ranks=1)
+    assert profile_path(tmp_path, bf16).name.endswith("-bf16-t1-c1-tp1-mb1.json")
+    assert profiles.select(dtype="bf16").layer_for("cpu", model, 1, 1) == bf16
+    assert profiles.select(dtype="fp32").layer_for("cpu", model, 1, 1) is None
+    (fp32,) = measure_layers(model, "cpu", [1], [1], repeats=3)
+    assert fp32.key.dtype == "fp32"
+    assert bf16.layer_param_bytes * 2 == fp32.layer_param_bytes
+    assert 0.4 < bf16.layer_activation_bytes / fp32.layer_activation_bytes < 0.6
+    assert bf16.optimizer_s_per_param > 0 and bf16.head_backward_s > 0
+
+
+def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
+    import torch
+
+    from hethub.profile.measure import _optimizer_seconds_per_param
+
+    module = torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+    before = module.weight.detach().clone()
+    steps = []
+
+    def sync():
+        steps.append(1)
+
+    assert _optimizer_seconds_per_param(module, lambda: None, 3, sync) > 0
+    assert module.weight.dtype == torch.bfloat16 and not torch.equal(module.weight, before)
+    assert len(steps) == 6  # the device synchronised before and after every timed step
+
+
+def test_a_gpu_is_measured_where_the_named_accelerator_is_and_refused_without_one(
+    tmp_path, monkeypatch, capsys
+):
+    import torch
+
+    from hethub.profile import measure
+
+    assert measure.measuring_device("cpu").type == "cpu"
+    assert measure.measuring_device("fast").type == "cpu"  # not in the catalog: a CPU label
+    monkeypatch.setattr(measure, "local_device", lambda vendor: torch.device("cpu"))
+    out = tmp_path / "p"
+    assert main(["profile", "--model", "tiny-llama", "--device", "h200", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hethub profile: error: --device = 'h200': an NVIDIA accelerator, and this machine has "
+        "no CUDA GPU to measure it on"
+    )
+    assert err.count("\n") == 1 and not out.exists()
+    # With one (pretended here: nothing is measured), one rank alone.
+    monkeypatch.setattr(measure, "local_device", lambda vendor: torch.device("cuda", 0))
+    with pytest.raises(HethubError, match="on a GPU the profiler measures one rank alone"):
+        measure.ensure_profiles(out, TINY, "h200", [2], [1])
+
+
+def test_predict_looks_profiles_up_in_the_plans_precision():
+    from types import SimpleNamespace
+
+    from hethub.cli.predict import plan_dtype
+
+    class Precision:
+        value = "bf16"
+
+    assert plan_dtype(SimpleNamespace()) == "fp32"  # a plan of a hethub without precision
+    assert plan_dtype(SimpleNamespace(precision="bf16")) == "bf16"
+    assert plan_dtype(SimpleNamespace(precision=Precision())) == "bf16"
+    key = key_of(dtype="bf16", concurrent_ranks=1)
+    profiles = empty_profiles().merged([layer_profile(key)])
+    one = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 1}]})
+    assert select_for_run(profiles, one, 1, "bf16").layer_for("cpu", TINY, 1, 1) is not None
+    assert select_for_run(profiles, one, 1).layer_for("cpu", TINY, 1, 1) is None

@@ -30,7 +30,8 @@ from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
 PROFILES_HELP = (
     "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
-    "runtime: fp32, 1 thread per rank, and as many ranks computing at once as the {what} has "
+    "runtime: the plan's precision (fp32 for a plan without one), 1 thread per rank, and as "
+    "many ranks computing at once as the {what} has "
     "devices when every group's accelerator is a CPU (a local run: all ranks share this machine), "
     "else 1; "
     "what DIR lacks is priced by the analytic model, with a note on stderr"
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     plan, model, source = resolve_plan(args, cluster)
     devices = sum(p.count * p.devices for p in plan.pipelines)
-    profiles = read_profiles(args.profiles, cluster, devices)
+    profiles = read_profiles(args.profiles, cluster, devices, plan_dtype(plan))
     missing = note_missing(plan, cluster, model, profiles, "predict")
     prediction = predict(plan, cluster, model, timeline=bool(args.trace), profiles=profiles)
     if args.trace:
@@ -100,12 +101,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_profiles(directory: str | None, cluster: ClusterSpec, devices: int) -> Profiles | None:
+def read_profiles(
+    directory: str | None, cluster: ClusterSpec, devices: int, dtype: str = "fp32"
+) -> Profiles | None:
     """The profiles of ``directory`` (None: none given) selected for a runtime job of ``devices``
-    devices on ``cluster`` (hethub.profile.select_for_run)."""
+    devices on ``cluster`` in ``dtype`` (hethub.profile.select_for_run)."""
     if directory is None:
         return None
-    return select_for_run(load_profiles(directory), cluster, devices)
+    return select_for_run(load_profiles(directory), cluster, devices, dtype)
+
+
+def plan_dtype(plan: Plan) -> str:
+    """The dtype a plan trains in, as profiles name it: its precision ("bf16", "fp32"), or fp32
+    for a plan of a hethub whose plans have none (the runtime's dtype then)."""
+    precision = getattr(plan, "precision", None) or "fp32"
+    return str(getattr(precision, "value", precision))
 
 
 def note_missing(

@@ -21,21 +21,24 @@ from hethub.profile.store import (
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_model
-from hethub.spec.accelerator import catalog
+from hethub.spec import plan as plan_spec
 
 DEFAULT_OUT = "runs/profiles"
+DTYPES = ("bf16", "fp32")
+DEFAULT_DTYPE = "bf16" if hasattr(plan_spec, "Precision") else "fp32"
+"""The plans' default precision: bf16, or fp32 while plans have no precision (the runtime's)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "profile",
         help="measure per-layer time and memory and link speeds on this machine",
-        description="Measure, on this machine's CPU with the runtime's own modules (fp32), the "
-        "forward and backward time and memory of one layer, the embedding and the head, and the "
-        "optimizer, for each TP degree and micro-batch size; and the point-to-point, all-reduce, "
-        "broadcast and all-gather speed between local processes. One profile file per key "
-        "(device, layer shape, dtype, threads, ranks at once, TP, micro-batch); what the directory "
-        "holds already is kept unless --again.",
+        description="Measure, on this machine's CPU (or its GPU: --device), with the runtime's "
+        "own modules in --dtype, the forward and backward time and memory of one layer, the "
+        "embedding and the head, and the optimizer, for each TP degree and micro-batch size; and, "
+        "on a CPU, the point-to-point, all-reduce, broadcast and all-gather speed between local "
+        "processes. One profile file per key (device, layer shape, dtype, threads, ranks at once, "
+        "TP, micro-batch); what the directory holds already is kept unless --again.",
     )
     parser.add_argument("--model", required=True, help="preset name or model YAML")
     parser.add_argument(
@@ -59,7 +62,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device",
         default="cpu",
-        help="the accelerator name the profiles are for, as cluster files name it (default cpu)",
+        help="the accelerator name the profiles are for, as cluster files name it (default cpu); "
+        "a catalog NVIDIA or AMD accelerator (e.g. h200) is measured on this machine's CUDA or "
+        "ROCm GPU, one rank alone (--tp 1, --concurrent-ranks 1), without links; any other "
+        "name on its CPU",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"what the layers compute in (default {DEFAULT_DTYPE}, the plans' default): bf16 is "
+        "bf16 weights and activations, the loss in fp32 and AdamW on fp32 master weights",
     )
     parser.add_argument(
         "--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})"
@@ -82,11 +95,22 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     from hethub.profile.measure import (  # torch: only to measure
         check_layer_request,
+        describe_device,
         ensure_profiles,
+        measuring_device,
     )
 
+    where = measuring_device(device)
     for c in concurrency:
-        check_layer_request(model, tps, micro, threads=threads[0], concurrent_ranks=c)
+        check_layer_request(
+            model,
+            tps,
+            micro,
+            threads=threads[0],
+            concurrent_ranks=c,
+            dtype=args.dtype,
+            device=where,
+        )
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise HethubError(f"--out = {args.out!r}: not a directory")
@@ -99,20 +123,30 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     for c in concurrency:
         if args.again and before is not None:
-            _forget(before, model, device, tps, micro, threads[0], c)
+            _forget(before, model, device, tps, micro, threads[0], c, args.dtype)
         profiles = ensure_profiles(
-            out, model, device, tps, micro, threads=threads[0], concurrent_ranks=c, progress=say
+            out,
+            model,
+            device,
+            tps,
+            micro,
+            threads=threads[0],
+            concurrent_ranks=c,
+            progress=say,
+            dtype=args.dtype,
         )
     elapsed = time.perf_counter() - started
     layers = [
         profiles.layer(
-            profiles.select(threads=threads[0], concurrent_ranks=c).layer_key(device, model, tp, b)
+            profiles.select(dtype=args.dtype, threads=threads[0], concurrent_ranks=c).layer_key(
+                device, model, tp, b
+            )
         )
         for c in concurrency
         for tp in tps
         for b in micro
     ]
-    links = [profiles.link(device, c) for c in concurrency]
+    links = [profiles.link(device, c) for c in concurrency] if where.type == "cpu" else []
     wanted = [p for p in [*layers, *links] if p is not None]
     measured = [p for p in wanted if before is None or args.again or _is_new(before, p)]
     if args.json:
@@ -121,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "out": str(out),
                     "model": model.name,
+                    "dtype": args.dtype,
+                    "measured_on": describe_device(where),
                     "seconds": elapsed,
                     "measured": [str(profile_path(out, p)) for p in measured],
                     "layers": [to_json(p) for p in layers if p],
@@ -139,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             measured,
             out,
             elapsed,
+            where=describe_device(where),
         )
     )
     return 0
@@ -159,8 +196,11 @@ def describe(
     measured: list,
     out: Path,
     elapsed: float,
+    *,
+    where: str = "CPU",
 ) -> str:
-    """The profiles as two tables: layers (per TP rank, one micro-batch), and links."""
+    """The profiles as two tables: layers (per TP rank, one micro-batch), and links (``where``
+    they were measured: 'CPU', 'GPU (NAME)')."""
     fresh = {id(p) for p in measured}
     header = [
         "tp",
@@ -219,13 +259,16 @@ def describe(
     return "\n".join(
         [
             (
-                f"profiles of {model} on this machine's CPU as {device!r} ({shape}), "
+                f"profiles of {model} on this machine's {where} as {device!r} ({shape}), "
                 f"per TP rank and micro-batch:"
             ),
             "",
             render_table(header, rows),
             "",
-            render_table(link_header, link_rows) if link_rows else "no link profile",
+            render_table(link_header, link_rows)
+            if link_rows
+            else "no link profile"
+            + ("" if where == "CPU" else " (links are measured between CPU processes only)"),
             "",
             (
                 f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} "
@@ -253,18 +296,11 @@ def _positive_list(text: str, flag: str) -> list[int]:
 
 
 def _device(name: str) -> str:
-    """The device label: any name, but not a catalog accelerator that is not a CPU (the profiler
-    measures this machine's CPU, and would mislabel it)."""
+    """The device label: any name (where it is measured: profile.measure.measuring_device)."""
     name = name.strip()
     if not name:
         raise HethubError(
             "--device = '': must name the accelerator the profiles are for (e.g. cpu)"
-        )
-    known = catalog().get(name.lower())
-    if known is not None and known.vendor != "cpu":
-        raise HethubError(
-            f"--device = {name!r}: a {known.vendor} accelerator in the catalog; hethub profile "
-            f"measures this machine's CPU (name it cpu, or an inline CPU accelerator's name)"
         )
     return name
 
@@ -283,9 +319,10 @@ def _forget(
     micro: list[int],
     threads: int,
     concurrency: int,
+    dtype: str,
 ) -> None:
     """Remove the files of what is to be measured anew."""
-    selected = before.select(threads=threads, concurrent_ranks=concurrency)
+    selected = before.select(dtype=dtype, threads=threads, concurrent_ranks=concurrency)
     for tp in tps:
         for b in micro:
             profile = selected.layer(selected.layer_key(device, model, tp, b))

@@ -1,5 +1,13 @@
 """Measure what the runtime executes: its own stage modules (hethub.runtime.model) forward and
-backward, fp32 on the CPU, and gloo messages and collectives between local processes.
+backward, in fp32 or bf16, on this machine's CPU or its GPU, and gloo messages and collectives
+between local processes.
+
+bf16 is the Megatron-LM recipe: the stage's weights and activations in bf16, the loss in fp32, and
+AdamW on fp32 master weights (the optimizer time is the gradients copied into the fp32 masters,
+the fp32 AdamW step, and the masters copied back into the bf16 weights). A GPU (the accelerator a
+profile is named for, when it is an NVIDIA or AMD one: CUDA or ROCm) is measured in this process,
+one TP rank alone, with the device synchronised around every timed pass; its links are not
+measured (they are not gloo's between CPU processes).
 
 Every time is the plain mean of several repeats after a warm-up, the occasional stall included,
 as a run meets it. Each measuring process is bound to its share of the cores, as the runtime
@@ -24,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from hethub.comm import local_device
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
 from hethub.profile.store import (
@@ -39,9 +48,13 @@ from hethub.profile.store import (
 from hethub.report.text import plural
 from hethub.runtime.model import Stage, full_state
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
+from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 
-DTYPE = "fp32"  # the runtime trains in fp32
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes a layer is measured in (a profile's key names them)."""
+DTYPE = "fp32"
+"""What a caller that names no dtype gets: what the runtime trains in today."""
 REPEATS, WARMUP = (
     30,
     2,
@@ -57,6 +70,58 @@ LINK_REPEATS = 15
 SMALL_MESSAGE = 1 << 20  # below it a message costs little to repeat, and its latency is noisy
 
 
+# --- where ---------------------------------------------------------------------------------------
+
+
+def measuring_device(device_name: str) -> torch.device:
+    """Where profiles named ``device_name`` are measured on this machine: its CUDA (or ROCm) GPU
+    when the name is a catalog accelerator of NVIDIA (AMD), else its CPU (``cpu``, an inline CPU
+    accelerator's name, an emulated group's label). An accelerator this machine lacks, or one of
+    a vendor the profiler cannot drive, is an error in one line."""
+    known = catalog().get(device_name.strip().lower())
+    vendor = known.vendor if known is not None else "cpu"
+    if vendor == "cpu":
+        return torch.device("cpu")
+    kind = _VENDOR_PHRASE.get(vendor, f"a {vendor}")
+    if vendor not in ("nvidia", "amd"):
+        raise HethubError(
+            f"--device = {device_name!r}: {kind} accelerator; hethub profile measures this "
+            f"machine's CPU or its NVIDIA/AMD GPU (CUDA or ROCm)"
+        )
+    device = local_device(vendor)
+    if device.type == "cpu":
+        api = "ROCm" if vendor == "amd" else "CUDA"
+        raise HethubError(
+            f"--device = {device_name!r}: {kind} accelerator, and this machine has no {api} "
+            f"GPU to measure it on (torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}); profile it on a machine that has one"
+        )
+    return device
+
+
+_VENDOR_PHRASE = {
+    "nvidia": "an NVIDIA",
+    "amd": "an AMD",
+    "intel": "an Intel",
+    "huawei": "a Huawei",
+    "other": "an other vendor's",
+}
+
+
+def describe_device(device: torch.device) -> str:
+    """'CPU', or 'GPU (NVIDIA H200)'."""
+    if device.type == "cpu":
+        return "CPU"
+    return f"GPU ({torch.cuda.get_device_name(device)})"
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for the device's queued work before a clock is read (nothing on a CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return _nothing
+
+
 # --- layers ------------------------------------------------------------------------------------
 
 
@@ -67,9 +132,14 @@ def check_layer_request(
     *,
     threads: int = 1,
     concurrent_ranks: int = 1,
+    dtype: str = DTYPE,
+    device: torch.device | None = None,
 ) -> None:
     """Refuse, in one line, what cannot be measured: non-positive values, a TP degree that does
-    not divide the heads, KV heads, FFN width and vocabulary, a concurrency not a multiple of tp."""
+    not divide the heads, KV heads, FFN width and vocabulary, a concurrency not a multiple of tp,
+    an unknown dtype, and on a GPU (``device``) more than one rank."""
+    if dtype not in DTYPES:
+        raise HethubError(f"--dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
     for name, values in (
         ("tp", tps),
         ("micro-batch", micro_batches),
@@ -96,6 +166,11 @@ def check_layer_request(
                 f"--concurrent-ranks = {concurrent_ranks}: must be a multiple of --tp {tp} "
                 f"(the ranks computing at once form whole TP groups)"
             )
+    if device is not None and device.type != "cpu" and max(concurrent_ranks, *tps) > 1:
+        raise HethubError(
+            f"--tp = {','.join(map(str, tps))}, --concurrent-ranks = {concurrent_ranks}: on a GPU "
+            f"the profiler measures one rank alone (give --tp 1 --concurrent-ranks 1)"
+        )
 
 
 def measure_layers(
@@ -108,23 +183,42 @@ def measure_layers(
     concurrent_ranks: int = 1,
     repeats: int = REPEATS,
     timeout_s: float = 600.0,
+    dtype: str = DTYPE,
 ) -> list[LayerProfile]:
-    """Per-layer, embedding, head and optimizer costs of ``model`` on this machine's CPU, one
-    profile per (tp, micro-batch), keyed for ``device_name``.
+    """Per-layer, embedding, head and optimizer costs of ``model`` in ``dtype`` on this machine
+    (its GPU when ``device_name`` is an NVIDIA or AMD accelerator, else its CPU:
+    measuring_device), one profile per (tp, micro-batch), keyed for ``device_name``.
 
     ``max(concurrent_ranks, tp)`` processes measure at once, in TP groups of tp; one process
-    alone measures in this process (no start-up cost).
+    alone measures in this process (no start-up cost), as a GPU always is.
     """
+    where = measuring_device(device_name)
     check_layer_request(
-        model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks
+        model,
+        tps,
+        micro_batches,
+        threads=threads,
+        concurrent_ranks=concurrent_ranks,
+        dtype=dtype,
+        device=where,
     )
     stamp = _now()
     profiles = []
     for tp in dict.fromkeys(tps):
         world = max(concurrent_ranks, tp)
-        args = (model, tp, tuple(micro_batches), repeats)
+        args = (model, tp, tuple(micro_batches), repeats, dtype, str(where))
         if world == 1:
-            per_rank = [_in_this_process(_measure_rank, threads, *args)]
+            try:
+                per_rank = [_in_this_process(_measure_rank, threads, *args)]
+            except RuntimeError as error:
+                if dtype == "fp32":
+                    raise
+                # In one line: the runtime's modules refusing a dtype is not the user's input,
+                # but the measurement cannot go on (e.g. a layer mixing bf16 and fp32 tensors).
+                raise HethubError(
+                    f"measuring {model.name} in {dtype} on the {describe_device(where)}: the "
+                    f"runtime's {model.arch} modules failed: {_first_line(error)}"
+                ) from None
         else:
             per_rank = run_ranks(_measure_rank, world, *args, threads=threads, timeout_s=timeout_s)
         for b in micro_batches:
@@ -135,7 +229,7 @@ def measure_layers(
             key = LayerKey.of(
                 model,
                 device=device_name,
-                dtype=DTYPE,
+                dtype=dtype,
                 threads=threads,
                 concurrent_ranks=world,
                 tp=tp,
@@ -152,6 +246,11 @@ def measure_layers(
                 )
             )
     return profiles
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def available_cores() -> int:
@@ -194,11 +293,21 @@ def _block_group(rank: int, world: int, size: int, role: Role):
 
 
 def _measure_rank(
-    rank: int, world: int, model: ModelSpec, tp: int, micro_batches: tuple[int, ...], repeats: int
+    rank: int,
+    world: int,
+    model: ModelSpec,
+    tp: int,
+    micro_batches: tuple[int, ...],
+    repeats: int,
+    dtype: str = DTYPE,
+    where: str = "cpu",
 ) -> dict[int, dict[str, float]]:
-    """On one rank: the mean costs of each micro-batch size (all ranks measure at once)."""
+    """On one rank: the mean costs of each micro-batch size (all ranks measure at once), with the
+    stage's weights and activations in ``dtype`` on device ``where``."""
+    device, floating = torch.device(where), DTYPES[dtype]
     group = _block_group(rank, world, tp, Role.TENSOR) if world > 1 else None
     barrier = dist.barrier if world > 1 else _nothing
+    sync = _synchronizer(device)
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
     state = full_state(spec, seed=0)
@@ -207,13 +316,14 @@ def _measure_rank(
     head = Stage(spec, 0, 0, group, is_first=False, is_last=True)
     for stage in (layers, embed, head):
         stage.load_full(state)
+        stage.to(device=device, dtype=floating)
     gen = torch.Generator().manual_seed(rank // tp)  # a TP group's ranks see the same batch
     out = {}
     for b in micro_batches:
         shape = (b, model.seq_len, model.hidden)
-        tokens = torch.randint(0, model.vocab, (b, model.seq_len), generator=gen)
-        hidden = torch.randn(*shape, generator=gen)
-        grad = torch.randn(*shape, generator=gen)
+        tokens = torch.randint(0, model.vocab, (b, model.seq_len), generator=gen).to(device)
+        hidden = torch.randn(*shape, generator=gen).to(device=device, dtype=floating)
+        grad = torch.randn(*shape, generator=gen).to(device=device, dtype=floating)
 
         def layer_pass(x=hidden, grad=grad):
             x = x.detach().requires_grad_()
@@ -222,18 +332,18 @@ def _measure_rank(
         def embed_pass(tokens=tokens, grad=grad):
             return embed(tokens), lambda y: y.backward(grad)
 
-        def head_pass(x=hidden, tokens=tokens):
+        def head_pass(x=hidden, tokens=tokens):  # the loss in fp32 (a no-op in fp32)
             x = x.detach().requires_grad_()
-            return head.loss(head(x), tokens), lambda loss: loss.backward()
+            return head.loss(head(x).float(), tokens), lambda loss: loss.backward()
 
         def recompute_pass(x=hidden, grad=grad):  # as the runtime's full recomputation runs a stage
             x = x.detach().requires_grad_()
             return checkpoint(layers, x, use_reentrant=False), lambda y: y.backward(grad)
 
-        layer_f, layer_b = _time_passes(layer_pass, barrier, repeats)
-        recompute_f, recompute_b = _time_passes(recompute_pass, barrier, repeats)
-        embed_f, embed_b = _time_passes(embed_pass, barrier, repeats)
-        head_f, head_b = _time_passes(head_pass, barrier, repeats)
+        layer_f, layer_b = _time_passes(layer_pass, barrier, repeats, sync)
+        recompute_f, recompute_b = _time_passes(recompute_pass, barrier, repeats, sync)
+        embed_f, embed_b = _time_passes(embed_pass, barrier, repeats, sync)
+        head_f, head_b = _time_passes(head_pass, barrier, repeats, sync)
         one = layers.layers["0"]
         out[b] = {
             "layer_forward_s": layer_f / timed,
@@ -247,7 +357,7 @@ def _measure_rank(
             "layer_activation_bytes": float(saved_bytes(one, hidden)),
             "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
         }
-    optimizer = _optimizer_seconds_per_param(layers, barrier, repeats)
+    optimizer = _optimizer_seconds_per_param(layers, barrier, repeats, sync)
     for costs in out.values():
         costs["optimizer_s_per_param"] = optimizer
     return out
@@ -257,20 +367,26 @@ def _nothing() -> None:
     return None
 
 
-def _time_passes(run: Callable, barrier: Callable, repeats: int) -> tuple[float, float]:
+def _time_passes(
+    run: Callable, barrier: Callable, repeats: int, sync: Callable[[], None] = _nothing
+) -> tuple[float, float]:
     """Mean forward and backward seconds of ``run()`` -> (output, backward function).
 
     The ranks start together and then run their passes back to back, as the runtime does: a
     barrier before every pass would stagger short passes so that they hardly overlap, and
-    contention for the cores would go unmeasured.
+    contention for the cores would go unmeasured. ``sync`` waits for a GPU's queued work before
+    each clock is read (on a CPU it does nothing).
     """
     forward, backward = [], []
     barrier()
     for i in range(WARMUP + repeats):
+        sync()
         started = time.perf_counter()
         out, back = run()
+        sync()
         middle = time.perf_counter()
         back(out)
+        sync()
         ended = time.perf_counter()
         if i >= WARMUP:
             forward.append(middle - started)
@@ -298,18 +414,40 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(kept.values())
 
 
-def _optimizer_seconds_per_param(module: torch.nn.Module, barrier: Callable, repeats: int) -> float:
-    """The runtime's optimizer (AdamW, its defaults) stepping ``module``'s parameters."""
+def _optimizer_seconds_per_param(
+    module: torch.nn.Module, barrier: Callable, repeats: int, sync: Callable[[], None] = _nothing
+) -> float:
+    """The runtime's optimizer (AdamW, its defaults) stepping ``module``'s parameters: directly
+    when they are fp32; else (bf16) on fp32 master copies, with the gradients copied into the
+    masters before the step and the masters copied back into the weights after it."""
     params = list(module.parameters())
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    optimizer.step()  # allocates the moments
+    if all(p.dtype == torch.float32 for p in params):
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        step = optimizer.step
+    else:
+        masters = [p.detach().float().requires_grad_() for p in params]
+        for master, p in zip(masters, params, strict=True):
+            master.grad = p.grad.float()
+        optimizer = torch.optim.AdamW(masters, lr=1e-3)
+
+        @torch.no_grad()
+        def step() -> None:
+            for master, p in zip(masters, params, strict=True):
+                master.grad.copy_(p.grad)
+            optimizer.step()
+            for master, p in zip(masters, params, strict=True):
+                p.copy_(master)
+
+    step()  # allocates the moments
     times = []
     barrier()
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
-        optimizer.step()
+        step()
+        sync()
         times.append(time.perf_counter() - started)
     return statistics.fmean(times) / sum(p.numel() for p in params)
 
@@ -497,13 +635,23 @@ def ensure_profiles(
     repeats: int = REPEATS,
     links: bool = True,
     progress: Callable[[str], None] | None = None,
+    dtype: str = DTYPE,
 ) -> Profiles:
-    """Measure what ``directory`` lacks of these layer profiles and (with ``links``) of the link
-    profile (with collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it
-    there, and return the directory's profiles."""
+    """Measure what ``directory`` lacks of these layer profiles (in ``dtype``, where
+    measuring_device says) and (with ``links``, on a CPU only) of the link profile (with
+    collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it there, and
+    return the directory's profiles."""
+    where = measuring_device(device_name)
     check_layer_request(
-        model, tps, micro_batches, threads=threads, concurrent_ranks=concurrent_ranks
+        model,
+        tps,
+        micro_batches,
+        threads=threads,
+        concurrent_ranks=concurrent_ranks,
+        dtype=dtype,
+        device=where,
     )
+    links = links and where.type == "cpu"  # gloo between CPU processes is not a GPU's link
     folder = Path(directory)
     have = load_profiles(folder) if folder.is_dir() else empty_profiles(str(folder))
     for tp in dict.fromkeys(tps):
@@ -511,7 +659,7 @@ def ensure_profiles(
             b: LayerKey.of(
                 model,
                 device=device_name,
-                dtype=DTYPE,
+                dtype=dtype,
                 threads=threads,
                 concurrent_ranks=concurrent_ranks,
                 tp=tp,
@@ -530,9 +678,12 @@ def ensure_profiles(
         ]
         if missing:
             if progress:
+                # fp32 on a CPU: the line as it always was (the README quotes it).
+                how = "" if dtype == "fp32" else f", {dtype}"
+                how += "" if where.type == "cpu" else f", on the {describe_device(where)}"
                 progress(
                     f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
-                    f"{plural(max(concurrent_ranks, tp), 'rank')} at once"
+                    f"{plural(max(concurrent_ranks, tp), 'rank')} at once{how}"
                 )
             for profile in measure_layers(
                 model,
@@ -542,6 +693,7 @@ def ensure_profiles(
                 threads=threads,
                 concurrent_ranks=concurrent_ranks,
                 repeats=repeats,
+                dtype=dtype,
             ):
                 save_profile(folder, profile)
     ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))

@@ -325,11 +325,14 @@ def local_concurrency(cluster: ClusterSpec, devices: int) -> int:
     return devices if all_cpu(cluster) else 1
 
 
-def select_for_run(profiles: Profiles, cluster: ClusterSpec, devices: int) -> Profiles:
-    """``profiles`` under the conditions of a runtime job on ``cluster``: fp32, one thread per rank,
-    and the concurrency of local_concurrency()."""
+def select_for_run(
+    profiles: Profiles, cluster: ClusterSpec, devices: int, dtype: str = "fp32"
+) -> Profiles:
+    """``profiles`` under the conditions of a runtime job on ``cluster``: ``dtype`` (the plan's
+    precision; fp32 where a caller names none), one thread per rank, and the concurrency of
+    local_concurrency()."""
     return profiles.select(
-        dtype="fp32", threads=1, concurrent_ranks=local_concurrency(cluster, devices)
+        dtype=dtype, threads=1, concurrent_ranks=local_concurrency(cluster, devices)
     )
 
 

@@ -1,0 +1,467 @@
+"""One check of hethub on one GPU, through the real CLI, in under 8 minutes; one summary.
+
+With a CUDA GPU (sized for one NVIDIA H200):
+  (a) the GPU tests (python -m pytest -q tests/test_gpu.py), passed or not;
+  (b) a Llama of 374M parameters (hidden 1024, 24 layers, 16 heads, vocabulary 32000, sequence
+      1024; micro-batch 8, global batch 32) on a one-group cluster (accelerator h200, one device):
+      predicted from the catalog alone (hethub predict --json), profiled on the spot (hethub
+      profile --device h200 --dtype D) and predicted from that profile (--profiles), then trained
+      for 50 steps (hethub train --json); measured = the median step of the metrics after the
+      first 5; model FLOP utilisation; predicted against measured peak memory.
+Without one: one line saying so, then the same flow on the CPU with a tiny Llama (the cluster's
+accelerator cpu, a few steps), so that everything but the CUDA-specific calls runs; exit 0.
+
+D is the precision the run trains in: bf16 where plans have a precision (the plan file then
+says precision: bf16), else fp32, what the runtime trains in before that.
+
+Targets: the catalog-only step time within 15% of the measured, the profile-based within 10%,
+the predicted peak memory within 15% of the measured (``peak_memory_gb`` of the metrics, the
+largest over ranks of torch.cuda.max_memory_allocated; "not recorded" where the runtime does not
+record it). Every command has a time limit, and so has the whole check: a phase that runs out of
+time is reported as such, with what finished before it. Exit status: 0 when every phase ran (a
+missed target included), 1 when one failed or ran out of time.
+
+    python benchmarks/gpu_check.py [--quick] [--work DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from hethub.spec import plan as plan_spec
+from hethub.spec.accelerator import catalog
+
+BUDGET_S = 420.0  # the whole check: 7 minutes, and a stopped command's grace, inside 8
+SKIPPED_STEPS = 5  # warm-up steps left out of the measured median
+TARGETS = {"catalog": 0.15, "profile": 0.10, "memory": 0.15}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is trained, where, and for how long."""
+
+    accelerator: str
+    model: dict
+    micro_batch: int
+    global_batch: int
+    steps: int
+    limits: dict[str, float]
+    """Seconds each phase may take at most (the whole check's budget caps them too)."""
+
+
+GPU = Setup(
+    accelerator="h200",
+    model={
+        "name": "gpu-check-llama",
+        "arch": "llama",
+        "hidden": 1024,
+        "layers": 24,
+        "heads": 16,
+        "vocab": 32000,
+        "seq_len": 1024,
+    },
+    micro_batch=8,
+    global_batch=32,
+    steps=50,
+    limits={"tests": 150, "predict": 60, "profile": 150, "train": 300},
+)
+CPU = Setup(
+    accelerator="cpu",
+    model={
+        "name": "gpu-check-tiny-llama",
+        "arch": "llama",
+        "hidden": 64,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 256,
+        "seq_len": 64,
+    },
+    micro_batch=2,
+    global_batch=8,
+    steps=10,
+    limits={"tests": 120, "predict": 60, "profile": 120, "train": 180},
+)
+
+
+@dataclass
+class Phase:
+    name: str
+    status: str = "not run"  # ok | failed | timed out | not run
+    seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class Check:
+    deadline: float
+    env: dict
+    logs: Path
+    phases: list[Phase] = field(default_factory=list)
+
+    def run(self, name: str, command: list[str], limit_s: float) -> tuple[Phase, str, str]:
+        """``command`` with at most ``limit_s`` seconds (and what is left of the budget); its
+        whole process group is killed when it runs out of time."""
+        phase = Phase(name)
+        self.phases.append(phase)
+        limit = min(limit_s, self.deadline - time.monotonic())
+        if limit < 5:
+            phase.status, phase.detail = "not run", "no time left in the check's budget"
+            return phase, "", ""
+        say(f"{name}: {' '.join(command[2:] if command[0] == sys.executable else command)}")
+        started = time.monotonic()
+        # Into files, not pipes: a worker left behind (torchrun starts its workers in sessions
+        # of their own) cannot then hold a pipe open and hang the check.
+        logs = self.logs / name.replace(" ", "-").replace("(", "").replace(")", "")
+        with open(f"{logs}.out", "w") as out_file, open(f"{logs}.err", "w") as err_file:
+            proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out_file,
+                stderr=err_file,
+                text=True,
+                start_new_session=True,  # its process group is the check's to stop
+            )
+            try:
+                proc.wait(timeout=limit)
+                phase.status = "ok" if proc.returncode == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                phase.status, phase.detail = "timed out", f"stopped after {limit:.0f} s"
+        out, err = Path(f"{logs}.out").read_text(), Path(f"{logs}.err").read_text()
+        if phase.status == "failed":
+            phase.detail = f"exit {proc.returncode}: {last_line(err) or last_line(out)}"
+        phase.seconds = time.monotonic() - started
+        say(f"{name}: {phase.status} in {phase.seconds:.1f} s {phase.detail}".rstrip())
+        return phase, out or "", err or ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (torchrun passes it on to its workers and stops
+    them), then SIGKILL to what is left of the group."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)  # the group this check started for the command
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def say(message: str) -> None:
+    print(f"gpu_check: {message}", file=sys.stderr, flush=True)
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def has_precision() -> bool:
+    """Whether plans have a precision (issue 15) in this checkout."""
+    return hasattr(plan_spec, "Precision")
+
+
+def write_files(work: Path, setup: Setup) -> tuple[Path, Path, Path]:
+    """The model, the one-group cluster and the one-stage plan, as YAML (written by hand: no
+    dependency beyond the standard library here)."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "model.yaml"
+    model.write_text("".join(f"{k}: {v}\n" for k, v in setup.model.items()))
+    cluster = work / "cluster.yaml"
+    cluster.write_text(
+        f"name: gpu-check-{setup.accelerator}\n"
+        "groups:\n"
+        f"  - {{name: {setup.accelerator}, accelerator: {setup.accelerator}, "
+        "nodes: 1, devices_per_node: 1}\n"
+    )
+    plan = work / "plan.yaml"
+    plan.write_text(
+        "model: model.yaml\n"
+        f"global_batch: {setup.global_batch}\n"
+        f"micro_batch: {setup.micro_batch}\n"
+        + ("precision: bf16\n" if has_precision() else "")
+        + "pipelines:\n"
+        f"  - stages:\n      - {{group: {setup.accelerator}, tp: 1, "
+        f"layers: {setup.model['layers']}}}\n"
+    )
+    return model, cluster, plan
+
+
+def parse_json(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_metrics(run_dir: Path, stdout: str) -> list[dict]:
+    """The step records: metrics.jsonl (complete up to a stop), else train --json's lines."""
+    lines = []
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        lines = path.read_text().splitlines()
+    if not lines:
+        lines = stdout.splitlines()
+    records = [parse_json(line) for line in lines if line.strip().startswith("{")]
+    return [r for r in records if r and "step" in r and "iteration_time_s" in r]
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def verdict(err: float | None, target: float) -> str:
+    if err is None:
+        return "not checked"
+    return "met" if abs(err) <= target else "MISSED"
+
+
+def fmt(value: float | None, unit: str, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+
+def pct(err: float | None) -> str:
+    return "" if err is None else f" ({100 * err:+.1f}%)"
+
+
+def pytest_counts(out: str) -> str:
+    """The last line of pytest -q: '4 passed, 2 skipped in 3.1s'."""
+    for line in reversed(out.splitlines()):
+        if any(word in line for word in ("passed", "failed", "skipped", "error")):
+            return line.strip(" =")
+    return last_line(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (a test's run)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="the CPU half even where there is a GPU (the test's)"
+    )
+    parser.add_argument("--work", help="working folder (default: a fresh temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the working folder")
+    parser.add_argument(
+        "--budget", type=float, default=BUDGET_S, help=f"seconds in all (default {BUDGET_S:g})"
+    )
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+
+    import torch  # after the flags: --help needs no torch
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    if gpu:
+        name = torch.cuda.get_device_name(0)
+        print(f"GPU: {name} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
+        setup = GPU
+    else:
+        why = "--cpu" if args.cpu else "torch.cuda.is_available() is False"
+        print(
+            f"no GPU ({why}): the CPU half, the same flow with a tiny Llama on this machine's CPU",
+            flush=True,
+        )
+        setup = CPU
+    steps = max(SKIPPED_STEPS + 3, setup.steps // 2) if args.quick else setup.steps
+    dtype = "bf16" if has_precision() else "fp32"
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hethub-gpu-check-"))
+    model_file, cluster, plan = write_files(work, setup)
+    profiles, run_dir = work / "profiles", work / "run"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    (work / "logs").mkdir(exist_ok=True)
+    check = Check(deadline=started + args.budget, env=env, logs=work / "logs")
+    hethub = [sys.executable, "-m", "hethub"]
+    limits = setup.limits
+
+    # (a) the GPU tests (on a CPU they skip: the line still says so)
+    tests, out, err = check.run(
+        "gpu tests",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        limits["tests"],
+    )
+    tests.detail = pytest_counts(out) or tests.detail
+
+    # (b) predicted from the catalog alone, profiled here, predicted from the profile, trained
+    base = ["--cluster", str(cluster), "--plan", str(plan), "--json"]
+    phase, out, err = check.run("predict (catalog)", [*hethub, "predict", *base], limits["predict"])
+    catalog_prediction = parse_json(out) if phase.status == "ok" else None
+    phase, out, err = check.run(
+        "profile",
+        [
+            *hethub,
+            "profile",
+            "--model",
+            str(model_file),
+            "--device",
+            setup.accelerator,
+            "--dtype",
+            dtype,
+            "--tp",
+            "1",
+            "--micro-batch",
+            str(setup.micro_batch),
+            "--out",
+            str(profiles),
+            "--json",
+        ],
+        limits["profile"],
+    )
+    profile_prediction, notes = None, []
+    if phase.status == "ok":
+        phase, out, err = check.run(
+            "predict (profile)",
+            [*hethub, "predict", *base, "--profiles", str(profiles)],
+            limits["predict"],
+        )
+        profile_prediction = parse_json(out) if phase.status == "ok" else None
+        notes = [line for line in err.splitlines() if ": note: " in line]
+    phase, out, err = check.run(
+        "train",
+        [
+            *hethub,
+            "train",
+            "--cluster",
+            str(cluster),
+            "--plan",
+            str(plan),
+            "--steps",
+            str(steps),
+            "--json",
+            "--run-dir",
+            str(run_dir),
+            "--profiles",
+            str(profiles),  # a CPU run reuses the profile above
+            "--checkpoint-every",
+            str(10 * steps),  # one checkpoint, at the end
+        ],
+        limits["train"],
+    )
+    records = read_metrics(run_dir, out)
+
+    # --- the figures -------------------------------------------------------------------------
+    timed = [r["iteration_time_s"] for r in records if r["step"] > SKIPPED_STEPS]
+    timed = timed or [r["iteration_time_s"] for r in records[1:]]  # a stop before step 6
+    measured = statistics.median(timed) if timed else None
+    recorded = [r.get("peak_memory_gb") for r in records if r.get("peak_memory_gb") is not None]
+    measured_memory = max(recorded) if recorded else None
+    precisions = sorted({str(r["precision"]) for r in records if r.get("precision")})
+    by_catalog = catalog_prediction and catalog_prediction.get("iteration_time_s")
+    by_profile = profile_prediction and profile_prediction.get("iteration_time_s")
+    predicted_memory = catalog_prediction and catalog_prediction.get("peak_memory_gb")
+    errors = {
+        "catalog": error(by_catalog, measured),
+        "profile": error(by_profile, measured),
+        "memory": error(predicted_memory, measured_memory),
+    }
+    peak = catalog()[setup.accelerator].bf16_tflops
+    devices = 1
+    per_device = catalog_prediction and catalog_prediction.get("model_tflops_per_device")
+    flops = per_device * 1e12 * devices * by_catalog if per_device and by_catalog else None
+    mfu = flops / measured / (devices * peak * 1e12) if flops and measured else None
+    params = sum_params(setup)
+
+    lines = [
+        "",
+        "summary",
+        (
+            f"  device               {name if gpu else 'no GPU: the CPU half'} "
+            f"(cluster accelerator {setup.accelerator}, 1 device)"
+        ),
+        f"  gpu tests            {tests.status}: {tests.detail or 'no output'}",
+        (
+            f"  model                {setup.model['name']}, {params / 1e6:.1f}M parameters, "
+            f"micro-batch {setup.micro_batch}, global batch {setup.global_batch} x "
+            f"{setup.model['seq_len']} tokens"
+        ),
+        (
+            f"  precision            plan {dtype if has_precision() else 'has none (fp32)'}; "
+            f"profiled {dtype}; run recorded {', '.join(precisions) or 'not recorded'}"
+        ),
+        f"  measured step        {fmt(measured, 's', 4)}"
+        + (
+            f" (median of {len(timed)} steps after the first {SKIPPED_STEPS}; "
+            f"{len(records)} of {steps} steps recorded)"
+            if measured
+            else " (no step recorded)"
+        ),
+        (
+            f"  predicted (catalog)  {fmt(by_catalog, 's', 4)}{pct(errors['catalog'])}: "
+            f"{verdict(errors['catalog'], TARGETS['catalog'])} (target within 15%)"
+        ),
+        f"  predicted (profile)  {fmt(by_profile, 's', 4)}{pct(errors['profile'])}: "
+        f"{verdict(errors['profile'], TARGETS['profile'])} (target within 10%)"
+        + (f"; {len(notes)} note(s): {notes[0].split(': note: ', 1)[1][:120]}" if notes else ""),
+        "  MFU                  "
+        + (
+            f"{100 * mfu:.1f}% = {flops / 1e12:.3g} TFLOP a step (the predictor's model FLOPs: "
+            f"predict --json model_tflops_per_device x devices x iteration_time_s) / "
+            f"{measured:.4f} s / ({devices} x {peak:g} TFLOP/s, the catalog's bf16 peak)"
+            if mfu
+            else "n/a"
+        ),
+        f"  peak memory          predicted {fmt(predicted_memory, 'GB', 2)} (catalog), measured "
+        + (
+            f"{measured_memory:.2f} GB{pct(errors['memory'])}: "
+            f"{verdict(errors['memory'], TARGETS['memory'])} (target within 15%)"
+            if measured_memory is not None
+            else "not recorded: not checked (target within 15%)"
+        ),
+        "  phases               "
+        + "; ".join(
+            f"{p.name} {p.status} {p.seconds:.0f} s"
+            + (f" ({p.detail})" if p.detail and p.status != "ok" else "")
+            for p in check.phases
+        ),
+        "  targets              "
+        + ", ".join(
+            f"{what} {verdict(errors[key], TARGETS[key])}"
+            for what, key in (
+                ("catalog step", "catalog"),
+                ("profile step", "profile"),
+                ("peak memory", "memory"),
+            )
+        ),
+        (
+            f"  finished in {time.monotonic() - started:.0f} s (budget {args.budget:.0f} s); "
+            f"work folder {work if args.keep or args.work else 'removed'}"
+        ),
+    ]
+    print("\n".join(lines), flush=True)
+    if not args.keep and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(p.status == "ok" for p in check.phases) else 1
+
+
+def sum_params(setup: Setup) -> int:
+    from hethub.spec.model import parse_model
+
+    return parse_model(dict(setup.model), "gpu check", setup.model["name"]).parameter_count()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
