@@ -183,3 +183,42 @@ def test_profiles_of_the_plans_precision_price_it():
     assert bf16 == predict(bf16_plan, CPU2, TINY).stages[0]  # no bf16 profile: analytic
     notes = missing_profiles(bf16_plan, CPU2, TINY, profiles)
     assert any(n.startswith("no profile for cpu") and "bf16" in n for n in notes)
+
+
+def test_a_groups_measured_link_overrides_the_accelerators():
+    def cluster(**extra):
+        group = {"name": "nv", "accelerator": "rtx4090", "devices_per_node": 8, **extra}
+        return parse_cluster({"groups": [group]}, "cluster.yaml")
+
+    plan = plan_of("bf16", split=(32,), tp=8, micro_batches=8)
+    small = load_model("llama-7b")
+    catalog = predict(plan, cluster(), small).iteration_time_s
+    slower = predict(plan, cluster(intra_node_gb_s=10), small).iteration_time_s
+    faster = predict(plan, cluster(intra_node_gb_s=100), small).iteration_time_s
+    assert faster < catalog < slower
+    assert cluster(intra_node_gb_s=10).groups[0].link_gb_s == 10
+    assert cluster().groups[0].link_gb_s == cluster().groups[0].accelerator.intra_node_gb_s
+
+
+@pytest.mark.parametrize("value", [0, -3, "fast"])
+def test_a_bad_measured_link_is_one_clear_error(tmp_path, capsys, value):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "nv",
+                        "accelerator": "rtx4090",
+                        "devices_per_node": 8,
+                        "intra_node_gb_s": value,
+                    }
+                ]
+            }
+        )
+    )
+    args = ["predict", "--cluster", str(cluster), "--model", "llama-7b", "--global-batch", "8"]
+    assert main([*args, "--micro-batch", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert f"groups[0].intra_node_gb_s = {value!r}: must be a positive number" in err
