@@ -81,13 +81,16 @@ def link_profile(concurrent_ranks=2) -> LinkProfile:
     )
 
 
-def plan_of(stages, count=1, micro_batches=4, micro_batch=1, recompute="none"):
+def plan_of(stages, count=1, micro_batches=4, micro_batch=1, recompute="none", precision="fp32"):
+    # fp32 by default: the profiles here are measured in fp32, and a plan is priced by the
+    # profiles of its precision's dtype.
     return parse_plan(
         {
             "model": "tiny-llama",
             "global_batch": count * micro_batches * micro_batch,
             "micro_batch": micro_batch,
             "recompute": recompute,
+            "precision": precision,
             "pipelines": [
                 {
                     "count": count,
@@ -334,6 +337,7 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         {
             "model": "tiny-llama",
             "global_batch": 8,
+            "precision": "fp32",
             "pipelines": [{"count": 2, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}],
         }
     )
@@ -347,6 +351,7 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         {
             "model": "tiny-llama",
             "global_batch": 8,
+            "precision": "fp32",
             "pipelines": [{"count": 2, "stages": [{"group": "cpu", "tp": 2, "layers": 8}]}],
         }
     )
@@ -408,6 +413,7 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
         {
             "model": "tiny-llama",
             "global_batch": 4,
+            "precision": "fp32",
             "pipelines": [{"count": 4, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}],
         }
     )
@@ -578,6 +584,8 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
         "2",
         "--global-batch",
         "8",
+        "--precision",
+        "fp32",
         "--json",
     ]
     assert main([*args, "--profiles", str(profiled)]) == 0

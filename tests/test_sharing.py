@@ -19,7 +19,7 @@ from hethub.predictor.schedule import schedule_order, simulate
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.profile import empty_profiles
 from hethub.spec import parse_cluster
-from hethub.spec.plan import Recompute
+from hethub.spec.plan import Precision, Recompute
 from tests.test_profile import TINY, key_of, layer_profile, link_profile, plan_of
 
 durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
@@ -203,6 +203,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
             micro_batch=b,
             recompute=Recompute.NONE,
             profiles=profiles,
+            precision=Precision.FP32,  # the profiles' dtype: fp32 plans are priced by them
         )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):
             draft = _draft(state, setting, (layout,))
@@ -211,5 +212,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
                 assert bound <= predict(plan, CPU4, TINY, profiles=profiles).iteration_time_s
                 checked += 1
     assert checked >= 6
-    best = search(CPU4, TINY, 16, model_ref="tiny-llama", profiles=profiles).best
+    best = search(
+        CPU4, TINY, 16, model_ref="tiny-llama", profiles=profiles, precision=Precision.FP32
+    ).best
     assert best.prediction == predict(best.plan, CPU4, TINY, profiles=profiles)

@@ -18,6 +18,7 @@ from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
+from hethub.spec.plan import PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +49,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--time-limit", type=float, metavar="SECONDS", help="stop searching after this long"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="the precision of the plans searched and written: bf16 (mixed precision, the "
+        "default) or fp32",
     )
     parser.add_argument("--profiles", metavar="DIR", help=PROFILES_HELP.format(what="cluster"))
     parser.set_defaults(run=run)
@@ -80,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         progress=bar.update if bar else None,
         profiles=profiles,
+        precision=args.precision,
     )
     if bar:
         bar.close()

@@ -25,15 +25,14 @@ from hethub.spec import (
     load_model,
     load_plan,
 )
-from hethub.spec.plan import RECOMPUTE, SCHEDULES, uniform_plan
+from hethub.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, uniform_plan
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
 PROFILES_HELP = (
     "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
-    "runtime: the plan's precision (fp32 for a plan without one), 1 thread per rank, and as "
-    "many ranks computing at once as the {what} has "
-    "devices when every group's accelerator is a CPU (a local run: all ranks share this machine), "
-    "else 1; "
+    "runtime: the plan's precision as dtype, 1 thread per rank, and as many ranks computing "
+    "at once as the {what} has devices when every group's accelerator is a CPU (a local run: "
+    "all ranks share this machine), else 1; "
     "what DIR lacks is priced by the analytic model, with a note on stderr"
 )
 
@@ -60,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="shorthand plan: bf16 (mixed precision, the default) or fp32 (a plan file gives its "
+        "own precision)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -112,10 +117,8 @@ def read_profiles(
 
 
 def plan_dtype(plan: Plan) -> str:
-    """The dtype a plan trains in, as profiles name it: its precision ("bf16", "fp32"), or fp32
-    for a plan of a hethub whose plans have none (the runtime's dtype then)."""
-    precision = getattr(plan, "precision", None) or "fp32"
-    return str(getattr(precision, "value", precision))
+    """The dtype a plan trains in, as profiles name it ("bf16", "fp32")."""
+    return plan.precision.value
 
 
 def note_missing(
@@ -156,7 +159,7 @@ def priced_by(cluster: ClusterSpec, profiles: Profiles | None, missing: int) -> 
 
 def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, ModelSpec, str]:
     """The plan from --plan or the shorthand flags, checked against the cluster and the model."""
-    given = [flag for flag in SHORTHAND if getattr(args, flag) is not None]
+    given = [flag for flag in (*SHORTHAND, "precision") if getattr(args, flag, None) is not None]
     if args.plan:
         if given:
             raise HethubError(
@@ -204,6 +207,7 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
         global_batch=args.global_batch,
         recompute=args.recompute,
         schedule=args.schedule,
+        precision=getattr(args, "precision", None) or "bf16",
         layers=model.layers,
     )
     check_plan(plan, cluster, model, "command line")
@@ -263,7 +267,7 @@ def describe(
         (
             f"model {model.name} ({size} parameters), plan {source}: "
             f"global batch {plan.global_batch} x {model.seq_len} tokens, "
-            f"micro-batch {plan.micro_batch}, "
+            f"{plan.precision}, micro-batch {plan.micro_batch}, "
             f"recompute {plan.recompute}, {plan.schedule}, {plural(p.devices, 'device')}"
         ),
         "",

@@ -14,7 +14,7 @@ from hethub.profile.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Recompute
+from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule
 
 
@@ -38,6 +38,7 @@ class Setting:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
+    precision: Precision = Precision.BF16
 
 
 @functools.lru_cache(maxsize=65536)
@@ -58,15 +59,18 @@ def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosit
 def _work(
     setting: Setting, group: DeviceGroup, tp: int, layers: int, position: StagePosition
 ) -> StageTimes:
-    model, cal, b, recompute = (
+    model, cal, b, recompute, precision = (
         setting.model,
         setting.calibration,
         setting.micro_batch,
         setting.recompute,
+        setting.precision,
     )
     if setting.profiles is None and group.speed is None:
-        return stage_work(model, group, cal, tp, layers, b, recompute, position)
-    return stage_cost(model, group, cal, setting.profiles, tp, layers, b, recompute, position)
+        return stage_work(model, group, cal, tp, layers, b, recompute, position, precision)
+    return stage_cost(
+        model, group, cal, setting.profiles, tp, layers, b, recompute, position, precision
+    )
 
 
 def layer_cap(
@@ -91,6 +95,7 @@ def _layer_cap(
                 in_flight,
                 setting.micro_batch,
                 setting.recompute,
+                setting.precision,
             ).total_gb
         return stage_memory_for(
             setting.model,
@@ -102,6 +107,7 @@ def _layer_cap(
             in_flight=in_flight,
             micro_batch=setting.micro_batch,
             recompute=setting.recompute,
+            precision=setting.precision,
         ).total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers

@@ -31,12 +31,20 @@ from hethub.planner.partition import partition_layers, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.profiled import core_sharing
+from hethub.predictor.iteration import check_precision
+from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.stage import StagePosition
 from hethub.profile.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import PipelineLayout, Plan, Recompute, StageSpec, uniform_layers
+from hethub.spec.plan import (
+    PipelineLayout,
+    Plan,
+    Precision,
+    Recompute,
+    StageSpec,
+    uniform_layers,
+)
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
@@ -116,11 +124,17 @@ def search(
     time_limit_s: float | None = None,
     progress: Progress | None = None,
     profiles: Profiles | None = None,
+    precision: Precision = Precision.BF16,
 ) -> SearchResult:
-    """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``;
-    ``profiles`` (selected under the job's run conditions) price what they hold, as in predict()."""
+    """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``, all
+    of ``precision``; ``profiles`` (selected under the job's run conditions) price what they hold
+    of that precision's dtype, as in predict()."""
     started = time.perf_counter()
     cal = calibration or default_calibration()
+    precision = Precision(precision)
+    check_precision(cluster, precision)
+    if profiles is not None:
+        profiles = for_precision(profiles, precision)
     state = _Search(
         cluster,
         model,
@@ -132,7 +146,14 @@ def search(
         profiles,
     )
     settings = [
-        Setting(model=model, calibration=cal, micro_batch=b, recompute=r, profiles=profiles)
+        Setting(
+            model=model,
+            calibration=cal,
+            micro_batch=b,
+            recompute=r,
+            profiles=profiles,
+            precision=precision,
+        )
         for b in MICRO_BATCH_SIZES
         if global_batch % b == 0
         for r in Recompute
@@ -342,6 +363,7 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
         micro_batch=setting.micro_batch,
         recompute=setting.recompute,
         schedule=setting.schedule,
+        precision=setting.precision,
         pipelines=tuple(pipelines),
     )
     sharing = (
@@ -435,6 +457,7 @@ def _closest_unplaceable(state: _Search) -> None:
             global_batch=state.global_batch,
             micro_batch=setting.micro_batch,
             recompute=setting.recompute,
+            precision=setting.precision,
             pipelines=pipelines,
         )
         _note_overflow(

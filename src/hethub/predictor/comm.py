@@ -12,8 +12,9 @@ from hethub.spec.cluster import ClusterSpec, DeviceGroup
 
 
 def intra_node_bw(group: DeviceGroup, cal: Calibration) -> float:
-    """Bytes/s one device moves over its intra-node link in a collective."""
-    return group.accelerator.intra_node_gb_s * 1e9 * cal.link_efficiency
+    """Bytes/s one device moves over its intra-node link in a collective (the group's measured
+    figure where the cluster file gives one)."""
+    return group.link_gb_s * 1e9 * cal.link_efficiency
 
 
 def network_bw(group: DeviceGroup, cal: Calibration) -> float:

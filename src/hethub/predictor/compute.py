@@ -12,13 +12,39 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hethub.errors import HethubError
 from hethub.predictor.calibration import Calibration
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Recompute
+from hethub.spec.plan import Precision, Recompute
 
-BYTES_PER_ELEMENT = 2  # bf16 activations and weights
-LOSS_BYTES_PER_ELEMENT = 4  # the cross-entropy works on fp32 logits
+BYTES_PER_ELEMENT = 2  # bf16 activations and weights (see element_bytes for a plan's precision)
+LOSS_BYTES_PER_ELEMENT = 4  # the cross-entropy works on fp32 logits, in either precision
+
+
+def element_bytes(precision: Precision) -> int:
+    """Bytes of one activation element under ``precision``: what activations, memory-bound
+    operators' traffic, tensor-parallel all-reduces and pipeline sends move."""
+    return BYTES_PER_ELEMENT if precision == Precision.BF16 else 4
+
+
+def peak_tflops(accelerator: AcceleratorSpec, precision: Precision) -> float:
+    """Dense TFLOP/s the device's GEMMs run at under ``precision``."""
+    if precision == Precision.BF16:
+        return accelerator.bf16_tflops
+    if accelerator.fp32_tflops is None:
+        raise HethubError(missing_fp32(accelerator))
+    return accelerator.fp32_tflops
+
+
+def missing_fp32(accelerator: AcceleratorSpec) -> str:
+    """The error for an fp32 plan on a device without an fp32 figure."""
+    return (
+        f"accelerator {accelerator.name!r} has no fp32_tflops, which an fp32 plan is priced "
+        f"at: give the group an inline accelerator with fp32_tflops (dense FP32 TFLOP/s from "
+        f"its datasheet), or use precision bf16"
+    )
+
 
 # Operators launched per layer forward, as Megatron-LM's layers issue them (structure, not
 # hardware): gpt: LayerNorm, QKV GEMM, 3 layout changes, scores GEMM, fused softmax, dropout,
@@ -41,7 +67,11 @@ class WorkCost:
 
 
 def gemm_time(
-    flops: float, narrowest: int, accelerator: AcceleratorSpec, cal: Calibration
+    flops: float,
+    narrowest: int,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    precision: Precision = Precision.BF16,
 ) -> float:
     """One GEMM whose smallest dimension is ``narrowest``.
 
@@ -50,7 +80,8 @@ def gemm_time(
     and every GEMM pays a fixed ramp (tile waves, launch on the device), so small ones run slow.
     """
     efficiency = cal.matmul_efficiency * narrowest / (narrowest + cal.matmul_half_dim)
-    return flops / (accelerator.bf16_tflops * 1e12 * efficiency) + cal.matmul_ramp_us * 1e-6
+    peak = peak_tflops(accelerator, precision)
+    return flops / (peak * 1e12 * efficiency) + cal.matmul_ramp_us * 1e-6
 
 
 def memory_time(bytes_moved: float, accelerator: AcceleratorSpec, cal: Calibration) -> float:
@@ -71,7 +102,9 @@ def layer_gemms(model: ModelSpec, tp: int, micro_batch: int) -> list[tuple[float
     ]
 
 
-def layer_memory_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
+def layer_memory_bytes(
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision = Precision.BF16
+) -> float:
     """Bytes the memory-bound operators of one layer's forward move on one device.
 
     gpt materialises the attention scores (Megatron-LM's fused softmax and dropout); llama uses a
@@ -96,7 +129,7 @@ def layer_memory_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
             + 3 * tokens * h * 2  # two residual adds
             + 3 * tokens * f / tp  # SiLU(gate) * up
         )
-    return elements * BYTES_PER_ELEMENT
+    return elements * element_bytes(precision)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -108,6 +141,7 @@ def layer_cost(
     micro_batch: int,
     recompute: Recompute,
     tp_allreduce_s: float,
+    precision: Precision = Precision.BF16,
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices.
 
@@ -116,8 +150,10 @@ def layer_cost(
     (Megatron's column/row-parallel pair: two forward, two backward, each ``tp_allreduce_s``).
     """
     gemms = layer_gemms(model, tp, micro_batch)
-    gemm_s = sum(gemm_time(flops, narrowest, accelerator, cal) for flops, narrowest in gemms)
-    memory_s = memory_time(layer_memory_bytes(model, tp, micro_batch), accelerator, cal)
+    gemm_s = sum(
+        gemm_time(flops, narrowest, accelerator, cal, precision) for flops, narrowest in gemms
+    )
+    memory_s = memory_time(layer_memory_bytes(model, tp, micro_batch, precision), accelerator, cal)
     host_s = FORWARD_OPS[model.arch] * cal.launch_us * 1e-6
     forward = max(host_s, gemm_s + memory_s + 2 * tp_allreduce_s)
     # Backward: two GEMMs (input and weight gradient) per forward GEMM, twice the memory traffic.
@@ -131,11 +167,17 @@ def layer_cost(
 
 @functools.lru_cache(maxsize=65536)
 def embedding_cost(
-    model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int, micro_batch: int
+    model: ModelSpec,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    tp: int,
+    micro_batch: int,
+    precision: Precision = Precision.BF16,
 ) -> WorkCost:
     """Token (and position) embedding lookup on the first stage; its backward scatters gradients."""
     tokens = micro_batch * model.seq_len
-    bytes_moved = 2 * tokens * model.hidden * BYTES_PER_ELEMENT * (2 if model.arch == "gpt" else 1)
+    element = element_bytes(precision)
+    bytes_moved = 2 * tokens * model.hidden * element * (2 if model.arch == "gpt" else 1)
     device = memory_time(bytes_moved, accelerator, cal)
     host = 3 * cal.launch_us * 1e-6
     return WorkCost(max(host, device), max(2 * host, 2 * device), 0.0)
@@ -143,16 +185,21 @@ def embedding_cost(
 
 @functools.lru_cache(maxsize=65536)
 def head_cost(
-    model: ModelSpec, accelerator: AcceleratorSpec, cal: Calibration, tp: int, micro_batch: int
+    model: ModelSpec,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    tp: int,
+    micro_batch: int,
+    precision: Precision = Precision.BF16,
 ) -> WorkCost:
     """Final norm, vocabulary-parallel output GEMM and cross-entropy on the last stage."""
     tokens = micro_batch * model.seq_len
     flops = 2 * tokens * model.hidden * model.vocab / tp
-    norm_bytes = 2 * tokens * model.hidden * BYTES_PER_ELEMENT
+    norm_bytes = 2 * tokens * model.hidden * element_bytes(precision)
     # Cross-entropy: cast, max, exp-sum and gradient passes over the fp32 logit shard.
     loss_bytes = 4 * tokens * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
     narrowest = min(tokens, model.hidden, model.vocab // tp)
-    gemm = gemm_time(flops, narrowest, accelerator, cal)
+    gemm = gemm_time(flops, narrowest, accelerator, cal, precision)
     device = gemm + memory_time(norm_bytes + loss_bytes, accelerator, cal)
     host = 10 * cal.launch_us * 1e-6
     backward = max(2 * host, 2 * gemm + memory_time(2 * norm_bytes + loss_bytes, accelerator, cal))

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import (
-    BYTES_PER_ELEMENT,
+    element_bytes,
     embedding_cost,
     head_cost,
     layer_cost,
     layer_gemms,
+    missing_fp32,
 )
 from hethub.predictor.memory import (
     GRAD_BYTES,
@@ -37,11 +40,13 @@ from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
-from hethub.spec.plan import PipelineLayout, Plan, Recompute
+from hethub.spec.plan import PipelineLayout, Plan, Precision, Recompute
 
 # Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
 # weight (8) and both moments (16), write the bf16 weight (2).
 OPTIMIZER_BYTES_MOVED = 30
+# fp32: read the gradient (4), read and write the weight (8) and both moments (16).
+FP32_OPTIMIZER_BYTES_MOVED = 28
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
 
 
@@ -83,12 +88,15 @@ class Prediction:
     pipeline_time_s: tuple[float, ...]
     """Per pipeline layout: from the first forward to the last backward."""
     stages: tuple[StagePrediction, ...]
+    precision: Precision = Precision.BF16
+    """The plan's precision, which the step was priced in."""
     timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
     def to_json(self) -> dict:
         """The object ``hethub predict --json`` prints."""
         return {
+            "precision": self.precision.value,
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_device": self.model_tflops_per_device,
@@ -169,6 +177,11 @@ def predict(
     what they lack stays analytic. A group's emulated ``speed`` divides its compute times.
     """
     cal = calibration or default_calibration()
+    check_precision(
+        cluster, plan.precision, dict.fromkeys(s.group for p in plan.pipelines for s in p.stages)
+    )
+    if profiles is not None:
+        profiles = profiled.for_precision(profiles, plan.precision)
     costs = [
         _layout_costs(pipeline, blocks, plan, cluster, model, cal, profiles)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
@@ -194,6 +207,21 @@ def predict(
         for s in range(len(run.groups))
     ]
     return _assemble_step(pricing, runs, stages, _timeline(runs, orders) if timeline else None)
+
+
+def check_precision(
+    cluster: ClusterSpec, precision: Precision, groups: Iterable[str] | None = None
+) -> None:
+    """Refuse, in one line, fp32 on a group (of ``groups``, default all) whose accelerator has no
+    fp32 figure."""
+    if precision != Precision.FP32:
+        return
+    for name in cluster.group_names if groups is None else groups:
+        accelerator = cluster.group(name).accelerator
+        if accelerator.fp32_tflops is None:
+            raise HethubError(
+                f"{cluster.source or 'cluster'}: group {name!r}: {missing_fp32(accelerator)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +317,14 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
     else:
         start = run.stage_end_s[s]
     state = stage_state(
-        model, group, pricing.cal, stage.tp, stage.layers, position, sync.replicas[index]
+        model,
+        group,
+        pricing.cal,
+        stage.tp,
+        stage.layers,
+        position,
+        sync.replicas[index],
+        plan.precision,
     )
     grad_sync, optimizer = state.grad_sync_s, state.optimizer_s
     measured = (
@@ -328,6 +363,7 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         in_flight=in_flight_micro_batches(plan.schedule, s, p, m),
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
+        precision=plan.precision,
     )
     prediction = StagePrediction(
         pipeline=index,
@@ -390,6 +426,7 @@ def _assemble_step(
         bubble_fraction=1.0 - busy / span,
         pipeline_time_s=tuple(run.time_s for run in runs),
         stages=tuple(stages),
+        precision=plan.precision,
         timeline=(
             None
             if schedule_events is None
@@ -436,16 +473,32 @@ def _layout_costs(
     profiles: Profiles | None,
 ) -> _LayoutCosts:
     """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
-    p, b, recompute = len(pipeline.stages), plan.micro_batch, plan.recompute
+    p, b, recompute, precision = (
+        len(pipeline.stages),
+        plan.micro_batch,
+        plan.recompute,
+        plan.precision,
+    )
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends, sends_back = [], [], [], []
     for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
         position = StagePosition.of(s, p)
         if profiles is None and group.speed is None:
-            times = stage_work(model, group, cal, stage.tp, stage.layers, b, recompute, position)
+            times = stage_work(
+                model, group, cal, stage.tp, stage.layers, b, recompute, position, precision
+            )
         else:
             times = stage_cost(
-                model, group, cal, profiles, stage.tp, stage.layers, b, recompute, position
+                model,
+                group,
+                cal,
+                profiles,
+                stage.tp,
+                stage.layers,
+                b,
+                recompute,
+                position,
+                precision,
             )
         forward.append(times.forward_s)
         backward.append(times.backward_s)
@@ -464,7 +517,7 @@ def _layout_costs(
                 )
             )
             if measured is None:  # analytic: the gradient takes as long as the activation
-                activation_bytes = b * model.seq_len * model.hidden * BYTES_PER_ELEMENT
+                activation_bytes = b * model.seq_len * model.hidden * element_bytes(precision)
                 one_way = _send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal)
                 measured = SendTimes(one_way, one_way)
             sends.append(measured.forward_s)
@@ -544,16 +597,20 @@ def stage_cost(
     micro_batch: int,
     recompute: Recompute,
     position: StagePosition,
+    precision: Precision = Precision.BF16,
 ) -> StageTimes:
     """One micro-batch through a stage: measured where ``profiles`` hold the layer's key, else
-    analytic (stage_work); divided by the group's emulated speed."""
+    analytic (stage_work); divided by the group's emulated speed. ``profiles`` are looked up
+    under their selected dtype (predict() selects the plan's precision)."""
     profile = (
         None
         if profiles is None
         else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     )
     if profile is None:
-        times = stage_work(model, group, cal, tp, layers, micro_batch, recompute, position)
+        times = stage_work(
+            model, group, cal, tp, layers, micro_batch, recompute, position, precision
+        )
     else:
         times = profiled.profiled_work(profile, layers, recompute, position)
     if group.speed is None:
@@ -573,6 +630,7 @@ def stage_memory_for(
     in_flight: int,
     micro_batch: int,
     recompute: Recompute,
+    precision: Precision = Precision.BF16,
 ) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
     layer's key, else the analytic model's (stage_memory_at)."""
@@ -582,7 +640,9 @@ def stage_memory_for(
         else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     )
     if profile is None:
-        return stage_memory_at(model, layers, tp, position, in_flight, micro_batch, recompute)
+        return stage_memory_at(
+            model, layers, tp, position, in_flight, micro_batch, recompute, precision
+        )
     return profiled.profiled_memory(
         profile,
         model,
@@ -672,19 +732,20 @@ def stage_work(
     micro_batch: int,
     recompute: Recompute,
     position: StagePosition,
+    precision: Precision = Precision.BF16,
 ) -> StageTimes:
     """One micro-batch through a stage, from the analytic model."""
     acc = group.accelerator
     tp_allreduce = comm.group_allreduce_time(
-        micro_batch * model.seq_len * model.hidden * BYTES_PER_ELEMENT, tp, group, cal
+        micro_batch * model.seq_len * model.hidden * element_bytes(precision), tp, group, cal
     )
-    layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce)
+    layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce, precision)
     forward, backward = layers * layer.forward_s, layers * layer.backward_s
     if position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
-        embed = embedding_cost(model, acc, cal, tp, micro_batch)
+        embed = embedding_cost(model, acc, cal, tp, micro_batch, precision)
         forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
     if position.last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
-        head = head_cost(model, acc, cal, tp, micro_batch)
+        head = head_cost(model, acc, cal, tp, micro_batch, precision)
         loss_sync = 3 * comm.group_allreduce_time(micro_batch * model.seq_len * 4, tp, group, cal)
         forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
     return StageTimes(forward, backward)
@@ -699,18 +760,18 @@ def stage_state(
     layers: int,
     position: StagePosition,
     replicas: int,
+    precision: Precision = Precision.BF16,
 ) -> _StageState:
-    """A stage's parameters per device, gradient all-reduce among its layout's replicas and
-    optimizer step, from the analytic model."""
+    """A stage's parameters per device, gradient all-reduce among its layout's replicas (fp32
+    gradients in either precision) and optimizer step, from the analytic model."""
     params = stage_params(model, layers, position) / tp
     replicas_per_node = max(
         1, group.devices_per_node // tp
     )  # stage-major: a stage's replicas share nodes
     sync = comm.group_allreduce_time(params * GRAD_BYTES, replicas, group, cal, replicas_per_node)
+    moved = OPTIMIZER_BYTES_MOVED if precision == Precision.BF16 else FP32_OPTIMIZER_BYTES_MOVED
     optimizer = max(
-        params
-        * OPTIMIZER_BYTES_MOVED
-        / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
+        params * moved / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
         OPTIMIZER_OPS * cal.launch_us * 1e-6,
     )
     return _StageState(params, sync, optimizer)

@@ -1,7 +1,8 @@
 """Memory of one device of a pipeline stage at the peak of a step.
 
-Mixed precision with Adam (Megatron-LM's layout, no sharded optimizer): bf16 weights (2 bytes per
-parameter), fp32 gradients (4), fp32 master weights (4) and two fp32 Adam moments (8).
+bf16 mixed precision with Adam (Megatron-LM's layout, no sharded optimizer): bf16 weights (2 bytes
+per parameter), fp32 main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8):
+18 bytes. fp32: weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes.
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), for the micro-batches a stage holds at once under its schedule.
 """
@@ -11,14 +12,24 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hethub.predictor.compute import BYTES_PER_ELEMENT, LOSS_BYTES_PER_ELEMENT
+from hethub.predictor.compute import LOSS_BYTES_PER_ELEMENT, element_bytes
 from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Recompute
+from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule
 
+# bf16 training's bytes per parameter; GRAD_BYTES is fp32 in either precision (Megatron keeps and
+# all-reduces bf16 training's main gradients in fp32).
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+FP32_WEIGHT_BYTES, FP32_OPTIMIZER_BYTES = 4, 8  # fp32: no master copy, the two moments
 GB = 1e9
+
+
+def state_bytes(precision: Precision) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter under ``precision``."""
+    if precision == Precision.BF16:
+        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
+    return FP32_WEIGHT_BYTES, GRAD_BYTES, FP32_OPTIMIZER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +61,26 @@ def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
     return params
 
 
-def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
+def layer_activation_bytes(
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision = Precision.BF16
+) -> float:
     """Activations one layer keeps for its backward, one micro-batch, no recomputation."""
     b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
     tokens = b * s
-    if (
-        model.arch == "gpt"
-    ):  # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism
-        return tokens * h * (10 + 24 / tp + 5 * model.heads * s / (h * tp))
+    element = element_bytes(precision)
+    if model.arch == "gpt":
+        # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism, in bytes of
+        # 2-byte elements and 1-byte dropout masks: replicated 10 = 8 in elements + 2 masks;
+        # sharded 24 in elements; per score 5 = 4 in elements + 1 mask. The masks stay 1 byte.
+        replicated = 8 * element // 2 + 2
+        sharded = 24 * element // 2
+        per_score = 4 * element // 2 + 1
+        return tokens * h * (replicated + sharded / tp + per_score * model.heads * s / (h * tp))
     # llama with flash attention: norm inputs and outputs (replicated), Q/K/V and the attention
-    # output (sharded), gate, up and SwiGLU output (sharded), all bf16.
+    # output (sharded), gate, up and SwiGLU output (sharded), all in the activation dtype.
     replicated = 4 * tokens * h
     sharded = tokens * (h + 2 * model.kv_hidden + h + 3 * f) / tp
-    return (replicated + sharded) * BYTES_PER_ELEMENT
+    return (replicated + sharded) * element
 
 
 def in_flight_micro_batches(
@@ -84,6 +102,7 @@ def stage_memory(
     micro_batch: int,
     recompute: Recompute,
     schedule: Schedule,
+    precision: Precision = Precision.BF16,
 ) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
@@ -95,6 +114,7 @@ def stage_memory(
         in_flight,
         micro_batch,
         recompute,
+        precision,
     )
 
 
@@ -132,13 +152,15 @@ def stage_memory_at(
     in_flight: int,
     micro_batch: int,
     recompute: Recompute,
+    precision: Precision = Precision.BF16,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
     params = stage_params(model, layers, position) / tp
+    weight_bytes, grad_bytes, optimizer_bytes = state_bytes(precision)
     activations = activation_bytes(
         model,
-        per_layer=layer_activation_bytes(model, tp, micro_batch),
-        bytes_per_element=BYTES_PER_ELEMENT,
+        per_layer=layer_activation_bytes(model, tp, micro_batch, precision),
+        bytes_per_element=element_bytes(precision),
         layers=layers,
         tp=tp,
         last=position.last,
@@ -147,8 +169,8 @@ def stage_memory_at(
         recompute=recompute,
     )
     return StageMemory(
-        params * WEIGHT_BYTES / GB,
-        params * GRAD_BYTES / GB,
-        params * OPTIMIZER_BYTES / GB,
+        params * weight_bytes / GB,
+        params * grad_bytes / GB,
+        params * optimizer_bytes / GB,
         activations / GB,
     )

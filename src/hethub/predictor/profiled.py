@@ -28,9 +28,21 @@ from hethub.report.text import plural
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan, Recompute
+from hethub.spec.plan import Plan, Precision, Recompute
 
 MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
+
+
+def for_precision(profiles: Profiles, precision: Precision) -> Profiles:
+    """``profiles`` looked up under the dtype of a plan's precision (the rest of their run
+    conditions kept): an fp32 plan is priced by fp32 profiles, a bf16 plan by bf16 ones."""
+    if profiles.dtype == precision.value:
+        return profiles
+    return profiles.select(
+        dtype=precision.value,
+        threads=profiles.threads,
+        concurrent_ranks=profiles.concurrent_ranks,
+    )
 
 
 def profiled_work(
@@ -265,7 +277,8 @@ def missing_profiles(
     plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles
 ) -> list[str]:
     """One line per piece of ``plan`` that ``profiles`` lack, which the prediction prices with the
-    analytic model instead."""
+    analytic model instead (looked up under the plan's precision, as predict() does)."""
+    profiles = for_precision(profiles, plan.precision)
     notes: list[str] = []
     found: list[LayerProfile] = []
     for device, tp in _device_tps(plan, cluster):

@@ -38,6 +38,9 @@ class AcceleratorSpec:
     """Device-to-host link, GB/s per direction (the host-staged bridge crosses it)."""
     network_gbps: float
     """The usual node's scale-out network, Gbit/s per node."""
+    fp32_tflops: float | None = None
+    """Dense FP32 TFLOP/s, what an fp32 plan's GEMMs run at (None: no public figure; an fp32
+    plan on this device is refused)."""
     source: str = ""
     """The public document the figures come from."""
 
@@ -84,6 +87,7 @@ _INLINE_FIELDS = (
     "intra_node_gb_s",
     "host_link_gb_s",
     "network_gbps",
+    "fp32_tflops",
     "source",
 )
 
@@ -105,5 +109,6 @@ def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
         intra_node_gb_s=f.positive_number("intra_node_gb_s", defaults["intra_node_gb_s"]),
         host_link_gb_s=f.positive_number("host_link_gb_s", defaults["host_link_gb_s"]),
         network_gbps=f.positive_number("network_gbps", defaults["network_gbps"]),
+        fp32_tflops=f.positive_number("fp32_tflops") if f.has("fp32_tflops") else None,
         source=str(f.raw("source", "inline in the cluster file")),
     )

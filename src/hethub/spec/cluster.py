@@ -25,6 +25,17 @@ class DeviceGroup:
     """Scale-out network per node, Gbit/s."""
     speed: float | None = None
     """Emulated speed relative to this machine, for local runs only (None: real hardware)."""
+    intra_node_gb_s: float | None = None
+    """The link inside a node as measured on these nodes, GB/s per device per direction (None:
+    the accelerator's figure)."""
+
+    @property
+    def link_gb_s(self) -> float:
+        """The intra-node link the predictor prices: the group's measured figure, else the
+        accelerator's."""
+        if self.intra_node_gb_s is not None:
+            return self.intra_node_gb_s
+        return self.accelerator.intra_node_gb_s
 
     @property
     def devices(self) -> int:
@@ -72,7 +83,15 @@ class ClusterSpec:
         return min(a.network_gbps, b.network_gbps)
 
 
-_GROUP_FIELDS = ("name", "accelerator", "nodes", "devices_per_node", "network_gbps", "speed")
+_GROUP_FIELDS = (
+    "name",
+    "accelerator",
+    "nodes",
+    "devices_per_node",
+    "network_gbps",
+    "speed",
+    "intra_node_gb_s",
+)
 
 
 def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
@@ -93,6 +112,9 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                 devices_per_node=f.positive_int("devices_per_node"),
                 network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
                 speed=f.positive_number("speed") if f.has("speed") else None,
+                intra_node_gb_s=(
+                    f.positive_number("intra_node_gb_s") if f.has("intra_node_gb_s") else None
+                ),
             )
         )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
