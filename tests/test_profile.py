@@ -531,7 +531,8 @@ def profiled(tmp_path_factory):
 def test_the_profile_command_writes_what_load_profiles_reads(profiled, capsys):
     profiles = load_profiles(profiled)
     assert len(profiles.layers) == 4 and len(profiles.links) == 1
-    tp2 = profiles.select(concurrent_ranks=1).layer_for("cpu", TINY, 2, 1)
+    # measured in bf16: the command's default, as it is the plans'
+    tp2 = profiles.select(dtype="bf16", concurrent_ranks=1).layer_for("cpu", TINY, 2, 1)
     assert tp2 is not None and tp2.key.concurrent_ranks == 2 and tp2.layer_forward_s > 0
     link = profiles.link("cpu", 1)
     assert link.p2p_latency_s > 0 and link.p2p_bytes_per_s > 0
@@ -584,14 +585,13 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
         "2",
         "--global-batch",
         "8",
-        "--precision",
-        "fp32",
         "--json",
-    ]
+    ]  # bf16, the plans' default, as the profiles were measured
     assert main([*args, "--profiles", str(profiled)]) == 0
     out, err = capsys.readouterr()
     (stage,) = json.loads(out)["stages"]
-    lp = load_profiles(profiled).select(concurrent_ranks=1).layer_for("cpu", TINY, 1, 2)
+    profiles = load_profiles(profiled).select(dtype="bf16", concurrent_ranks=1)
+    lp = profiles.layer_for("cpu", TINY, 1, 2)
     assert stage["forward_s"] == pytest.approx(
         8 * lp.layer_forward_s + lp.embed_forward_s + lp.head_forward_s
     )
@@ -712,16 +712,22 @@ def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     import torch
 
     from hethub.profile.measure import _optimizer_seconds_per_param
+    from hethub.runtime.model import Stage
+    from hethub.runtime.precision import MasterWeights
 
-    module = torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16)
-    before = module.weight.detach().clone()
+    stage = Stage.build(TINY, 0, 1, None, is_first=False, is_last=False, seed=0)
+    weights = MasterWeights(stage, "bf16")
+    before = {name: p.detach().clone() for name, p in stage.full_parameters()}
     steps = []
 
     def sync():
         steps.append(1)
 
-    assert _optimizer_seconds_per_param(module, lambda: None, 3, sync) > 0
-    assert module.weight.dtype == torch.bfloat16 and not torch.equal(module.weight, before)
+    assert _optimizer_seconds_per_param(weights, lambda: None, 3, sync) > 0
+    for (name, param), (_, master) in zip(stage.full_parameters(), weights.named, strict=True):
+        assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(param, master.to(torch.bfloat16)), name  # copied back
+        assert not torch.equal(param, before[name]), name
     assert len(steps) == 6  # the device synchronised before and after every timed step
 
 
@@ -750,16 +756,12 @@ def test_a_gpu_is_measured_where_the_named_accelerator_is_and_refused_without_on
 
 
 def test_predict_looks_profiles_up_in_the_plans_precision():
-    from types import SimpleNamespace
-
     from hethub.cli.predict import plan_dtype
 
-    class Precision:
-        value = "bf16"
-
-    assert plan_dtype(SimpleNamespace()) == "fp32"  # a plan of a hethub without precision
-    assert plan_dtype(SimpleNamespace(precision="bf16")) == "bf16"
-    assert plan_dtype(SimpleNamespace(precision=Precision())) == "bf16"
+    for precision in ("bf16", "fp32"):
+        plan = {"model": "tiny-llama", "global_batch": 1, "precision": precision}
+        plan["pipelines"] = [{"count": 1, "stages": [{"group": "cpu", "layers": 8}]}]
+        assert plan_dtype(parse_plan(plan)) == precision
     key = key_of(dtype="bf16", concurrent_ranks=1)
     profiles = empty_profiles().merged([layer_profile(key)])
     one = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 1}]})

@@ -36,9 +36,13 @@ from hethub.spec import (
     load_plan,
 )
 from hethub.spec.model import model_file_fields, preset_names
+from hethub.spec.plan import Precision
 
 DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
+# A plan made here (no --plan) trains in bf16: the plans' default, and on this kind of machine
+# the faster (benchmarks/precision_speed.py: bf16 1.17x fp32 for the default model).
+DEFAULT_PRECISION = Precision.BF16
 DEFAULT_STEPS = 90  # the default run: about 1.5 minutes on a 2-core machine, the loss down by ~40%
 
 
@@ -274,6 +278,7 @@ def _profiles(
     """This machine's profiles for the job (measured first where missing), or None: the
     analytic model."""
     folder = Path(args.profiles)
+    dtype = (plan.precision if plan else DEFAULT_PRECISION).value  # what the run will train in
     if not all_cpu(cluster):
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
     devices = plan_devices(plan) if plan else cluster.devices
@@ -303,6 +308,7 @@ def _profiles(
                 threads=1,
                 concurrent_ranks=concurrency,
                 progress=say,
+                dtype=dtype,
             )
             if (
                 concurrency > cores
@@ -318,11 +324,12 @@ def _profiles(
                         concurrent_ranks=tp,
                         links=False,
                         progress=say,
+                        dtype=dtype,
                     )
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(
-        load_profiles(folder), cluster, devices
+        load_profiles(folder), cluster, devices, dtype
     ), f"this machine's profiles in {folder}"
 
 
@@ -346,6 +353,7 @@ def _plan(
         if model_ref.lower() in preset_names()
         else str(Path(model_ref).resolve()),
         profiles=profiles,
+        precision=DEFAULT_PRECISION,
     )
     if result.best is None:
         raise HethubError(

@@ -46,12 +46,13 @@ from hethub.profile.store import (
     save_profile,
 )
 from hethub.report.text import plural
-from hethub.runtime.model import Stage, full_state
+from hethub.runtime.model import Stage
+from hethub.runtime.precision import COMPUTE_DTYPE, MasterWeights
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {precision.value: dtype for precision, dtype in COMPUTE_DTYPE.items()}
 """The dtypes a layer is measured in (a profile's key names them)."""
 DTYPE = "fp32"
 """What a caller that names no dtype gets: what the runtime trains in today."""
@@ -310,13 +311,13 @@ def _measure_rank(
     sync = _synchronizer(device)
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
-    state = full_state(spec, seed=0)
-    layers = Stage(spec, 0, timed, group, is_first=False, is_last=False)
-    embed = Stage(spec, 0, 0, group, is_first=True, is_last=False)
-    head = Stage(spec, 0, 0, group, is_first=False, is_last=True)
-    for stage in (layers, embed, head):
-        stage.load_full(state)
-        stage.to(device=device, dtype=floating)
+    layers, embed, head = (
+        Stage.build(spec, 0, count, group, is_first=first, is_last=last, seed=0, device=device)
+        for count, first, last in ((timed, False, False), (0, True, False), (0, False, True))
+    )
+    # The runtime's recipe (runtime.precision): bf16 weights on fp32 masters, whose grads the
+    # backward passes accumulate as a run's do.
+    layer_weights, _, _ = (MasterWeights(stage, dtype) for stage in (layers, embed, head))
     gen = torch.Generator().manual_seed(rank // tp)  # a TP group's ranks see the same batch
     out = {}
     for b in micro_batches:
@@ -357,7 +358,7 @@ def _measure_rank(
             "layer_activation_bytes": float(saved_bytes(one, hidden)),
             "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
         }
-    optimizer = _optimizer_seconds_per_param(layers, barrier, repeats, sync)
+    optimizer = _optimizer_seconds_per_param(layer_weights, barrier, repeats, sync)
     for costs in out.values():
         costs["optimizer_s_per_param"] = optimizer
     return out
@@ -415,30 +416,18 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def _optimizer_seconds_per_param(
-    module: torch.nn.Module, barrier: Callable, repeats: int, sync: Callable[[], None] = _nothing
+    weights: MasterWeights, barrier: Callable, repeats: int, sync: Callable[[], None] = _nothing
 ) -> float:
-    """The runtime's optimizer (AdamW, its defaults) stepping ``module``'s parameters: directly
-    when they are fp32; else (bf16) on fp32 master copies, with the gradients copied into the
-    masters before the step and the masters copied back into the weights after it."""
-    params = list(module.parameters())
+    """The runtime's update (Engine.update: AdamW with its defaults on the fp32 weights, then,
+    in bf16, the copy into the stage's bf16 weights), per parameter."""
+    params = weights.parameters()
     for p in params:
         p.grad = torch.randn_like(p)
-    if all(p.dtype == torch.float32 for p in params):
-        optimizer = torch.optim.AdamW(params, lr=1e-3)
-        step = optimizer.step
-    else:
-        masters = [p.detach().float().requires_grad_() for p in params]
-        for master, p in zip(masters, params, strict=True):
-            master.grad = p.grad.float()
-        optimizer = torch.optim.AdamW(masters, lr=1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
 
-        @torch.no_grad()
-        def step() -> None:
-            for master, p in zip(masters, params, strict=True):
-                master.grad.copy_(p.grad)
-            optimizer.step()
-            for master, p in zip(masters, params, strict=True):
-                p.copy_(master)
+    def step() -> None:
+        optimizer.step()
+        weights.copy_to_model()
 
     step()  # allocates the moments
     times = []
