@@ -5,14 +5,13 @@ With a CUDA GPU (sized for one NVIDIA H200):
   (b) a Llama of 374M parameters (hidden 1024, 24 layers, 16 heads, vocabulary 32000, sequence
       1024; micro-batch 8, global batch 32) on a one-group cluster (accelerator h200, one device):
       predicted from the catalog alone (hethub predict --json), profiled on the spot (hethub
-      profile --device h200 --dtype D) and predicted from that profile (--profiles), then trained
+      profile --device h200 --dtype bf16) and predicted from that profile (--profiles), then trained
       for 50 steps (hethub train --json); measured = the median step of the metrics after the
       first 5; model FLOP utilisation; predicted against measured peak memory.
 Without one: one line saying so, then the same flow on the CPU with a tiny Llama (the cluster's
 accelerator cpu, a few steps), so that everything but the CUDA-specific calls runs; exit 0.
 
-D is the precision the run trains in: bf16 where plans have a precision (the plan file then
-says precision: bf16), else fp32, what the runtime trains in before that.
+The run, its profile and its predictions are bf16 (the plan says precision: bf16).
 
 Targets: the catalog-only step time within 15% of the measured, the profile-based within 10%,
 the predicted peak memory within 15% of the measured (``peak_memory_gb`` of the metrics, the
@@ -42,12 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from hethub.spec import plan as plan_spec
 from hethub.spec.accelerator import catalog
 
 BUDGET_S = 420.0  # the whole check: 7 minutes, and a stopped command's grace, inside 8
 SKIPPED_STEPS = 5  # warm-up steps left out of the measured median
 TARGETS = {"catalog": 0.15, "profile": 0.10, "memory": 0.15}
+
+DTYPE = "bf16"  # the run's precision, its profile's dtype
 
 
 @dataclass(frozen=True)
@@ -175,11 +175,6 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def has_precision() -> bool:
-    """Whether plans have a precision (issue 15) in this checkout."""
-    return hasattr(plan_spec, "Precision")
-
-
 def write_files(work: Path, setup: Setup) -> tuple[Path, Path, Path]:
     """The model, the one-group cluster and the one-stage plan, as YAML (written by hand: no
     dependency beyond the standard library here)."""
@@ -197,9 +192,7 @@ def write_files(work: Path, setup: Setup) -> tuple[Path, Path, Path]:
     plan.write_text(
         "model: model.yaml\n"
         f"global_batch: {setup.global_batch}\n"
-        f"micro_batch: {setup.micro_batch}\n"
-        + ("precision: bf16\n" if has_precision() else "")
-        + "pipelines:\n"
+        f"micro_batch: {setup.micro_batch}\n" + f"precision: {DTYPE}\n" + "pipelines:\n"
         f"  - stages:\n      - {{group: {setup.accelerator}, tp: 1, "
         f"layers: {setup.model['layers']}}}\n"
     )
@@ -283,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         setup = CPU
     steps = max(SKIPPED_STEPS + 3, setup.steps // 2) if args.quick else setup.steps
-    dtype = "bf16" if has_precision() else "fp32"
+    dtype = DTYPE
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hethub-gpu-check-"))
     model_file, cluster, plan = write_files(work, setup)
     profiles, run_dir = work / "profiles", work / "run"
@@ -399,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{setup.model['seq_len']} tokens"
         ),
         (
-            f"  precision            plan {dtype if has_precision() else 'has none (fp32)'}; "
+            f"  precision            plan {dtype}; "
             f"profiled {dtype}; run recorded {', '.join(precisions) or 'not recorded'}"
         ),
         f"  measured step        {fmt(measured, 's', 4)}"

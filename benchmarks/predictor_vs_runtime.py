@@ -35,13 +35,18 @@ EMULATED = {
 
 
 def plan(
-    global_batch: int, micro_batch: int, pipelines: list[dict], recompute: str = "none"
+    global_batch: int,
+    micro_batch: int,
+    pipelines: list[dict],
+    recompute: str = "none",
+    precision: str = "fp32",
 ) -> dict:
     return {
         "model": MODEL,
         "global_batch": global_batch,
         "micro_batch": micro_batch,
         "recompute": recompute,
+        "precision": precision,
         "pipelines": pipelines,
     }
 
@@ -98,6 +103,45 @@ PLANS = [
         plan(16, 2, [{"count": 1, "stages": [stage("cpu", 2, 4), stage("cpu", 2, 4)]}]),
         "4 ranks: PP 2 x TP 2",
     ),
+    # bf16 (runtime.precision's recipe), priced by bf16 profiles
+    (
+        "pp2-5-3-bf16",
+        CPU,
+        plan(
+            16,
+            2,
+            [{"count": 1, "stages": [stage("cpu", 1, 5), stage("cpu", 1, 3)]}],
+            "none",
+            "bf16",
+        ),
+        "2 ranks: non-uniform PP 5/3, bf16",
+    ),
+    (
+        "dp2-uneven-bf16",
+        CPU,
+        plan(
+            16,
+            2,
+            [
+                {"count": 1, "micro_batches": 5, "stages": [stage("cpu", 1, 8)]},
+                {"count": 1, "micro_batches": 3, "stages": [stage("cpu", 1, 8)]},
+            ],
+            precision="bf16",
+        ),
+        "2 ranks: DP 2, uneven 5/3 micro-batch split, bf16",
+    ),
+    (
+        "tp2-bf16",
+        CPU,
+        plan(16, 4, [{"count": 1, "stages": [stage("cpu", 2, 8)]}], precision="bf16"),
+        "2 ranks: TP 2, bf16",
+    ),
+    (
+        "pp4-bf16",
+        CPU,
+        plan(16, 2, [{"count": 1, "stages": [stage("cpu", 1, 2)] * 4}], precision="bf16"),
+        "4 ranks: PP 4 x 2 layers, bf16",
+    ),
 ]
 
 
@@ -119,7 +163,7 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-pvr-"))
     started = time.perf_counter()
     print(
-        f"model {MODEL}, fp32 on CPU, 1 thread per rank; "
+        f"model {MODEL}, fp32 and bf16 on CPU, 1 thread per rank; "
         "predicted from this machine's profiles, measured "
         f"right before each run; measured: median of {args.steps - 1} steps after a warm-up; "
         f"{args.rounds} round(s) of every plan"

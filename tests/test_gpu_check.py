@@ -61,7 +61,7 @@ def test_the_gpu_halfs_files_are_a_plan_hethub_predicts(tmp_path, capsys):
     prediction = json.loads(capsys.readouterr().out)
     assert prediction["fits"] and prediction["stages"][0]["accelerator"] == "h200"
     assert check.sum_params(check.GPU) == pytest.approx(374e6, rel=0.01)
-    assert ("precision: bf16" in plan.read_text()) == check.has_precision()
+    assert "precision: bf16" in plan.read_text() and prediction["precision"] == "bf16"
 
 
 def test_step_records_peak_memory_and_precision_are_read_where_present(tmp_path):

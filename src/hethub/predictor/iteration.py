@@ -653,6 +653,7 @@ def stage_memory_for(
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
+        precision=precision,
     )
 
 

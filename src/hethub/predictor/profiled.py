@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import statistics
 
-from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
+from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params, state_bytes
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
@@ -29,8 +29,6 @@ from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
-
-MOMENTS = 2  # AdamW keeps two moments per parameter, in the parameter's dtype
 
 
 def for_precision(profiles: Profiles, precision: Precision) -> Profiles:
@@ -204,9 +202,11 @@ def profiled_memory(
     in_flight: int,
     micro_batch: int,
     recompute: Recompute,
+    precision: Precision,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
-    the measured activations of a layer (the runtime keeps no master copy: one dtype throughout)."""
+    the measured activations of a layer, and the state the runtime keeps per parameter under
+    ``precision`` (runtime.precision: bf16 weights on fp32 masters, main grads and moments)."""
     params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
@@ -219,8 +219,10 @@ def profiled_memory(
         micro_batch=micro_batch,
         recompute=recompute,
     )
-    weights = params * bytes_per_element
-    return StageMemory(weights / GB, weights / GB, MOMENTS * weights / GB, activations / GB)
+    weight, grad, optimizer = state_bytes(precision)
+    return StageMemory(
+        params * weight / GB, params * grad / GB, params * optimizer / GB, activations / GB
+    )
 
 
 def core_sharing(
