@@ -38,11 +38,11 @@ class Communicator:
 
     def recv(self, buffer: torch.Tensor, peer: int, group=None) -> torch.Tensor:
         """Receive into ``buffer`` from global rank ``peer`` through ``group`` (None: the world)."""
-        staged = self._staged(buffer, group)
+        staged = self._staged(buffer, group, copy=False)
         dist.recv(staged, peer, group=group)
         self.bytes[self.path(self.rank, peer)] += buffer.numel() * buffer.element_size()
-        if staged is not buffer:
-            buffer.copy_(staged)
+        if staged is not buffer:  # queued on the device behind its work; the host goes on
+            buffer.copy_(staged, non_blocking=True)
         return buffer
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
@@ -62,7 +62,7 @@ class Communicator:
         staged = self._staged(tensor, group)
         collective(staged, group=group, **kwargs)
         if staged is not tensor:
-            tensor.copy_(staged)
+            tensor.copy_(staged, non_blocking=True)
 
     def hierarchical_all_reduce(
         self,
@@ -93,9 +93,13 @@ class Communicator:
         self.bytes[NATIVE] += int(factor * tensor.numel() * tensor.element_size())
 
     @staticmethod
-    def _staged(tensor: torch.Tensor, group) -> torch.Tensor:
-        """``tensor`` where ``group``'s backend can read it: a copy in host memory for gloo (a
-        CPU tensor is there already), the tensor itself for a native backend."""
+    def _staged(tensor: torch.Tensor, group, *, copy: bool = True) -> torch.Tensor:
+        """``tensor`` where ``group``'s backend can read it: the tensor itself for a native
+        backend (or a CPU tensor), else a copy in pinned host memory for gloo, which the device
+        copies at full speed, and from which a received result goes back without blocking."""
         if tensor.device.type == "cpu" or dist.get_backend(group) != "gloo":
             return tensor
-        return tensor.cpu()
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if copy:  # the host needs the data now: this waits for the device (not for a receive)
+            staged.copy_(tensor)
+        return staged
