@@ -20,7 +20,14 @@ import torch.distributed.checkpoint as dcp
 
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
-from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from hethub.runtime.checkpoint import (
+    keep_latest,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    remove_debris,
+    save_checkpoint,
+)
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard
 from hethub.runtime.topology import build_topology
@@ -387,3 +394,39 @@ def test_gpt_tied_head_round_trips(jobs):
     for rank in jobs["gpt_other"]:
         torch.testing.assert_close(rank["losses"], first[0]["losses"][2:4], rtol=1e-5, atol=0)
     assert_holds_shards(jobs["gpt_other"], jobs["gpt_other4"], "final", 4, "tiny-gpt")
+
+
+def _fake_checkpoint(root, name, complete=True):
+    folder = Path(root) / name
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / "meta.json").write_text("{}")
+    return folder
+
+
+def test_only_the_latest_k_checkpoints_are_kept_and_never_the_latest_removed(tmp_path):
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(tmp_path, f"step-{step:06d}")
+    torn = _fake_checkpoint(tmp_path, "step-000010", complete=False)  # not a checkpoint
+    removed = keep_latest(tmp_path, 2)
+    assert sorted(p.name for p in removed) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000006",
+        "step-000008",
+        "step-000010",
+    ]
+    assert torn.exists() and latest_checkpoint(tmp_path).name == "step-000008"
+    keep_latest(tmp_path, 0)  # asks for none: the latest stays all the same
+    assert latest_checkpoint(tmp_path).name == "step-000008"
+
+
+def test_what_crashed_saves_left_is_removed_and_nothing_else(tmp_path):
+    kept = [_fake_checkpoint(tmp_path, "step-000004"), tmp_path / "notes.txt"]
+    (tmp_path / "notes.txt").write_text("mine")
+    debris = [
+        _fake_checkpoint(tmp_path, "step-000006.tmp-1a2b3c4d", complete=False),
+        _fake_checkpoint(tmp_path, "step-000004.old-1a2b3c4d"),
+    ]
+    assert sorted(remove_debris(tmp_path)) == sorted(debris)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in debris)
+    assert remove_debris(tmp_path / "missing") == []

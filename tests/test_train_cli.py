@@ -332,3 +332,20 @@ def test_a_run_whose_workers_die_mid_training_resumes_to_the_losses_of_one_that_
     ]
     assert [r["step"] for r in done] == list(range(1, 31))  # no step twice, none missing
     assert [r["loss"] for r in done] == pytest.approx(reference_losses(30, 5, 1e-3), rel=1e-5)
+
+
+def test_a_run_keeps_its_latest_checkpoints_and_clears_crash_debris_on_resume(files):
+    common = ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--json", "--timeout", "60"]
+    done = hethub(
+        files, "train", *common, "--steps", "4", "--checkpoint-every", "1",
+        "--keep-checkpoints", "2", "--run-dir", "runs/kept",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    checkpoints = files / "runs/kept/checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000004"]
+    debris = checkpoints / "step-000005.tmp-deadbeef"  # a save that crashed
+    debris.mkdir()
+    resumed = hethub(files, "train", "--resume", "runs/kept", "--steps", "5", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    # the resume keeps --keep-checkpoints 2 from run.json, and the debris is gone
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]

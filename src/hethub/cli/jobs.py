@@ -92,6 +92,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint every K steps and at the end (default 20)",
     )
     parser.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        help="complete checkpoints kept, the latest ones (default 3: a step back past a bad "
+        "one, and bounded disk)",
+    )
+    parser.add_argument(
         "--profiles",
         default="runs/profiles",
         help="this machine's profiles, measured there when missing (default runs/profiles)",
@@ -138,6 +144,7 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
         steps=_given(args.steps, DEFAULT_STEPS),
         checkpoint_every=_given(args.checkpoint_every, 20),
         timeout_s=_given(args.timeout, 120.0),
+        keep_checkpoints=_given(args.keep_checkpoints, 3),
     )
     if args.plan:
         plan = load_plan(args.plan)
@@ -216,6 +223,7 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
         steps=steps,
         timeout_s=_given(args.timeout, settings.timeout_s),
         checkpoint_every=_given(args.checkpoint_every, settings.checkpoint_every),
+        keep_checkpoints=_given(args.keep_checkpoints, settings.keep_checkpoints),
     )
     cluster_path = Path(args.cluster) if args.cluster else run.cluster
     cluster = load_cluster(cluster_path)

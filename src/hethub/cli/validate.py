@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         data=args.data,
         run_dir=args.run_dir,
         checkpoint_every=args.steps,
+        keep_checkpoints=None,
         profiles=args.profiles,
         json=False,
         timeout=args.timeout,

@@ -46,12 +46,16 @@ if TYPE_CHECKING:  # the engine does not need this module; annotations only
 
 META = "meta.json"
 COMPLETE = re.compile(r"step-(\d+)")  # a published checkpoint's folder name, nothing more
+DEBRIS = re.compile(r"step-\d+\.(tmp|old)-\w+")  # what a save that crashed can leave behind
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(engine: Engine, checkpoints_dir: Path, step: int, meta: dict) -> Path:
+def save_checkpoint(
+    engine: Engine, checkpoints_dir: Path, step: int, meta: dict, keep: int | None = None
+) -> Path:
     """Collective (every rank, after an optimizer step): save the job's weights and AdamW state
-    as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path."""
+    as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path. With
+    ``keep``, only the latest ``keep`` complete checkpoints remain afterwards."""
     text = json.dumps(
         {**meta, "step": step}, indent=1
     )  # on every rank: a bad meta fails everywhere
@@ -63,21 +67,48 @@ def save_checkpoint(engine: Engine, checkpoints_dir: Path, step: int, meta: dict
     dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are written (and synced) before the folder is published
     _agree(_publish(tmp, final, text) if dist.get_rank() == 0 else None)
+    if keep is not None and dist.get_rank() == 0:
+        keep_latest(checkpoints_dir, keep)
     return final
+
+
+def keep_latest(checkpoints_dir: Path, keep: int) -> list[Path]:
+    """Remove the complete checkpoints older than the latest ``keep`` (at least 1: the latest is
+    never removed); the folders removed. Rank 0 only, after a checkpoint is published."""
+    done = sorted(_complete(Path(checkpoints_dir)), key=lambda found: found[0])
+    old = [folder for _, folder in done[: max(len(done) - max(keep, 1), 0)]]
+    for folder in old:
+        shutil.rmtree(folder)
+    return old
+
+
+def remove_debris(checkpoints_dir: Path) -> list[Path]:
+    """Remove what saves that crashed left in ``checkpoints_dir`` (``step-N.tmp-*``, written but
+    never published, and ``step-N.old-*``, stepped aside for a replacement); the folders
+    removed. Only when no save runs: at the start of a run or a resume, on rank 0."""
+    root = Path(checkpoints_dir)
+    debris = [d for d in root.iterdir() if DEBRIS.fullmatch(d.name)] if root.is_dir() else []
+    for folder in debris:
+        shutil.rmtree(folder)
+    return debris
 
 
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The complete checkpoint of the highest step in ``checkpoints_dir`` (None: none there).
     Unfinished saves (``*.tmp-*``, or any folder without meta.json) are never candidates."""
-    root = Path(checkpoints_dir)
+    done = _complete(Path(checkpoints_dir))
+    return max(done, key=lambda found: found[0])[1] if done else None
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in ``root``."""
     if not root.is_dir():
-        return None
-    done = [
+        return []
+    return [
         (int(m.group(1)), d)
         for d in root.iterdir()
         if (m := COMPLETE.fullmatch(d.name)) and (d / META).is_file()
     ]
-    return max(done, key=lambda found: found[0])[1] if done else None
 
 
 def read_meta(path: Path) -> dict:

@@ -33,6 +33,8 @@ class RunSettings:
     """Optimizer steps the run trains to in total."""
     checkpoint_every: int
     timeout_s: float
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept (the latest ones); a run.json older than the field keeps 3."""
 
 
 class RunDir:

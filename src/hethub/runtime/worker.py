@@ -24,7 +24,12 @@ from hethub.report.text import plural
 from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
-from hethub.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hethub.runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_debris,
+    save_checkpoint,
+)
 from hethub.runtime.data import global_batch
 from hethub.runtime.engine import Engine
 from hethub.runtime.rundir import RunDir, RunSettings
@@ -72,6 +77,8 @@ def train(
             device=device,
             speed=cluster.group(topology.ranks[rank].group).speed,
         )
+        if rank == 0:  # no save runs yet: what crashed saves left can go
+            remove_debris(run.checkpoints)
         start = load_checkpoint(engine, latest_checkpoint(run.checkpoints))["step"] if resume else 0
         log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
         if log and resume:
@@ -95,7 +102,13 @@ def train(
                 log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
             moved_before = moved
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
-                save_checkpoint(engine, run.checkpoints, step + 1, {"plan": plan.to_dict()})
+                save_checkpoint(
+                    engine,
+                    run.checkpoints,
+                    step + 1,
+                    {"plan": plan.to_dict()},
+                    keep=settings.keep_checkpoints,
+                )
         if log:
             log.finish(timelines, world)
     finally:
