@@ -756,14 +756,14 @@ def test_a_gpu_is_measured_where_the_named_accelerator_is_and_refused_without_on
 
 
 def test_predict_looks_profiles_up_in_the_plans_precision():
-    from hethub.cli.predict import plan_dtype
-
-    for precision in ("bf16", "fp32"):
-        plan = {"model": "tiny-llama", "global_batch": 1, "precision": precision}
-        plan["pipelines"] = [{"count": 1, "stages": [{"group": "cpu", "layers": 8}]}]
-        assert plan_dtype(parse_plan(plan)) == precision
     key = key_of(dtype="bf16", concurrent_ranks=1)
     profiles = empty_profiles().merged([layer_profile(key)])
     one = parse_cluster({"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 1}]})
+    for precision, lacks in (("bf16", False), ("fp32", True)):
+        plan = {"model": "tiny-llama", "global_batch": 1, "precision": precision}
+        plan["pipelines"] = [{"count": 1, "stages": [{"group": "cpu", "layers": 8}]}]
+        # the CLI's selection (select_for_run) names no dtype: the plan's precision decides
+        notes = missing_profiles(parse_plan(plan), one, TINY, select_for_run(profiles, one, 1))
+        assert any(note.startswith("no profile for cpu") for note in notes) == lacks, notes
     assert select_for_run(profiles, one, 1, "bf16").layer_for("cpu", TINY, 1, 1) is not None
     assert select_for_run(profiles, one, 1).layer_for("cpu", TINY, 1, 1) is None

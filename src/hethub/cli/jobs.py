@@ -337,8 +337,8 @@ def _profiles(
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(
-        load_profiles(folder), cluster, devices, dtype
-    ), f"this machine's profiles in {folder}"
+        load_profiles(folder), cluster, devices
+    ), f"this machine's profiles in {folder}"  # predict() looks them up in the plan's precision
 
 
 def _plan(

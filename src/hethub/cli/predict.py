@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     plan, model, source = resolve_plan(args, cluster)
     devices = sum(p.count * p.devices for p in plan.pipelines)
-    profiles = read_profiles(args.profiles, cluster, devices, plan_dtype(plan))
+    profiles = read_profiles(args.profiles, cluster, devices)
     missing = note_missing(plan, cluster, model, profiles, "predict")
     prediction = predict(plan, cluster, model, timeline=bool(args.trace), profiles=profiles)
     if args.trace:
@@ -106,19 +106,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_profiles(
-    directory: str | None, cluster: ClusterSpec, devices: int, dtype: str = "fp32"
-) -> Profiles | None:
+def read_profiles(directory: str | None, cluster: ClusterSpec, devices: int) -> Profiles | None:
     """The profiles of ``directory`` (None: none given) selected for a runtime job of ``devices``
-    devices on ``cluster`` in ``dtype`` (hethub.profile.select_for_run)."""
+    devices on ``cluster`` (hethub.profile.select_for_run); predict() and search() look them up
+    under each plan's precision."""
     if directory is None:
         return None
-    return select_for_run(load_profiles(directory), cluster, devices, dtype)
-
-
-def plan_dtype(plan: Plan) -> str:
-    """The dtype a plan trains in, as profiles name it ("bf16", "fp32")."""
-    return plan.precision.value
+    return select_for_run(load_profiles(directory), cluster, devices)
 
 
 def note_missing(

@@ -21,9 +21,12 @@ Pure Python: the predictor may read it too.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 
 from hethub.spec.model import ModelSpec
 
@@ -71,9 +74,10 @@ class Parameter:
         return tuple(shape)
 
 
-def parameter_table(spec: ModelSpec) -> dict[str, Parameter]:
-    """Every full-model parameter of ``spec`` by name, in the model's order (the order the
-    seeded initialisation draws them in: embedding, layers, head)."""
+@functools.lru_cache(maxsize=16)
+def parameter_table(spec: ModelSpec) -> Mapping[str, Parameter]:
+    """Every full-model parameter of ``spec`` by name, in the model's order (embedding, layers,
+    head). Made once per model and read-only: every stage's list and every rank's sync read it."""
     h, d, f = spec.hidden, spec.head_dim, spec.ffn_hidden
     gpt = spec.arch == "gpt"
     table: dict[str, Parameter] = {}
@@ -121,7 +125,7 @@ def parameter_table(spec: ModelSpec) -> dict[str, Parameter]:
         add("final_norm.bias", (h,), Owner.HEAD, None, Init.ZEROS)
     else:
         add("head.weight", (spec.vocab, h), Owner.HEAD, 0, Init.NORMAL)
-    return table
+    return MappingProxyType(table)
 
 
 def stage_parameters(
