@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +21,6 @@ from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
-from hethub.report.text import plural
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -393,34 +389,3 @@ def _write_prediction(
             "timeline": [event.to_dict() for event in prediction.timeline],
         },
     )
-
-
-def launch(job: Job, *, as_json: bool) -> int:
-    """Start the job's workers on this machine through torchrun; its exit status."""
-    world = plan_devices(job.plan)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "-m",
-        "hethub",
-        "train",
-        "--worker-of",
-        str(job.run.path),
-    ]
-    command += ["--json"] if as_json else []
-    command += ["--resume", str(job.run.path)] if job.resume_from is not None else []
-    # One thread per rank (the engine sets it too); saying so spares torchrun's warning banner.
-    code = subprocess.run(
-        command, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    ).returncode
-    if code:
-        print(
-            f"hethub: error: a worker failed and torchrun stopped the {plural(world, 'worker')} "
-            f"(exit {code}); "
-            f"the failing worker's message is above",
-            file=sys.stderr,
-        )
-    return code

@@ -9,7 +9,8 @@ import os
 import statistics
 import sys
 
-from hethub.cli.jobs import Job, add_job_arguments, launch, plan_devices, prepare
+from hethub.cli.jobs import Job, add_job_arguments, plan_devices, prepare
+from hethub.cli.launch import launch
 from hethub.errors import HethubError
 from hethub.report.text import plural
 

@@ -12,7 +12,8 @@ import json
 import statistics
 import sys
 
-from hethub.cli.jobs import Job, launch, prepare
+from hethub.cli.jobs import Job, prepare
+from hethub.cli.launch import launch
 from hethub.errors import HethubError
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
