@@ -673,3 +673,30 @@ def test_a_count_flag_below_one_is_one_line_in_every_command(capsys, argv, messa
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err == message + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "rule"),
+    [
+        ("--lr", "-1", "must be a positive finite number"),
+        ("--lr", "0", "must be a positive finite number"),
+        ("--lr", "nan", "must be a positive finite number"),
+        ("--lr", "inf", "must be a positive finite number"),
+        ("--lr", "-inf", "must be a positive finite number"),
+        ("--lr", "fast", "must be a positive finite number"),
+        ("--timeout", "0", "must be a positive finite number"),
+        ("--timeout", "-5", "must be a positive finite number"),
+        ("--timeout", "nan", "must be a positive finite number"),
+        ("--timeout", "1e300", "must be at most 31536000 seconds (365 days)"),
+        ("--seed", "-1", "must be an integer from 0 to 4294967295"),
+        ("--seed", "99999999999999999999999", "must be an integer from 0 to 4294967295"),
+    ],
+)
+def test_a_rate_timeout_or_seed_out_of_range_is_one_line_before_any_file_is_read(
+    capsys, flag, value, rule
+) -> None:
+    # Once a traceback from every rank (--lr -1, --seed 10**23), C++ frames (--timeout 0), or a
+    # run whose loss never moved (--lr inf).
+    code = main(["train", f"{flag}={value}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err == f"hethub train: error: {flag} = {value}: {rule}\n"

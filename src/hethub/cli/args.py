@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 import re
 
 
@@ -25,4 +27,46 @@ def positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"= {text}: must be a positive integer")
+    return value
+
+
+SEEDS = 2**32
+"""--seed takes 0 .. SEEDS - 1, the usual range of a seed (numpy's): the runtime seeds torch's
+generators with seed x 1,000,003 + step, which must stay within 64 bits (10**23 did not)."""
+LONGEST_TIMEOUT = datetime.timedelta(days=365)
+"""--timeout's ceiling. Far longer ones overflow torch's and gloo's clock arithmetic: on torch 2.13
+a worker failed at 1e10 s ("Invalid timeout"), and hung at 9e9 s; a year is far from both and
+longer than any collective should wait."""
+
+
+def seed(text: str) -> int:
+    """argparse type= of --seed: an integer from 0 to SEEDS - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < SEEDS:
+        raise argparse.ArgumentTypeError(f"= {text}: must be an integer from 0 to {SEEDS - 1}")
+    return value
+
+
+def positive_finite_float(text: str) -> float:
+    """argparse type= of a rate (--lr): a number above 0, neither nan nor infinite."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"= {text}: must be a positive finite number")
+    return value
+
+
+def timeout_seconds(text: str) -> float:
+    """argparse type= of --timeout: seconds above 0, at most LONGEST_TIMEOUT."""
+    value = positive_finite_float(text)
+    longest = LONGEST_TIMEOUT.total_seconds()
+    if value > longest:
+        raise argparse.ArgumentTypeError(
+            f"= {text}: must be at most {longest:.0f} seconds ({LONGEST_TIMEOUT.days} days)"
+        )
     return value

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from hethub.cli.args import positive_int
+from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_seconds
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
@@ -70,8 +70,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)",
     )
-    parser.add_argument("--seed", type=int, help="seed of the weights and the batches (default 0)")
-    parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=seed, help="seed of the weights and the batches (default 0)")
+    parser.add_argument(
+        "--lr", type=positive_finite_float, help="AdamW learning rate (default 3e-3)"
+    )
     parser.add_argument(
         "--data",
         help="a text file, a folder of text files, or a .bin of uint16 tokens "
@@ -100,7 +102,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     parser.add_argument(
-        "--timeout", type=float, help="seconds a collective may wait for a peer (default 120)"
+        "--timeout",
+        type=timeout_seconds,
+        help="seconds a collective may wait for a peer (default 120)",
     )
 
 
