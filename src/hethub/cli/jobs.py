@@ -1,16 +1,19 @@
 """Preparing and launching a training job, shared by `hethub train` and `hethub validate`.
 
-Before any process starts: the inputs are checked (cluster, plan, model, data), a plan is made
-when none is given (the planner, on this machine's profiles), the prediction is made (from this
-machine's profiles when every group runs on this machine's CPU, else the analytic model), and the
-run directory is written. Then torchrun starts one worker per device of the plan, and each worker
-reads the plan from the run directory (hethub.runtime.worker), never from the planner.
+Before any process starts: the inputs are checked (flags, cluster, plan, model, data, the folders
+the job writes), a plan is made when none is given (the planner, on this machine's profiles), the
+prediction is made (from this machine's profiles when every group runs on this machine's CPU,
+else the analytic model), and the run directory is written. Then torchrun starts one worker per
+device of the plan, and each worker reads the plan from the run directory (hethub.runtime.worker),
+never from the planner.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shlex
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,6 +24,7 @@ from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_s
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
+from hethub.report.text import plural
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -128,6 +132,18 @@ class Job:
         return self.cluster.emulated
 
 
+DEFAULT_SETTINGS = RunSettings(
+    seed=0,
+    lr=3e-3,
+    data=None,
+    steps=DEFAULT_STEPS,
+    checkpoint_every=20,
+    timeout_s=120.0,
+    keep_checkpoints=3,
+)
+"""A new run's settings where no flag is given."""
+
+
 def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = True, say=None) -> Job:
     """Check the inputs, plan if needed, predict, and write the run directory (when ``write``).
     ``measure``: profile this machine for what the profiles lack (never under torchrun)."""
@@ -137,15 +153,10 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
     if args.plan and not args.cluster:
         raise HethubError("--plan needs --cluster: a plan names the groups of a cluster file")
     cluster = load_cluster(cluster_path)
-    settings = RunSettings(
-        seed=_given(args.seed, 0),
-        lr=_given(args.lr, 3e-3),
-        data=str(Path(args.data).resolve()) if args.data else None,
-        steps=_given(args.steps, DEFAULT_STEPS),
-        checkpoint_every=_given(args.checkpoint_every, 20),
-        timeout_s=_given(args.timeout, 120.0),
-        keep_checkpoints=_given(args.keep_checkpoints, 3),
-    )
+    settings = _settings(args, DEFAULT_SETTINGS)
+    name = Path(args.plan).stem if args.plan else cluster_path.stem
+    _check_run_dir(args, Path("runs") / name, write)
+    _check_profiles_folder(args, cluster, measure)
     if args.plan:
         plan = load_plan(args.plan)
         model = load_model(plan.model, relative_to=Path(args.plan).parent, source=args.plan)
@@ -160,24 +171,15 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
         _check_data(settings, model, global_batch)
         profiles, basis = _profiles(args, cluster, model, None, measure, say)
         plan = _plan(cluster, model, global_batch, args.model or DEFAULT_MODEL, profiles, say)
-    name = Path(args.plan).stem if args.plan else cluster_path.stem
-    if args.run_dir:
-        run = RunDir(args.run_dir)
-        if (run.path / "run.json").exists() and write:
-            raise HethubError(
-                f"--run-dir = {args.run_dir!r}: holds a run already; continue it with --resume "
-                f"{args.run_dir}, or give another --run-dir"
-            )
-        if write:
-            run.path.mkdir(parents=True, exist_ok=True)
-    else:
-        run = new_run_dir(Path("runs"), name) if write else RunDir(Path("runs") / name)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
-    if write:
+    if write:  # every check passed: only now is the run directory made
+        run = _make_run_dir(args.run_dir) if args.run_dir else new_run_dir(Path("runs"), name)
         run.write_text(run.cluster, cluster_path.read_text())
         _write_plan(run, plan, model)
         run.write_settings(settings)
         _write_prediction(run, prediction, basis, cluster)
+    else:
+        run = RunDir(args.run_dir or Path("runs") / name)
     return Job(
         run=run,
         settings=settings,
@@ -191,40 +193,17 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
 
 
 def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -> Job:
-    from hethub.runtime.checkpoint import latest_checkpoint, read_meta  # torch: only when resuming
-
+    """--resume RUN_DIR: from its latest complete checkpoint; a run that stopped before its
+    first checkpoint starts again from step 0, under its settings and the flags given."""
     run = RunDir(args.resume)
-    settings = run.read_settings()
-    checkpoint = latest_checkpoint(run.checkpoints)
-    if checkpoint is None:
-        raise HethubError(
-            f"--resume = {args.resume!r}: no complete checkpoint in {run.checkpoints}"
-        )
-    done = read_meta(checkpoint)["step"]
-    for flag, value in (("seed", args.seed), ("lr", args.lr)):
-        if value is not None and value != getattr(settings, flag):
-            raise HethubError(
-                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; "
-                f"a resumed run keeps its seed and learning rate so that it continues exactly"
-            )
-    if args.data and str(Path(args.data).resolve()) != settings.data:
-        raise HethubError(
-            f"--data = {args.data!r}: the run was trained on "
-            f"{settings.data or 'the built-in corpus'}"
-        )
-    steps = _given(args.steps, settings.steps)
-    if steps <= done:
-        raise HethubError(
-            f"--resume = {args.resume!r}: the run is at step {done} already; "
-            f"give --steps above {done}"
-        )
-    settings = dataclasses.replace(
-        settings,
-        steps=steps,
-        timeout_s=_given(args.timeout, settings.timeout_s),
-        checkpoint_every=_given(args.checkpoint_every, settings.checkpoint_every),
-        keep_checkpoints=_given(args.keep_checkpoints, settings.keep_checkpoints),
-    )
+    settings, done = _run_state(run)
+    if done is None:
+        _check_restartable(args, run)
+        if say:
+            say(f"no complete checkpoint in {run.checkpoints}: the run starts again from step 0")
+    else:
+        _check_continues(args, settings, done)
+    settings = _settings(args, settings)
     cluster_path = Path(args.cluster) if args.cluster else run.cluster
     cluster = load_cluster(cluster_path)
     plan_path = Path(args.plan) if args.plan else run.plan
@@ -232,13 +211,16 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     model = load_model(plan.model, relative_to=plan_path.parent, source=str(plan_path))
     check_plan(plan, cluster, model, str(plan_path))
     _check_data(settings, model, plan.global_batch)
+    _check_profiles_folder(args, cluster, measure)
     profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     if write:
-        if plan != load_plan(
-            run.plan
-        ):  # resumed under another plan: keep the one it trained under so far
-            run.plan.rename(run.path / f"plan.before-step-{done}.yaml")
+        if done is None:  # started again: the steps the stopped attempt logged are not this run's
+            run.keep_metrics_until(0)
+        if not run.plan.is_file() or plan != load_plan(run.plan):
+            if done is not None and run.plan.is_file():
+                # resumed under another plan: keep the one it trained under so far
+                run.plan.rename(run.path / f"plan.before-step-{done}.yaml")
             _write_plan(run, plan, model)
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
@@ -254,6 +236,117 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
         basis=basis,
         resume_from=done,
     )
+
+
+def _run_state(run: RunDir) -> tuple[RunSettings, int | None]:
+    """A run's settings, and the step of its latest complete checkpoint (None: it has none)."""
+    from hethub.runtime.checkpoint import latest_checkpoint, read_meta  # torch: only for a run
+
+    settings = run.read_settings()
+    checkpoint = latest_checkpoint(run.checkpoints)
+    return settings, None if checkpoint is None else read_meta(checkpoint)["step"]
+
+
+def _check_continues(args: argparse.Namespace, settings: RunSettings, done: int) -> None:
+    """A run resumed from a checkpoint keeps what its losses depend on, and trains further."""
+    for flag, value in (("seed", args.seed), ("lr", args.lr)):
+        if value is not None and value != getattr(settings, flag):
+            raise HethubError(
+                f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; "
+                f"a resumed run keeps its seed and learning rate so that it continues exactly"
+            )
+    if args.data and str(Path(args.data).resolve()) != settings.data:
+        raise HethubError(
+            f"--data = {args.data!r}: the run was trained on "
+            f"{settings.data or 'the built-in corpus'}"
+        )
+    if _given(args.steps, settings.steps) <= done:
+        raise HethubError(
+            f"--resume = {args.resume!r}: the run is at step {done} already; "
+            f"give --steps above {done}"
+        )
+
+
+def _check_restartable(args: argparse.Namespace, run: RunDir) -> None:
+    """A run started again from step 0 needs its cluster and plan (from its folder, or given)."""
+    for path, flag in ((run.cluster, args.cluster), (run.plan, args.plan)):
+        if not flag and not path.is_file():
+            raise HethubError(
+                f"--resume = {args.resume!r}: no complete checkpoint in {run.checkpoints}, and no "
+                f"{path.name} to start the run again from step 0; give --cluster and --plan, or "
+                f"remove the folder: rm -r {shlex.quote(args.resume)}"
+            )
+
+
+def _settings(args: argparse.Namespace, base: RunSettings) -> RunSettings:
+    """``base`` with the flags given in its place."""
+    return RunSettings(
+        seed=_given(args.seed, base.seed),
+        lr=_given(args.lr, base.lr),
+        data=str(Path(args.data).resolve()) if args.data else base.data,
+        steps=_given(args.steps, base.steps),
+        checkpoint_every=_given(args.checkpoint_every, base.checkpoint_every),
+        timeout_s=_given(args.timeout, base.timeout_s),
+        keep_checkpoints=_given(args.keep_checkpoints, base.keep_checkpoints),
+    )
+
+
+def _check_run_dir(args: argparse.Namespace, default: Path, write: bool) -> None:
+    """The run directory can be made, and is no other run's (under torchrun only the writing
+    rank asks: the others may find the run.json it has just written)."""
+    if not args.run_dir:
+        _check_folder(default.parent, f"{default.parent}/ (where runs go without --run-dir)")
+        return
+    given = shlex.quote(args.run_dir)
+    _check_folder(Path(args.run_dir), f"--run-dir = {args.run_dir!r}")
+    run = RunDir(args.run_dir)
+    if not write or not (run.path / "run.json").exists():
+        return
+    settings, done = _run_state(run)
+    if done is None:
+        holds = (
+            f"a run that stopped before its first checkpoint; start it again from step 0 "
+            f"with --resume {given}"
+        )
+    elif done < settings.steps:
+        holds = (
+            f"a run stopped at step {done} of {settings.steps}; continue it with --resume {given}"
+        )
+    else:
+        holds = (
+            f"a finished run ({plural(done, 'step')}); train it further with --resume {given} "
+            f"--steps N (N above {done})"
+        )
+    raise HethubError(f"--run-dir = {args.run_dir!r}: holds {holds}, or give another --run-dir")
+
+
+def _check_profiles_folder(args: argparse.Namespace, cluster: ClusterSpec, measure: bool) -> None:
+    """Profiles measured here are written to --profiles: a folder, or one that can be made."""
+    if measure and all_cpu(cluster):
+        _check_folder(Path(args.profiles), f"--profiles = {args.profiles!r}")
+
+
+def _check_folder(path: Path, named: str) -> None:
+    """``path`` is a folder, or one this process can make: its nearest existing parent is a
+    folder it may write in."""
+    if path.exists():
+        if not path.is_dir():
+            raise HethubError(f"{named}: is a file; give a folder (an existing one, or a new one)")
+        return
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise HethubError(f"{named}: cannot be made, {parent} is a file and not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HethubError(f"{named}: cannot be made, {parent} is not writable")
+
+
+def _make_run_dir(path: str) -> RunDir:
+    """--run-dir's folder, made (checked already: this only fails when the disk changed since)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HethubError(f"--run-dir = {path!r}: cannot be made ({error.strerror})") from None
+    return RunDir(path)
 
 
 def plan_devices(plan: Plan) -> int:
