@@ -1,4 +1,6 @@
-"""Before any process starts: the folders a job writes, and a run folder that holds another run.
+"""Before any process starts: the folders a job writes, a run folder that holds another run, and
+the pre-flight check of a local launch (memory and processes against this machine's), with
+--force turning a refusal into a warning.
 
 Every command runs in-process (hethub.cli.main) with the launch replaced by a failure: a test
 that reached it would have started torchrun. Nothing here trains or profiles.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,12 @@ import yaml
 
 import hethub.cli.launch
 import hethub.cli.train
-from hethub.cli import main
+from hethub.cli import main, preflight
 from hethub.cli.jobs import prepare
+from hethub.errors import HethubError
+from hethub.profile.measure import available_cores
 
+CPU = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
 A100 = {"groups": [{"name": "nv", "accelerator": "a100-40gb", "nodes": 1, "devices_per_node": 2}]}
 
 
@@ -30,6 +36,27 @@ def two_stages(model: str, group: str, layers: int) -> dict:
             {"stages": [{"group": group, "tp": 1, "layers": layers // 2}] * 2},
         ],
     }
+
+
+TINY = two_stages("tiny-llama", "cpu", 8)
+# 141B parameters on two CPU ranks: terabytes, whatever this machine has.
+HUGE_ON_CPU = two_stages("llama-140b", "cpu", 96)
+# llama-7b, 16 layers a stage: ~78 GB a device, the a100-40gb has 40.
+OVER_ON_A100 = two_stages("llama-7b", "nv", 32)
+
+
+def too_many_processes() -> tuple[dict, dict]:
+    """A cluster and a plan of one more process than RANKS_PER_CORE for each of this machine's
+    cores: one-stage replicas of tiny-llama, one device each."""
+    n = preflight.RANKS_PER_CORE * available_cores() + 1
+    cluster = {"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": n}]}
+    plan = {
+        "model": "tiny-llama",
+        "global_batch": n,
+        "micro_batch": 1,
+        "pipelines": [{"count": n, "stages": [{"group": "cpu", "tp": 1, "layers": 8}]}],
+    }
+    return cluster, plan
 
 
 @pytest.fixture
@@ -158,3 +185,69 @@ def test_resume_without_a_checkpoint_nor_a_plan_gives_the_command_that_removes_i
     assert code == 2 and len(err.splitlines()) == 1
     assert "no complete checkpoint in failed/checkpoints, and no plan.yaml" in err
     assert err.rstrip().endswith("remove the folder: rm -r failed")
+
+
+# --- the pre-flight check -----------------------------------------------------------------------
+
+
+def test_a_plan_whose_cpu_ranks_exceed_this_machines_memory_is_refused_before_profiling(
+    here, capsys
+):
+    cluster, plan = write("c.yaml", CPU), write("p.yaml", HUGE_ON_CPU)
+    line = refused(capsys, "--cluster", cluster, "--plan", plan)
+    assert "this machine cannot run the job: its 2 CPU ranks need " in line
+    # MemAvailable moves from one reading to the next: the form, not the figure
+    assert re.search(r"this machine has [\d,.]+ GB available \(MemAvailable\)", line), line
+    assert line.endswith("(--force launches it anyway)")
+    assert not Path("runs").exists()  # no profiles measured either
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_planning(here, capsys):
+    line = refused(capsys, "--model", "llama-140b")
+    assert "training llama-140b in bf16 needs at least" in line
+    assert "parameters x 18 bytes of weights, gradients and optimizer states" in line
+
+
+def test_a_stage_over_its_devices_memory_is_refused(here, capsys):
+    cluster, plan = write("c.yaml", A100), write("p.yaml", OVER_ON_A100)
+    line = refused(capsys, "--cluster", cluster, "--plan", plan)
+    assert "stage 0.0 (group nv) needs " in line and "its a100-40gb has 40 GB" in line
+
+
+def test_a_plan_of_more_processes_than_the_cores_can_take_is_refused(here, capsys):
+    cluster, plan = too_many_processes()
+    line = refused(capsys, "--cluster", write("c.yaml", cluster), "--plan", write("p.yaml", plan))
+    cores = available_cores()
+    assert (
+        f"the plan starts {4 * cores + 1} processes on this machine, more than {4 * cores} "
+        f"(4 for each of its {cores} core" in line
+    )
+
+
+def test_a_plan_that_fits_passes_without_a_word(here, capsys):
+    given = {"cluster": write("c.yaml", CPU), "plan": write("p.yaml", TINY)}
+    said = []
+    job = prepare(resume_args(**given), measure=False, write=False, say=said.append)
+    assert job.plan.model == "tiny-llama" and said == []
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("case", ["processes", "memory"])
+def test_force_turns_the_refusal_into_one_warning(here, capsys, case):
+    cluster, plan = too_many_processes() if case == "processes" else (A100, OVER_ON_A100)
+    given = {"cluster": write("c.yaml", cluster), "plan": write("p.yaml", plan)}
+    with pytest.raises(HethubError, match="this machine cannot run the job"):
+        prepare(resume_args(**given), measure=False, write=False)
+    said = []
+    job = prepare(resume_args(**given, force=True), measure=False, write=False, say=said.append)
+    assert job.plan.model == plan["model"]
+    assert len(said) == 1 and said[0].startswith("warning: launching anyway (--force), although ")
+    assert ("processes on this machine" in said[0]) == (case == "processes")
+    assert ("its a100-40gb has 40 GB" in said[0]) == (case == "memory")
+
+
+def test_under_torchrun_there_is_no_pre_flight(here):
+    cluster, plan = too_many_processes()
+    given = {"cluster": write("c.yaml", cluster), "plan": write("p.yaml", plan)}
+    job = prepare(resume_args(**given), measure=False, write=False, local_launch=False)
+    assert job.plan.model == "tiny-llama"

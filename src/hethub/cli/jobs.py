@@ -3,9 +3,10 @@
 Before any process starts: the inputs are checked (flags, cluster, plan, model, data, the folders
 the job writes), a plan is made when none is given (the planner, on this machine's profiles), the
 prediction is made (from this machine's profiles when every group runs on this machine's CPU,
-else the analytic model), and the run directory is written. Then torchrun starts one worker per
-device of the plan, and each worker reads the plan from the run directory (hethub.runtime.worker),
-never from the planner.
+else the analytic model), a job launched here passes the pre-flight check (hethub.cli.preflight:
+this machine's memory and cores), and the run directory is written. Then torchrun starts one
+worker per device of the plan, and each worker reads the plan from the run directory
+(hethub.runtime.worker), never from the planner.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import argparse
 import dataclasses
 import os
 import shlex
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
+from hethub.cli import preflight
 from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_seconds
 from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
@@ -110,6 +113,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         type=timeout_seconds,
         help="seconds a collective may wait for a peer (default 120)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="launch even when the plan needs more memory or processes than this machine has "
+        "(the pre-flight check; refused without it)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,11 +153,21 @@ DEFAULT_SETTINGS = RunSettings(
 """A new run's settings where no flag is given."""
 
 
-def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = True, say=None) -> Job:
+def prepare(
+    args: argparse.Namespace,
+    *,
+    measure: bool = True,
+    write: bool = True,
+    local_launch: bool = True,
+    say=None,
+) -> Job:
     """Check the inputs, plan if needed, predict, and write the run directory (when ``write``).
-    ``measure``: profile this machine for what the profiles lack (never under torchrun)."""
+    ``measure``: profile this machine for what the profiles lack (never under torchrun).
+    ``local_launch``: every process of the job will start on this machine (hethub train or
+    validate outside torchrun; False under torchrun): the pre-flight check refuses a job this
+    machine cannot hold (hethub.cli.preflight), or with --force warns."""
     if args.resume:
-        return _prepare_resume(args, measure, write, say)
+        return _prepare_resume(args, measure, write, local_launch, say)
     cluster_path = Path(args.cluster) if args.cluster else builtin_cluster()
     if args.plan and not args.cluster:
         raise HethubError("--plan needs --cluster: a plan names the groups of a cluster file")
@@ -164,14 +183,17 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
         _check_data(
             settings, model, plan.global_batch
         )  # bad data stops before anything is measured
+        _check_before_measuring(args, cluster, model, plan, measure, local_launch)
         profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     else:
         model = load_model(args.model or DEFAULT_MODEL, source="--model")
         global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
         _check_data(settings, model, global_batch)
+        _check_before_measuring(args, cluster, model, None, measure, local_launch)
         profiles, basis = _profiles(args, cluster, model, None, measure, say)
         plan = _plan(cluster, model, global_batch, args.model or DEFAULT_MODEL, profiles, say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
+    _check_launch(args, plan, cluster, prediction, local_launch, say)
     if write:  # every check passed: only now is the run directory made
         run = _make_run_dir(args.run_dir) if args.run_dir else new_run_dir(Path("runs"), name)
         run.write_text(run.cluster, cluster_path.read_text())
@@ -192,7 +214,9 @@ def prepare(args: argparse.Namespace, *, measure: bool = True, write: bool = Tru
     )
 
 
-def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -> Job:
+def _prepare_resume(
+    args: argparse.Namespace, measure: bool, write: bool, local_launch: bool, say
+) -> Job:
     """--resume RUN_DIR: from its latest complete checkpoint; a run that stopped before its
     first checkpoint starts again from step 0, under its settings and the flags given."""
     run = RunDir(args.resume)
@@ -212,8 +236,10 @@ def _prepare_resume(args: argparse.Namespace, measure: bool, write: bool, say) -
     check_plan(plan, cluster, model, str(plan_path))
     _check_data(settings, model, plan.global_batch)
     _check_profiles_folder(args, cluster, measure)
+    _check_before_measuring(args, cluster, model, plan, measure, local_launch)
     profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
+    _check_launch(args, plan, cluster, prediction, local_launch, say)
     if write:
         if done is None:  # started again: the steps the stopped attempt logged are not this run's
             run.keep_metrics_until(0)
@@ -347,6 +373,54 @@ def _make_run_dir(path: str) -> RunDir:
     except OSError as error:
         raise HethubError(f"--run-dir = {path!r}: cannot be made ({error.strerror})") from None
     return RunDir(path)
+
+
+def _forced(args: argparse.Namespace) -> bool:
+    """--force given (hethub validate's namespace has no such flag: never forced there)."""
+    return bool(getattr(args, "force", False))
+
+
+def _check_before_measuring(
+    args: argparse.Namespace,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    plan: Plan | None,
+    measure: bool,
+    local_launch: bool,
+) -> None:
+    """Profiling this machine for a CPU cluster starts as many processes as the job and takes
+    minutes: what the pre-flight would refuse is refused before it, on the analytic prediction of
+    the plan (no plan yet: on what every plan of the model needs). With --force it is left to the
+    pre-flight proper, which warns."""
+    if not (local_launch and measure and all_cpu(cluster)) or _forced(args):
+        return
+    machine = preflight.this_machine()
+    if plan is None:
+        found = preflight.unplanned_excesses(cluster, model, DEFAULT_PRECISION, machine)
+    else:
+        found = preflight.launch_excesses(plan, cluster, predict(plan, cluster, model), machine)
+    preflight.refuse_or_warn(found, force=False, warn=_warn)
+
+
+def _check_launch(
+    args: argparse.Namespace,
+    plan: Plan,
+    cluster: ClusterSpec,
+    prediction: Prediction,
+    local_launch: bool,
+    say,
+) -> None:
+    """The pre-flight check of a job launched on this machine."""
+    if local_launch:
+        preflight.refuse_or_warn(
+            preflight.launch_excesses(plan, cluster, prediction, preflight.this_machine()),
+            force=_forced(args),
+            warn=say or _warn,
+        )
+
+
+def _warn(message: str) -> None:
+    print(f"hethub: {message}", file=sys.stderr, flush=True)
 
 
 def plan_devices(plan: Plan) -> int:
