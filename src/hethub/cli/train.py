@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
                 "under torchrun give --cluster, --plan and --run-dir (a folder every node sees), "
                 "or --resume RUN_DIR"
             )
-        job = prepare(args, measure=False, write=os.environ.get("RANK", "0") == "0")
+        job = prepare(
+            args, measure=False, write=os.environ.get("RANK", "0") == "0", local_launch=False
+        )
         return _train(
             job.run,
             job.settings,
