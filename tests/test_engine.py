@@ -77,7 +77,8 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
             grads = {name: p.grad.clone() for name, p in engine.weights.named}
         engine.update()
     me = topology.ranks[rank]
-    return losses, grads, me.tp_rank, me.tp, dict(engine.comm.bytes)
+    computed_in = {param.dtype for param in engine.weights.stage.parameters()}
+    return losses, grads, me.tp_rank, me.tp, computed_in, dict(engine.comm.bytes)
 
 
 def stage(group, tp, layers):
@@ -187,7 +188,7 @@ def test_gradients_synced_in_many_small_buckets_match_the_reference_too():
 
 def check_against_reference(name, bucket_bytes, precision="fp32"):
     """fp32: the first step's gradients (assert_close) and the losses of STEPS steps (1e-5);
-    bf16: the losses within 2e-2 of the bf16 reference's, and not those of fp32."""
+    bf16: every stage computes in bf16, and the losses are within 2e-2 of the bf16 reference's."""
     preset, fields = PLANS[name]
     plan_dict = {"model": preset, "micro_batch": 1, "precision": precision, **fields}
     plan = parse_plan(plan_dict)
@@ -204,13 +205,15 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
     # Only a plan whose stages or replicas span vendors moves anything over the bridge.
     assert (bridged > 0) == (len(vendors) > 1)
     if precision == "bf16":
-        fp32_losses, _ = reference(preset, plan.global_batch, "fp32")
-        for losses, *_ in results:
+        # That the losses differ from fp32's proves nothing: on a small model bf16 can land
+        # within 1e-4 of them. The stage's own weights say what it computed in.
+        for losses, _, _, _, computed_in, _ in results:
+            assert computed_in == {torch.bfloat16}
             assert losses == pytest.approx(ref_losses, rel=2e-2)
-            assert losses != pytest.approx(fp32_losses, rel=1e-4)  # it did train in bf16
         return results
     table = parameter_table(load_model(preset))
-    for losses, grads, tp_rank, tp, _ in results:
+    for losses, grads, tp_rank, tp, computed_in, _ in results:
+        assert computed_in == {torch.float32}
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for full_name, grad in grads.items():
             torch.testing.assert_close(
