@@ -20,13 +20,12 @@ import torch.distributed.checkpoint as dcp
 
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
-from hethub.runtime.checkpoint import (
+from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
+from hethub.runtime.checkpoint_folders import (
     keep_latest,
     latest_checkpoint,
-    load_checkpoint,
     read_meta,
     remove_debris,
-    save_checkpoint,
 )
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard

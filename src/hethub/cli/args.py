@@ -30,6 +30,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type= of a count that may be 0 (restarts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"= {text}: must be an integer of 0 or more")
+    return value
+
+
 SEEDS = 2**32
 """--seed takes 0 .. SEEDS - 1, the usual range of a seed (numpy's): the runtime seeds torch's
 generators with seed x 1,000,003 + step, which must stay within 64 bits (10**23 did not)."""

@@ -28,6 +28,7 @@ from hethub.errors import HethubError
 from hethub.predictor import Prediction, predict
 from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
 from hethub.report.text import plural
+from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
 from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -266,7 +267,6 @@ def _prepare_resume(
 
 def _run_state(run: RunDir) -> tuple[RunSettings, int | None]:
     """A run's settings, and the step of its latest complete checkpoint (None: it has none)."""
-    from hethub.runtime.checkpoint import latest_checkpoint, read_meta  # torch: only for a run
 
     settings = run.read_settings()
     checkpoint = latest_checkpoint(run.checkpoints)

@@ -9,8 +9,9 @@ import os
 import statistics
 import sys
 
+from hethub.cli.args import non_negative_int
 from hethub.cli.jobs import Job, add_job_arguments, plan_devices, prepare
-from hethub.cli.launch import launch
+from hethub.cli.launch import DEFAULT_MAX_RESTARTS, launch
 from hethub.errors import HethubError
 from hethub.report.text import plural
 
@@ -29,6 +30,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its latest checkpoint (under its plan, or another --plan)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=DEFAULT_MAX_RESTARTS,
+        help="restart the workers this many times after a failure; they resume from the "
+        f"latest checkpoint (default {DEFAULT_MAX_RESTARTS}; under your own torchrun, give "
+        "torchrun --max-restarts)",
     )
     parser.add_argument(
         "--worker-of", help=argparse.SUPPRESS
@@ -61,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         )
     job = prepare(args, say=_say)
     _announce(job, args)
-    code = launch(job, as_json=args.json)
+    code = launch(job, as_json=args.json, max_restarts=args.max_restarts)
     if code == 0:
         _closing(job, args)
     return code

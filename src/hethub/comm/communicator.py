@@ -11,6 +11,7 @@ is staged through host memory when that group runs on gloo.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,13 @@ NATIVE, BRIDGE = "native", "bridge"
 class Communicator:
     """This rank's view: which path reaches which peer, and the bytes moved on each."""
 
-    def __init__(self, vendors: Sequence[str]) -> None:
-        """``vendors``: every rank's accelerator vendor, in rank order."""
+    def __init__(self, vendors: Sequence[str], timeout: timedelta | None = None) -> None:
+        """``vendors``: every rank's accelerator vendor, in rank order; ``timeout``: how long a
+        message may take (None: forever). Collectives time out by their process group's
+        timeout; a point-to-point wait in gloo does not, and would wait forever on a peer
+        that stopped (SIGSTOP, a hung device) without dying."""
         self.rank = dist.get_rank()
+        self.timeout = timeout
         self.vendor = list(vendors)
         self.bytes = {NATIVE: 0, BRIDGE: 0}
 
@@ -39,11 +44,18 @@ class Communicator:
     def recv(self, buffer: torch.Tensor, peer: int, group=None) -> torch.Tensor:
         """Receive into ``buffer`` from global rank ``peer`` through ``group`` (None: the world)."""
         staged = self._staged(buffer, group, copy=False)
-        dist.recv(staged, peer, group=group)
+        self.wait(dist.irecv(staged, peer, group=group))
         self.bytes[self.path(self.rank, peer)] += buffer.numel() * buffer.element_size()
         if staged is not buffer:  # queued on the device behind its work; the host goes on
             buffer.copy_(staged, non_blocking=True)
         return buffer
+
+    def wait(self, work) -> None:
+        """Wait for a point-to-point ``work`` within the timeout (RuntimeError past it)."""
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
         """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""

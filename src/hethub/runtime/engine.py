@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -116,18 +117,19 @@ class Engine:
         cluster: ClusterSpec,
         *,
         device: torch.device | None = None,
+        timeout: timedelta | None = None,
         **kwargs,
     ) -> Engine:
         """Collective: this rank's engine on ``device`` (default: the CPU) with its communicator
-        and the job's process groups (created here, on every rank alike); ``kwargs`` as for the
-        constructor."""
+        (whose messages wait at most ``timeout``) and the job's process groups (created here,
+        on every rank alike); ``kwargs`` as for the constructor."""
         device = device or torch.device("cpu")
         groups = create_job_groups(topology, spec, cluster, device)
         return cls(
             plan,
             topology,
             spec,
-            Communicator(topology.vendors(cluster)),
+            Communicator(topology.vendors(cluster), timeout),
             groups,
             device=device,
             **kwargs,
@@ -155,6 +157,9 @@ class Engine:
         self._step_start, self.timeline = time.perf_counter(), []
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
         loss_sum = self._run_schedule(self._my_micro_batches(tokens), total)
+        # This rank's share of the loss (0 off the last stage's leaders): which rank's went
+        # non-finite is what a run stopped on a NaN reports.
+        self.own_loss = loss_sum
         with self._timed("grad_sync"):
             self._sync_gradients()
             reported = torch.tensor([loss_sum])
@@ -224,7 +229,7 @@ class Engine:
                 del inputs[j], outputs[j]
         with self._timed("send_wait"):
             for work in sends:
-                work.wait()
+                self.comm.wait(work)
         return loss_sum
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

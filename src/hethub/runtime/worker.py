@@ -8,9 +8,12 @@ progress on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import math
 import os
+import signal
 import sys
 
 import torch
@@ -24,15 +27,17 @@ from hethub.report.text import plural
 from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
-from hethub.runtime.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    remove_debris,
-    save_checkpoint,
-)
+from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
+from hethub.runtime.checkpoint_folders import latest_checkpoint, remove_debris
 from hethub.runtime.data import global_batch
 from hethub.runtime.engine import Engine
 from hethub.runtime.rundir import RunDir, RunSettings
+from hethub.runtime.supervision import (
+    LAUNCHED_BY_HETHUB,
+    Heartbeat,
+    StopRequest,
+    die_with_parent,
+)
 from hethub.runtime.timeline import stage_times
 from hethub.runtime.topology import Topology
 from hethub.spec.cluster import ClusterSpec
@@ -52,7 +57,8 @@ def train(
     resume: bool,
     as_json: bool,
 ) -> int:
-    """Train the run's plan from its start (or its latest checkpoint) to settings.steps."""
+    """Train the run's plan from its start (or its latest checkpoint) to settings.steps; the
+    exit status: 0, 1 when the loss went non-finite, 128 + N when signal N stopped it."""
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise HethubError(
@@ -60,60 +66,163 @@ def train(
             f"torchrun started {world} "
             f"(give --nproc-per-node x nodes = {topology.world_size})"
         )
+    die_with_parent()
+    stop = StopRequest()
+    # torchrun restarted the workers after a failure: they go on from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     torch.set_num_threads(1)
     bind_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
+    rank = dist.get_rank()
+    heartbeat = Heartbeat(rank, world, HEARTBEAT_S, settings.timeout_s)
     try:
-        rank = dist.get_rank()
-        # Each rank on its node's accelerator of its group's kind, by LOCAL_RANK, else the CPU.
-        device = local_device(topology.vendors(cluster)[rank], int(os.environ["LOCAL_RANK"]))
-        engine = Engine.for_job(
-            plan,
-            topology,
-            model,
-            cluster,
-            seed=settings.seed,
-            lr=settings.lr,
-            device=device,
-            speed=cluster.group(topology.ranks[rank].group).speed,
+        return _train_steps(
+            run, settings, cluster, plan, model, topology, corpus, stop, resume, restarted, as_json
         )
-        if rank == 0:  # no save runs yet: what crashed saves left can go
-            remove_debris(run.checkpoints)
-        start = load_checkpoint(engine, latest_checkpoint(run.checkpoints))["step"] if resume else 0
-        log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
-        if log and resume:
-            run.keep_metrics_until(start)
-        moved_before = torch.zeros(2, dtype=torch.float64)
-        timelines: list = []
-        for step in range(start, settings.steps):
-            loss = engine.step(
-                global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed)
-            )
-            moved = torch.tensor(
-                [engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]], dtype=torch.float64
-            )
-            dist.all_reduce(moved)
-            gathered = [None] * world if rank == 0 else None
-            dist.gather_object((engine.timeline, peak_memory_bytes(device)), gathered, dst=0)
-            if log:
-                timelines = [timeline for timeline, _ in gathered]
-                peaks = [peak for _, peak in gathered if peak is not None]
-                peak = max(peaks) if peaks else None
-                log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
-            moved_before = moved
-            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
-                save_checkpoint(
-                    engine,
-                    run.checkpoints,
-                    step + 1,
-                    {"plan": plan.to_dict()},
-                    keep=settings.keep_checkpoints,
-                )
-        if log:
-            log.finish(timelines, world)
+    except RuntimeError:  # dist.DistError is one: a collective that failed or timed out
+        if _lost_peers(heartbeat, topology, stop, settings.timeout_s):
+            return 1
+        raise  # nobody is missing: a fault of this rank's own, with its traceback
     finally:
-        dist.destroy_process_group()
+        heartbeat.close()
+        with contextlib.suppress(RuntimeError):  # a group whose peers are gone
+            dist.destroy_process_group()
+
+
+HEARTBEAT_S = 0.5
+"""How often a rank says it is alive (hethub.runtime.supervision.Heartbeat): a silent rank is
+named within a few beats of --timeout."""
+
+
+def _train_steps(
+    run, settings, cluster, plan, model, topology, corpus, stop, resume, restarted, as_json
+) -> int:
+    rank = dist.get_rank()
+    world = topology.world_size
+    # Each rank on its node's accelerator of its group's kind, by LOCAL_RANK, else the CPU.
+    device = local_device(topology.vendors(cluster)[rank], int(os.environ["LOCAL_RANK"]))
+    engine = Engine.for_job(
+        plan,
+        topology,
+        model,
+        cluster,
+        seed=settings.seed,
+        lr=settings.lr,
+        device=device,
+        timeout=datetime.timedelta(seconds=settings.timeout_s),
+        speed=cluster.group(topology.ranks[rank].group).speed,
+    )
+    if rank == 0:  # no save runs yet: what crashed saves left can go
+        remove_debris(run.checkpoints)
+    checkpoint = latest_checkpoint(run.checkpoints) if (resume or restarted) else None
+    start = load_checkpoint(engine, checkpoint)["step"] if checkpoint else 0
+    log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
+    if log and (resume or restarted):
+        run.keep_metrics_until(start)  # the steps after the checkpoint run again
+        if restarted and LAUNCHED_BY_HETHUB not in os.environ:  # hethub train says it otherwise
+            _say(f"workers restarted: resuming from step {start}")
+    moved_before = torch.zeros(2, dtype=torch.float64)
+    timelines: list = []
+    saved = start
+    for step in range(start, settings.steps):
+        loss = engine.step(
+            global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed)
+        )
+        # One all-reduce a step carries what every rank must agree on: the bytes moved, whether
+        # a signal asked to stop (so that all stop after the same step), and which ranks saw
+        # a non-finite loss of their own. Per-rank slots, so that one SUM serves them all.
+        shared = torch.zeros(2 + 2 * world, dtype=torch.float64)
+        shared[0], shared[1] = engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]
+        shared[2 + rank] = stop.signal or 0
+        shared[2 + world + rank] = not math.isfinite(engine.own_loss)
+        dist.all_reduce(shared)
+        moved, stop_signal = shared[:2], int(shared[2 : 2 + world].max().item())
+        non_finite = [r for r in range(world) if shared[2 + world + r] > 0]
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((engine.timeline, peak_memory_bytes(device)), gathered, dst=0)
+        if log:
+            timelines = [timeline for timeline, _ in gathered]
+            peaks = [peak for _, peak in gathered if peak is not None]
+            peak = max(peaks) if peaks else None
+            log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
+        moved_before = moved
+        if non_finite or not math.isfinite(loss):
+            return _stopped_non_finite(run, topology, step + 1, loss, non_finite, saved, log)
+        due = (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps
+        if due or stop_signal:
+            if not _parameters_finite(engine):
+                return _stopped_non_finite(run, topology, step + 1, loss, [], saved, log)
+            save_checkpoint(
+                engine,
+                run.checkpoints,
+                step + 1,
+                {"plan": plan.to_dict()},
+                keep=settings.keep_checkpoints,
+            )
+            saved = step + 1
+        if stop_signal:
+            if log:
+                log.close()
+            if log and LAUNCHED_BY_HETHUB not in os.environ:  # hethub train says it otherwise
+                name = signal.Signals(stop_signal).name
+                _say(
+                    f"stopped by {name} after step {step + 1}, checkpoint written; "
+                    f"resume with: hethub train --resume {run.path}"
+                )
+            return 128 + stop_signal
+    if log:
+        log.finish(timelines, world)
     return 0
+
+
+def _parameters_finite(engine: Engine) -> bool:
+    """Every rank's trained parameters are finite: a checkpoint is never written otherwise."""
+    finite = torch.tensor(
+        [float(all(bool(torch.isfinite(p).all()) for p in engine.weights.parameters()))]
+    )
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def _stopped_non_finite(run, topology, step, loss, ranks, saved, log) -> int:
+    """A loss (or, at a checkpoint, a weight) went non-finite: training on would write NaN
+    checkpoints. Every rank stops here; the run keeps its last finite checkpoint."""
+    if log:
+        log.close()
+        where = ", ".join(_describe(topology.ranks[r]) for r in ranks) or "its weights"
+        kept = f"its last checkpoint, step {saved}, is finite" if saved else "no checkpoint"
+        _say(
+            f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
+            f"stopped before writing a checkpoint of it ({kept}); train again with a lower --lr"
+        )
+        run.write_json(run.path / "stopped.json", {"reason": "non-finite loss", "step": step})
+    # Under hethub train every rank exits 0, or torchrun would restart them into the same NaN;
+    # hethub train finds stopped.json and exits 1. Under the user's torchrun: a failure.
+    return 0 if LAUNCHED_BY_HETHUB in os.environ else 1
+
+
+def _describe(r) -> str:
+    return f"rank {r.rank} (group {r.group}, replica {r.replica}, stage {r.stage})"
+
+
+def _lost_peers(heartbeat: Heartbeat, topology: Topology, stop, timeout_s: float) -> bool:
+    """After a failed collective: whether peers went missing (or the agent is stopping the
+    workers), naming, once for the whole job, the ranks that stopped answering."""
+    silent = heartbeat.silent_ranks()
+    # Ranks whose process ended: the agent reports their exit; the survivors only follow.
+    gone = [r for r in silent if heartbeat.alive_here(r) is False]
+    hung = [r for r in silent if r not in gone]
+    if hung and heartbeat.first_to_report():
+        _say(
+            f"error: {', '.join(_describe(topology.ranks[r]) for r in hung)} did not answer "
+            f"within --timeout {timeout_s:g} s (stopped, hung or cut off); stopping the workers"
+        )
+        heartbeat.stop_silent_local_peers(hung)
+    return bool(silent) or stop.signal is not None
+
+
+def _say(message: str) -> None:
+    print(f"hethub train: {message}", file=sys.stderr, flush=True)
 
 
 class _StepLog:
@@ -206,11 +315,14 @@ class _StepLog:
         elif not self.as_json:  # a log: one line per step, for people and for grep
             print(f"step {step}/{steps}: {detail}", file=sys.stderr, flush=True)
 
-    def finish(self, timelines: list[list[TimelineEvent]], world: int) -> None:
+    def close(self) -> None:
         if self.bar:
             self.bar.close()
         if self.board:
             self.board.close()
+
+    def finish(self, timelines: list[list[TimelineEvent]], world: int) -> None:
+        self.close()
         events = []
         if self.prediction:
             events += [
