@@ -300,7 +300,8 @@ def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(f
     reference = losses(one.stdout)
     assert len(reference) == 2
     for first, order in (("a:0", [("a:0", 2), ("b:0", 1)]), ("b:0", [("b:0", 1), ("a:0", 2)])):
-        done = dict(zip([node for node, _ in order], two_nodes(files, order, f"runs/{first}")))
+        started = two_nodes(files, order, f"runs/{first[0]}-first")
+        done = dict(zip([node for node, _ in order], started))
         for node, (code, _, err) in done.items():
             assert code == 0, f"node {node}:\n{err}"
         # torchrun numbered the node started first 0, whichever group it is; the plan did not
