@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,10 @@ from hethub.runtime.topology import build_topology
 from hethub.spec import parse_cluster, parse_plan
 
 # Two vendors, run on this machine's CPU (no such GPU here): group a's node holds 2 devices, b's 1.
+# Group a's node is this machine by name, so that a node a:0 without --this-node finds itself.
 CLUSTER = """groups:
-  - {name: a, accelerator: a100-80gb, nodes: 1, devices_per_node: 2}
-  - {name: b, accelerator: mi250x, nodes: 1, devices_per_node: 1}
+  - {{name: a, accelerator: a100-80gb, nodes: 1, devices_per_node: 2, hosts: [{host}]}}
+  - {{name: b, accelerator: mi250x, nodes: 1, devices_per_node: 1, hosts: [elsewhere.invalid]}}
 """
 # A TP-2 stage on a's node, then a stage on b's: which process is which matters to the plan.
 PLAN = """model: tiny-llama
@@ -227,7 +229,7 @@ TIMEOUT_S = 180  # a wait for one launch: 3 workers and 2 agents import torch on
 
 @pytest.fixture
 def files(tmp_path):
-    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER.format(host=json.dumps(socket.gethostname())))
     (tmp_path / "plan.yaml").write_text(PLAN)
     return tmp_path
 
@@ -240,19 +242,21 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
-def node_command(port: int, node: str, processes: int, run_dir: str) -> list[str]:
-    """What the user runs on one node (README, "Long runs on a cluster")."""
+def node_command(port: int, node: str | None, processes: int, run_dir: str) -> list[str]:
+    """What the user runs on one node (README, "Long runs on a cluster"); without a node, the
+    node is the one the cluster's hosts name this machine."""
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
         *("--nproc-per-node", str(processes), "--rdzv-backend", "c10d"),
         *("--rdzv-endpoint", f"127.0.0.1:{port}"),
         *("-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan", "plan.yaml"),
-        *("--this-node", node, "--run-dir", run_dir, "--json"),
+        *(("--this-node", node) if node else ()),
+        *("--run-dir", run_dir, "--json"),
         *("--steps", "2", "--timeout", "60"),
     ]
 
 
-def two_nodes(folder: Path, nodes: list[tuple[str, int]], run_dir: str) -> list[tuple]:
+def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -> list[tuple]:
     """Start one torchrun agent per (--this-node, processes), in this order (the c10d rendezvous
     ranks the agents of one host by pid: the first started is torchrun's node 0); per agent, in
     the same order: its exit status, stdout and stderr."""
@@ -299,9 +303,14 @@ def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(f
     assert one.returncode == 0, one.stderr
     reference = losses(one.stdout)
     assert len(reference) == 2
-    for first, order in (("a:0", [("a:0", 2), ("b:0", 1)]), ("b:0", [("b:0", 1), ("a:0", 2)])):
-        started = two_nodes(files, order, f"runs/{first[0]}-first")
-        done = dict(zip([node for node, _ in order], started))
+    # (node, its --this-node, processes) in the order started. Node a:0 says which it is with
+    # --this-node when it starts first, and by its host name in the cluster's hosts when second.
+    for first, order in (
+        ("a:0", [("a:0", "a:0", 2), ("b:0", "b:0", 1)]),
+        ("b:0", [("b:0", "b:0", 1), ("a:0", None, 2)]),
+    ):
+        started = two_nodes(files, [(flag, n) for _, flag, n in order], f"runs/{first[0]}-first")
+        done = dict(zip([node for node, _, _ in order], started))
         for node, (code, _, err) in done.items():
             assert code == 0, f"node {node}:\n{err}"
         # torchrun numbered the node started first 0, whichever group it is; the plan did not
