@@ -81,3 +81,15 @@ def timeout_seconds(text: str) -> float:
             f"= {text}: must be at most {longest:.0f} seconds ({LONGEST_TIMEOUT.days} days)"
         )
     return value
+
+
+def node(text: str) -> tuple[str, int]:
+    """argparse type= of --this-node: GROUP:INDEX, a group's name and one of its nodes from 0 (that
+    the cluster has them is checked once it is read: hethub.runtime.nodes)."""
+    group, _, index = text.rpartition(":")
+    if not group.strip() or not index.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"= {text}: must be GROUP:INDEX, a group of the cluster file and the index of "
+            f"this node among the group's, from 0 (e.g. gpu:0)"
+        )
+    return group, int(index)

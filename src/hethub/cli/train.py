@@ -9,8 +9,8 @@ import os
 import statistics
 import sys
 
-from hethub.cli.args import non_negative_int
-from hethub.cli.jobs import Job, add_job_arguments, plan_devices, prepare
+from hethub.cli.args import node, non_negative_int
+from hethub.cli.jobs import DEFAULT_SETTINGS, Job, add_job_arguments, plan_devices, prepare
 from hethub.cli.launch import DEFAULT_MAX_RESTARTS, launch
 from hethub.errors import HethubError
 from hethub.report.text import plural
@@ -30,6 +30,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its latest checkpoint (under its plan, or another --plan)",
+    )
+    # Not "--node": torchrun parses its whole command line first, and refuses --node as an
+    # ambiguous abbreviation of its --node-rank (Python 3.11's argparse), wherever it stands.
+    parser.add_argument(
+        "--this-node",
+        type=node,
+        metavar="GROUP:INDEX",
+        help="under torchrun on several nodes: which node of the cluster this one is (its "
+        "group, and its index among the group's nodes from 0); without it, this host's name "
+        "in the group's hosts",
     )
     parser.add_argument(
         "--max-restarts",
@@ -56,9 +66,16 @@ def run(args: argparse.Namespace) -> int:
                 "under torchrun give --cluster, --plan and --run-dir (a folder every node sees), "
                 "or --resume RUN_DIR"
             )
-        job = prepare(
-            args, measure=False, write=os.environ.get("RANK", "0") == "0", local_launch=False
-        )
+        try:
+            job = prepare(
+                args, measure=False, write=os.environ.get("RANK", "0") == "0", local_launch=False
+            )
+        except HethubError as error:  # the other nodes' processes would wait for this one
+            from hethub.runtime.nodes import tell_the_others
+
+            tell_the_others(error, args.this_node, args.timeout or DEFAULT_SETTINGS.timeout_s)
+            raise
+        _take_place(args.this_node, job)
         return _train(
             job.run,
             job.settings,
@@ -67,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
             job.model,
             resume=job.resume_from is not None,
             as_json=args.json,
+        )
+    if args.this_node:
+        group, index = args.this_node
+        raise HethubError(
+            f"--this-node = '{group}:{index}': only under the user's torchrun, one per "
+            f"node; outside torchrun, hethub train starts every process on this machine"
         )
     job = prepare(args, say=_say)
     _announce(job, args)
@@ -130,6 +153,14 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
     print(
         f"resume it with: hethub train --resume {run} --steps {job.settings.steps + 20}", file=out
     )
+
+
+def _take_place(node, job: Job) -> None:
+    """Under the user's torchrun: RANK becomes this process's plan rank, from its node."""
+    from hethub.runtime.nodes import take_place
+    from hethub.runtime.topology import build_topology
+
+    take_place(node, job.cluster, build_topology(job.plan, job.cluster), job.settings.timeout_s)
 
 
 def _worker(args: argparse.Namespace) -> int:

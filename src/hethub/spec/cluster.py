@@ -28,6 +28,9 @@ class DeviceGroup:
     intra_node_gb_s: float | None = None
     """The link inside a node as measured on these nodes, GB/s per device per direction (None:
     the accelerator's figure)."""
+    hosts: tuple[str, ...] | None = None
+    """The host name of each node, in node order (None: not given). A process under torchrun
+    without --node finds its node by its host name here (hethub.runtime.nodes)."""
 
     @property
     def link_gb_s(self) -> float:
@@ -91,6 +94,7 @@ _GROUP_FIELDS = (
     "network_gbps",
     "speed",
     "intra_node_gb_s",
+    "hosts",
 )
 
 
@@ -104,21 +108,36 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
         if any(g.name == name for g in groups):
             raise f.error("name", name, "group names must be unique")
         accelerator = parse_accelerator(f.raw("accelerator"), source, f.path("accelerator"))
+        nodes = f.positive_int("nodes", 1)
         groups.append(
             DeviceGroup(
                 name=name,
                 accelerator=accelerator,
-                nodes=f.positive_int("nodes", 1),
+                nodes=nodes,
                 devices_per_node=f.positive_int("devices_per_node"),
                 network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
                 speed=f.positive_number("speed") if f.has("speed") else None,
                 intra_node_gb_s=(
                     f.positive_number("intra_node_gb_s") if f.has("intra_node_gb_s") else None
                 ),
+                hosts=_hosts(f, nodes) if f.has("hosts") else None,
             )
         )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
     return ClusterSpec(groups=tuple(groups), cross_group_gbps=cross, source=source)
+
+
+def _hosts(f: Fields, nodes: int) -> tuple[str, ...]:
+    """A group's ``hosts``: one distinct host name per node (a node is one machine)."""
+    hosts = f.string_list("hosts")
+    if len(hosts) != nodes:
+        raise f.error(
+            "hosts", hosts, f"must name one host per node: {nodes} names (nodes = {nodes})"
+        )
+    for i, host in enumerate(hosts):
+        if host in hosts[:i]:
+            raise f.error("hosts", hosts, f"{host!r} is named twice: each node is its own host")
+    return tuple(hosts)
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

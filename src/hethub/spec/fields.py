@@ -111,6 +111,16 @@ class Fields:
             raise self.error(key, value, f"must be one of {', '.join(choices)}{hint}")
         return value.lower()
 
+    def string_list(self, key: str) -> list[str]:
+        value = self.raw(key)
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, str) and v.strip() for v in value)
+        ):
+            raise self.error(key, _short(value), "must be a non-empty list of non-empty strings")
+        return value
+
     def mapping_list(self, key: str) -> list[Any]:
         value = self.raw(key)
         if not isinstance(value, list) or not value:
