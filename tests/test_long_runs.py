@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ class Training:
         _, stderr = self.process.communicate(timeout=timeout)
         return self.process.returncode, stderr
 
-    def __enter__(self) -> Training:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_) -> None:
@@ -169,8 +170,10 @@ def test_a_stopped_worker_is_named_within_the_timeout_in_one_line(folder):
     assert code == 1, stderr
     said = [line for line in stderr.splitlines() if "did not answer" in line]
     assert said == [
-        "hethub train: error: rank 1 (group amd, replica 0, stage 1) did not answer within "
-        f"--timeout {timeout} s (stopped, hung or cut off); stopping the workers"
+        (
+            "hethub train: error: rank 1 (group amd, replica 0, stage 1) did not answer within "
+            f"--timeout {timeout} s (stopped, hung or cut off); stopping the workers"
+        )
     ]
     assert took < timeout + 30  # the timeout, a few heartbeats, and the workers' exit
     assert "Traceback" not in stderr  # torchrun's own ChildFailedError is one line too
