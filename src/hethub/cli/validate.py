@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 
+from hethub.cli.args import positive_int, seed, timeout_seconds
 from hethub.cli.jobs import Job, prepare
 from hethub.cli.launch import launch
 from hethub.errors import HethubError
@@ -33,9 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--plan", required=True, help="plan YAML file")
     parser.add_argument(
-        "--steps", type=int, default=5, help="steps to run, the first a warm-up (default 5)"
+        "--steps",
+        type=positive_int,
+        default=5,
+        help="steps to run, the first a warm-up (default 5)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the weights and the batches")
     parser.add_argument("--data", help="training data (default: the built-in corpus)")
     parser.add_argument("--run-dir", help="where the run is written (default runs/<plan name>)")
     parser.add_argument(
@@ -45,7 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument(
-        "--timeout", type=float, default=120, help="seconds a collective may wait for a peer"
+        "--timeout",
+        type=timeout_seconds,
+        default=120,
+        help="seconds a collective may wait for a peer",
     )
     parser.set_defaults(run=run)
 
