@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         job_args,
         say=lambda message: print(f"hethub validate: {message}", file=sys.stderr, flush=True),
     )
-    code = launch(job, as_json=False)
+    code = launch(job, as_json=False, max_restarts=0)  # a measurement: a failure is the answer
     if code:
         return code
     report = compare(job)
