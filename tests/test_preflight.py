@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import hethub.cli.launch
 import hethub.cli.train
+import hethub.cli.validate
 from hethub.cli import main, preflight
 from hethub.cli.jobs import prepare
 from hethub.errors import HethubError
@@ -68,8 +68,7 @@ def here(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(hethub.cli.train, "launch", no_launch)
-    monkeypatch.setattr(hethub.cli.launch.subprocess, "run", no_launch)
-    monkeypatch.setattr(hethub.cli.launch.subprocess, "Popen", no_launch)
+    monkeypatch.setattr(hethub.cli.validate, "launch", no_launch)
     return tmp_path
 
 
