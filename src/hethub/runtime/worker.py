@@ -137,6 +137,8 @@ def _train_steps(
         shared[2 + world + rank] = not math.isfinite(engine.own_loss)
         dist.all_reduce(shared)
         moved, stop_signal = shared[:2], int(shared[2 : 2 + world].max().item())
+        if step + 1 == settings.steps:
+            stop_signal = 0  # the run is done: it ends as any finished run does
         non_finite = [r for r in range(world) if shared[2 + world + r] > 0]
         gathered = [None] * world if rank == 0 else None
         dist.gather_object((engine.timeline, peak_memory_bytes(device)), gathered, dst=0)
