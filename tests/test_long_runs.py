@@ -71,7 +71,8 @@ class Training:
             time.sleep(0.02)
 
     def workers(self) -> list[int]:
-        return _workers_of(self.folder, self.run)
+        """The workers' pids in rank order (hethub train's ranks are torchrun's local ranks)."""
+        return sorted(_workers_of(self.folder, self.run), key=local_rank)
 
     def finish(self, timeout: float = 120) -> tuple[int, str]:
         _, stderr = self.process.communicate(timeout=timeout)
@@ -90,6 +91,11 @@ class Training:
         if self.process.poll() is None:
             self.process.kill()
             self.process.communicate(timeout=30)
+
+
+def local_rank(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(int(v.split(b"=")[1]) for v in environ if v.startswith(b"LOCAL_RANK="))
 
 
 def alive(pids: list[int]) -> list[int]:
