@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from hethub.cli.args import node, positive_int, timeout_seconds
 from hethub.errors import HethubError
 from hethub.profile.store import (
     LayerProfile,
@@ -20,10 +22,13 @@ from hethub.profile.store import (
 )
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
-from hethub.spec import load_model
+from hethub.spec import load_cluster, load_model
 from hethub.spec import plan as plan_spec
 
 DEFAULT_OUT = "runs/profiles"
+DEFAULT_CLUSTER_TIMEOUT_S = 600.0
+"""--timeout with --cluster: every wait of the distributed profiler, the longest of which is a
+node waiting for the slowest kind's measurement."""
 DTYPES = ("bf16", "fp32")
 DEFAULT_DTYPE = "bf16" if hasattr(plan_spec, "Precision") else "fp32"
 """The plans' default precision: bf16, or fp32 while plans have no precision (the runtime's)."""
@@ -81,17 +86,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--again", action="store_true", help="measure anew what the directory holds already"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--cluster",
+        help="under torchrun on the cluster's nodes (one process per device): every group "
+        "measures its own kind on its own nodes, the links inside a node, between nodes of a "
+        "group and between groups are measured, and rank 0 writes one folder for the cluster",
+    )
+    # Not "--node": torchrun refuses it as an abbreviation of its --node-rank (hethub train).
+    parser.add_argument(
+        "--this-node",
+        type=node,
+        metavar="GROUP:INDEX",
+        help="with --cluster: which node of the cluster this one is, as hethub train takes it; "
+        "without it, this host's name in the group's hosts",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        help="with --cluster: seconds any process waits for the others, at each step "
+        f"(default {DEFAULT_CLUSTER_TIMEOUT_S:g}; more than a kind's measurement takes)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        help="with --cluster: timed repeats of each layer pass and link message (default the "
+        "profiler's own; fewer: quicker, noisier)",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cluster or "LOCAL_RANK" in os.environ:
+        return _run_cluster(args)
+    alone = [f for f in ("this_node", "timeout", "repeats") if getattr(args, f) is not None]
+    if alone:
+        raise HethubError(
+            f"--{alone[0].replace('_', '-')}: only with --cluster, under torchrun on the "
+            f"cluster's nodes"
+        )
     model = load_model(args.model, source="--model")
-    tps, micro, threads, concurrency = (
-        _positive_list(getattr(args, flag), flag)
-        for flag in ("tp", "micro_batch", "threads", "concurrent_ranks")
-    )
-    if len(threads) != 1:
-        raise HethubError(f"--threads = {args.threads}: give one thread count")
+    tps, micro, threads, concurrency = _measuring_options(args)
     device = _device(args.device)
     from hethub.profile.measure import (  # torch: only to measure
         check_layer_request,
@@ -179,6 +213,97 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _measuring_options(args: argparse.Namespace) -> tuple[list[int], ...]:
+    """--tp, --micro-batch, --threads (one count) and --concurrent-ranks, as lists."""
+    tps, micro, threads, concurrency = (
+        _positive_list(getattr(args, flag), flag)
+        for flag in ("tp", "micro_batch", "threads", "concurrent_ranks")
+    )
+    if len(threads) != 1:
+        raise HethubError(f"--threads = {args.threads}: give one thread count")
+    return tps, micro, threads, concurrency
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    """The distributed profiler (hethub.profile.cluster), in one process of the user's torchrun."""
+    timeout = args.timeout or DEFAULT_CLUSTER_TIMEOUT_S
+    try:
+        if "LOCAL_RANK" not in os.environ:
+            raise HethubError(
+                "--cluster: only under torchrun, one torchrun per node of the cluster with "
+                "--nproc-per-node its devices (README, Distributed profiling); on one machine, "
+                "hethub profile --device NAME"
+            )
+        if not args.cluster:
+            raise HethubError(
+                "under torchrun give --cluster (the cluster file of the nodes it runs on)"
+            )
+        if args.device != "cpu" or args.again:
+            raise HethubError(
+                f"--{'device' if args.device != 'cpu' else 'again'}: not with --cluster: each "
+                f"group's accelerator names its profiles, and every one is measured anew"
+            )
+        cluster = load_cluster(args.cluster)
+        model = load_model(args.model, source="--model")
+        tps, micro, threads, concurrency = _measuring_options(args)
+        if args.dtype not in DTYPES:
+            raise HethubError(f"--dtype = {args.dtype!r}: must be one of {', '.join(DTYPES)}")
+    except HethubError as error:  # the other nodes' processes would wait for this one's claim
+        from hethub.runtime.nodes import tell_the_others
+
+        tell_the_others(error, args.this_node, timeout)
+        raise
+    from hethub.profile.cluster import Request, profile_cluster, summary  # torch: to measure
+
+    request = Request(
+        tps=tuple(tps),
+        micro_batches=tuple(micro),
+        threads=threads[0],
+        concurrency=tuple(concurrency),
+        dtype=args.dtype,
+        timeout_s=timeout,
+        repeats=args.repeats,
+    )
+    out = Path(args.out)
+    started = time.perf_counter()
+    written = profile_cluster(
+        cluster,
+        model,
+        args.this_node,
+        request,
+        out,
+        None if args.json else _say,
+    )
+    if written is None:  # not rank 0: rank 0 reports
+        return 0
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "out": str(out),
+                    "model": model.name,
+                    "cluster": args.cluster,
+                    "dtype": args.dtype,
+                    "seconds": elapsed,
+                    "measured": [str(profile_path(out, p)) for p in written],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print("\n".join(summary(written)))
+    print(
+        f"{len(written)} profiles of {model.name} on {args.cluster} in {elapsed:.1f} s; in {out} "
+        f"(use them with --profiles {out})"
+    )
+    return 0
+
+
+def _say(message: str) -> None:
+    print(f"hethub profile: {message}", file=sys.stderr, flush=True)
 
 
 def _recomputed(profile: LayerProfile) -> str:

@@ -514,6 +514,7 @@ def _layout_costs(
                     groups[s + 1],
                     stage.tp,
                     pipeline.stages[s + 1].tp,
+                    across_nodes=_across_nodes(blocks, s, groups),
                 )
             )
             if measured is None:  # analytic: the gradient takes as long as the activation
@@ -710,16 +711,27 @@ def _profiled_send(
     b: DeviceGroup,
     tp_a: int,
     tp_b: int,
+    *,
+    across_nodes: bool = False,
 ) -> SendTimes | None:
-    """Measured times over a boundary between stages on one kind of accelerator, or None."""
-    if a.accelerator.name != b.accelerator.name:
-        return None
-    link = profiles.link_for(a.accelerator.name)
-    if link is None:
-        return None
+    """Measured times over a stage boundary, or None: between two nodes, the leaders' message
+    over the measured link between their kinds (hethub profile --cluster; through the bridge
+    where the vendors differ) and each TP group's broadcast from its own kind's link profile;
+    else on one kind of accelerator, its link profile (one machine's processes)."""
     nbytes = (
         micro_batch * model.seq_len * model.hidden * profiles.bytes_per_element
     )  # whole, leader to leader
+    kind_a, kind_b = a.accelerator.name, b.accelerator.name
+    between = profiles.link_between(kind_a, kind_b) if across_nodes else None
+    if between is not None:
+        return profiled.cross_send_times(
+            between, profiles.link_for(kind_a), profiles.link_for(kind_b), nbytes, tp_a, tp_b
+        )
+    if kind_a != kind_b:
+        return None
+    link = profiles.link_for(kind_a)
+    if link is None:
+        return None
     return profiled.send_times(link, nbytes, tp_a, tp_b)
 
 
@@ -797,15 +809,24 @@ def _send_time(
     a, b = groups[s], groups[s + 1]
     if a.name != b.name:
         return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, a, b, cal), cal)
+    if not _across_nodes(blocks, s, groups):  # both stages of every replica on one node
+        return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
+    return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
+
+
+def _across_nodes(blocks: list[StageBlock], s: int, groups: tuple[DeviceGroup, ...]) -> bool:
+    """Stage s and s+1 are on different nodes (in different groups, or on more than one node of
+    their group) for some replica."""
+    a, b = groups[s], groups[s + 1]
+    if a.name != b.name:
+        return True
     nodes = {
         blocks[s].first_device // a.devices_per_node,
         blocks[s].last_device // a.devices_per_node,
         blocks[s + 1].first_device // a.devices_per_node,
         blocks[s + 1].last_device // a.devices_per_node,
     }
-    if len(nodes) == 1:  # both stages of every replica on one node
-        return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
-    return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
+    return len(nodes) > 1
 
 
 def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:

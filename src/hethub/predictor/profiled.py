@@ -85,6 +85,32 @@ def send_times(
     return SendTimes(message + forward, message + backward)
 
 
+def cross_send_times(
+    between: LinkProfile,
+    link_a: LinkProfile | None,
+    link_b: LinkProfile | None,
+    nbytes: float,
+    tp_sender: int,
+    tp_receiver: int,
+) -> SendTimes | None:
+    """(activation forward, its gradient backward) over a boundary between two nodes: the
+    leaders' message over the measured link between them, then a broadcast in the receiving TP
+    group, priced by that group's own link profile (nothing for a TP group of one); None where
+    a broadcast is needed and not measured."""
+    message = between.p2p_time(nbytes)
+    forward = _broadcast(link_b, nbytes, tp_receiver)
+    backward = _broadcast(link_a, nbytes, tp_sender)
+    if forward is None or backward is None:
+        return None
+    return SendTimes(message + forward, message + backward)
+
+
+def _broadcast(link: LinkProfile | None, nbytes: float, tp: int) -> float | None:
+    if tp <= 1:
+        return 0.0
+    return None if link is None else link.broadcast_time(nbytes, tp)
+
+
 @functools.lru_cache(maxsize=4096)
 def param_tensors(
     model: ModelSpec, layers: int, position: StagePosition

@@ -185,15 +185,17 @@ def measure_layers(
     repeats: int = REPEATS,
     timeout_s: float = 600.0,
     dtype: str = DTYPE,
+    where: torch.device | None = None,
 ) -> list[LayerProfile]:
     """Per-layer, embedding, head and optimizer costs of ``model`` in ``dtype`` on this machine
     (its GPU when ``device_name`` is an NVIDIA or AMD accelerator, else its CPU:
-    measuring_device), one profile per (tp, micro-batch), keyed for ``device_name``.
+    measuring_device; ``where`` overrides it: a cluster's node measures where the runtime would
+    run its group), one profile per (tp, micro-batch), keyed for ``device_name``.
 
     ``max(concurrent_ranks, tp)`` processes measure at once, in TP groups of tp; one process
     alone measures in this process (no start-up cost), as a GPU always is.
     """
-    where = measuring_device(device_name)
+    where = where or measuring_device(device_name)
     check_layer_request(
         model,
         tps,

@@ -45,6 +45,10 @@ def _entry(
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Started by a worker of the user's torchrun (hethub profile --cluster), it inherits the
+    # agent's flag, with which init_process_group would meet at the agent's store on MASTER_PORT
+    # instead of serving its own there, and wait for it until its timeout.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     # Each in a session of its own, as torchrun starts a run's workers: where the kernel groups
     # the processes of a session for CPU fairness (autogroup), ranks sharing a core are
     # scheduled as separate groups, which made a 4-rank TP run here 1.5x slower than the same

@@ -157,7 +157,8 @@ COMMUNICATIONS = ("p2p", "allreduce", "broadcast", "allgather")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkProfile:
-    """Measured speed of point-to-point messages and collectives between processes of one machine.
+    """Measured speed of point-to-point messages and collectives between processes of one machine,
+    or (``peer`` set) of messages between two nodes.
 
     Collectives are keyed by the number of ranks taking part; ``bytes`` is always the size of the
     whole tensor (the all-gather's output). Measured with ``concurrent_ranks`` processes present,
@@ -178,12 +179,25 @@ class LinkProfile:
     """Measured (bytes, seconds) per (p2p|allreduce|broadcast|allgather, ranks); p2p has ranks 2."""
     method: int = METHOD
     """How it was measured (METHOD)."""
+    peer: str | None = None
+    """None: processes of one machine of ``device``. Else the link between a node of ``device``
+    and another node of ``peer`` (the same name: two nodes of one kind; another: two groups'
+    nodes, through the host-staged bridge where their vendors differ), measured by
+    ``hethub profile --cluster`` with one process on each node; point to point only, and looked
+    up by the pair of kinds (Profiles.link_between), whatever the concurrency."""
 
     def __hash__(self) -> int:
-        return hash((self.device, self.concurrent_ranks, self.measured_at))
+        return hash((self.device, self.peer, self.concurrent_ranks, self.measured_at))
 
     def file_name(self) -> str:
+        if self.peer is not None:
+            return _file_name(LINK, self.device, f"to-{_UNSAFE.sub('_', self.peer)}-nodes")
         return _file_name(LINK, self.device, f"c{self.concurrent_ranks}")
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        """The kinds at its two ends, in order (a link between nodes is the same either way)."""
+        return node_pair(self.device, self.peer or self.device)
 
     def p2p_time(self, nbytes: float) -> float:
         """One message of ``nbytes`` from one process to another."""
@@ -207,6 +221,11 @@ class LinkProfile:
             return 0.0
         fit = getattr(self, kind).get(ranks)
         return None if fit is None else _time(fit, self.points.get((kind, ranks)), nbytes)
+
+
+def node_pair(a: str, b: str) -> tuple[str, str]:
+    """The key of the link between a node of kind ``a`` and one of kind ``b``."""
+    return (a, b) if a <= b else (b, a)
 
 
 def _time(fit: Fit, points: Points | None, nbytes: float) -> float:
@@ -233,6 +252,7 @@ def _time(fit: Fit, points: Points | None, nbytes: float) -> float:
         p.concurrent_ranks,
         frozenset(p.layers),
         frozenset(p.links),
+        frozenset(p.between),
     )
 )
 class Profiles:
@@ -249,6 +269,8 @@ class Profiles:
     threads: int = 1
     concurrent_ranks: int = 1
     """Ranks of the job computing at once on one machine (1: each rank has its device to itself)."""
+    between: dict[tuple[str, str], LinkProfile] = field(default_factory=dict)
+    """Links between two nodes, by the pair of their kinds (node_pair)."""
 
     def select(
         self, *, dtype: str = "fp32", threads: int = 1, concurrent_ranks: int = 1
@@ -298,15 +320,21 @@ class Profiles:
         """The link profile of ``device`` under the selected concurrency."""
         return self.links.get((device, self.concurrent_ranks))
 
+    def link_between(self, a: str, b: str) -> LinkProfile | None:
+        """The measured link between a node of kind ``a`` and one of kind ``b``, or None."""
+        return self.between.get(node_pair(a, b))
+
     def merged(self, profiles: list[LayerProfile | LinkProfile]) -> Profiles:
         """These profiles with ``profiles`` added (replacing any of the same key)."""
-        layers, links = dict(self.layers), dict(self.links)
+        layers, links, between = dict(self.layers), dict(self.links), dict(self.between)
         for p in profiles:
             if isinstance(p, LayerProfile):
                 layers[p.key] = p
+            elif p.peer is not None:
+                between[p.pair] = p
             else:
                 links[(p.device, p.concurrent_ranks)] = p
-        return dataclasses.replace(self, layers=layers, links=links)
+        return dataclasses.replace(self, layers=layers, links=links, between=between)
 
 
 def empty_profiles(source: str = "") -> Profiles:
@@ -358,6 +386,8 @@ def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
         data = dataclasses.asdict(profile)
         return {"format": FORMAT, "kind": LAYER, **data}
     data = dataclasses.asdict(profile)
+    if profile.peer is None:  # a link inside a machine: its file as before the field existed
+        del data["peer"]
     for name in ("allreduce", "broadcast", "allgather"):
         data[name] = {
             str(ranks): {"latency_s": fit[0], "bytes_per_s": fit[1]}
@@ -397,14 +427,16 @@ def load_profiles(directory: str | Path) -> Profiles:
         )
     layers: dict[LayerKey, LayerProfile] = {}
     links: dict[tuple[str, int], LinkProfile] = {}
+    between: dict[tuple[str, str], LinkProfile] = {}
     origin: dict[Any, Path] = {}
     for path in sorted(folder.glob("*.json")):
         profile = read_profile(path)
-        key = (
-            profile.key
-            if isinstance(profile, LayerProfile)
-            else (profile.device, profile.concurrent_ranks)
-        )
+        if isinstance(profile, LayerProfile):
+            key: Any = profile.key
+        elif profile.peer is not None:
+            key = ("between", *profile.pair)
+        else:
+            key = (profile.device, profile.concurrent_ranks)
         if key in origin:
             raise HethubError(
                 f"{path}: measures the same key as {origin[key].name}; keep one of the two files"
@@ -412,9 +444,11 @@ def load_profiles(directory: str | Path) -> Profiles:
         origin[key] = path
         if isinstance(profile, LayerProfile):
             layers[key] = profile
+        elif profile.peer is not None:
+            between[profile.pair] = profile
         else:
             links[key] = profile
-    return Profiles(layers=layers, links=links, source=str(folder))
+    return Profiles(layers=layers, links=links, source=str(folder), between=between)
 
 
 def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
@@ -522,6 +556,7 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
             "measured_at",
             "points",
             "method",
+            "peer",
         ),
     )
     collectives = {name: _fits(fields, name) for name in ("allreduce", "broadcast", "allgather")}
@@ -534,6 +569,7 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
         measured_at=fields.string("measured_at"),
         points=_points(fields),
         method=_method(fields),
+        peer=fields.string("peer") if fields.has("peer") else None,
     )
 
 

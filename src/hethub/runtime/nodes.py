@@ -154,12 +154,17 @@ def node_of_host(cluster: ClusterSpec, names: Sequence[str]) -> Node | None:
 
 
 def take_place(
-    node: Node | None, cluster: ClusterSpec, topology: Topology, timeout_s: float
+    node: Node | None,
+    cluster: ClusterSpec,
+    topology: Topology,
+    timeout_s: float,
+    command: str = "hethub train",
 ) -> None:
     """Under torchrun, before torch.distributed.init_process_group: find this process's plan rank
     from its node (``--this-node``, else its host in the cluster's ``hosts``) and every process's
     claim, and set RANK to it (init_process_group's env:// reads it). With one torchrun node and
-    no node given it changes nothing: torchrun's rank is the plan's, as on one machine."""
+    no node given it changes nothing: torchrun's rank is the plan's, as on one machine.
+    ``command`` starts the line each node prints."""
     if node is None and int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
         return
     check_world(int(os.environ["WORLD_SIZE"]), topology)  # every process sees it: no exchange
@@ -189,7 +194,7 @@ def take_place(
     if claim.local_rank == 0:  # one line per node: where torchrun's order met the plan's
         here = [r for r, c in enumerate(claims) if (c.group, c.node) == (claim.group, claim.node)]
         print(
-            f"hethub train: node {_claimed(claim)} on {host}: torchrun "
+            f"{command}: node {_claimed(claim)} on {host}: torchrun "
             f"{_ranks(here)} {'is' if len(here) == 1 else 'are'} plan "
             f"{_ranks([ranks[r] for r in here])}",
             file=sys.stderr,
