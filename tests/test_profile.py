@@ -4,7 +4,6 @@ profiles, real measurements of the runtime's modules and of gloo links, and `het
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import time
@@ -507,43 +506,33 @@ def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_si
     )
 
 
-FEW_REPEATS = 3
-"""Timed passes per layer measurement and per link size in the tests that run the profiler: the
+FEW_REPEATS = "3"
+"""Timed repeats of each layer pass and link size (--repeats) in the `profiled` fixture: its
 tests check what is measured and written, never how precisely (the profiler's defaults, 30 and
-15, cost the `profiled` fixture 100 s of its 120 on a 2-core machine)."""
+15, cost the fixture 100 s of its 120 on a 2-core machine)."""
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     """`hethub profile` once for the module: tp 1 here, tp 2 in two processes, links in two more;
-    everything measured for real, with FEW_REPEATS repeats (ensure_profiles' and measure_links'
-    own `repeats` parameter)."""
-    from hethub.profile import measure
-
+    every layer and link measured for real, FEW_REPEATS times."""
     out = tmp_path_factory.mktemp("profiles")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            measure,
-            "ensure_profiles",
-            functools.partial(measure.ensure_profiles, repeats=FEW_REPEATS),
-        )
-        patch.setattr(
-            measure, "measure_links", functools.partial(measure.measure_links, repeats=FEW_REPEATS)
-        )
-        code = main(
-            [
-                "profile",
-                "--model",
-                "tiny-llama",
-                "--tp",
-                "1,2",
-                "--micro-batch",
-                "1,2",
-                "--out",
-                str(out),
-                "--json",
-            ]
-        )
+    code = main(
+        [
+            "profile",
+            "--model",
+            "tiny-llama",
+            "--tp",
+            "1,2",
+            "--micro-batch",
+            "1,2",
+            "--repeats",
+            FEW_REPEATS,
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     assert code == 0
     return out
 
@@ -650,6 +639,7 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
         (["--device", "gaudi2"], "--device = 'gaudi2': an Intel accelerator; hethub profile"),
         (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
         (["--threads", "1,2"], "--threads = 1,2: give one thread count"),
+        (["--repeats", "0"], "--repeats = 0: must be a positive integer"),
     ],
 )
 def test_profile_errors_are_one_line_and_exit_2(tmp_path, capsys, flags, message):

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from hethub.cli.args import positive_int
 from hethub.errors import HethubError
 from hethub.profile.store import (
     LayerProfile,
@@ -75,6 +76,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bf16 weights and activations, the loss in fp32 and AdamW on fp32 master weights",
     )
     parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed repeats of each layer pass and each link message size (default 30 and 15): "
+        "fewer is quicker and noisier",
+    )
+    parser.add_argument(
         "--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})"
     )
     parser.add_argument(
@@ -94,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise HethubError(f"--threads = {args.threads}: give one thread count")
     device = _device(args.device)
     from hethub.profile.measure import (  # torch: only to measure
+        LINK_REPEATS,
+        REPEATS,
         check_layer_request,
         describe_device,
         ensure_profiles,
@@ -134,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             concurrent_ranks=c,
             progress=say,
             dtype=args.dtype,
+            repeats=args.repeats or REPEATS,
+            link_repeats=args.repeats or LINK_REPEATS,
         )
     elapsed = time.perf_counter() - started
     layers = [
