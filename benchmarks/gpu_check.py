@@ -45,6 +45,7 @@ from hethub.spec.accelerator import catalog
 
 BUDGET_S = 420.0  # the whole check: 7 minutes, and a stopped command's grace, inside 8
 SKIPPED_STEPS = 5  # warm-up steps left out of the measured median
+QUICK_REPEATS = 3  # --quick: hethub profile --repeats (its defaults: 30 a layer pass, 15 a link)
 TARGETS = {"catalog": 0.15, "profile": 0.10, "memory": 0.15}
 
 DTYPE = "bf16"  # the run's precision, its profile's dtype
@@ -249,7 +250,9 @@ def pytest_counts(out: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (a test's run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer steps and profile repeats (a test's run)"
+    )
     parser.add_argument(
         "--cpu", action="store_true", help="the CPU half even where there is a GPU (the test's)"
     )
@@ -321,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             "--out",
             str(profiles),
             "--json",
+            # --quick: a test's run, which checks the flow, not the figures' precision
+            *(["--repeats", str(QUICK_REPEATS)] if args.quick else []),
         ],
         limits["profile"],
     )

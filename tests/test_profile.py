@@ -506,9 +506,16 @@ def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_si
     )
 
 
+FEW_REPEATS = "3"
+"""Timed repeats of each layer pass and link size (--repeats) in the `profiled` fixture: its
+tests check what is measured and written, never how precisely (the profiler's defaults, 30 and
+15, cost the fixture 100 s of its 120 on a 2-core machine)."""
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    """`hethub profile` once for the module: tp 1 here, tp 2 in two processes, links in two more."""
+    """`hethub profile` once for the module: tp 1 here, tp 2 in two processes, links in two more;
+    every layer and link measured for real, FEW_REPEATS times."""
     out = tmp_path_factory.mktemp("profiles")
     code = main(
         [
@@ -519,6 +526,8 @@ def profiled(tmp_path_factory):
             "1,2",
             "--micro-batch",
             "1,2",
+            "--repeats",
+            FEW_REPEATS,
             "--out",
             str(out),
             "--json",
@@ -630,6 +639,7 @@ def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
         (["--device", "gaudi2"], "--device = 'gaudi2': an Intel accelerator; hethub profile"),
         (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
         (["--threads", "1,2"], "--threads = 1,2: give one thread count"),
+        (["--repeats", "0"], "--repeats = 0: must be a positive integer"),
     ],
 )
 def test_profile_errors_are_one_line_and_exit_2(tmp_path, capsys, flags, message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,18 +80,30 @@ def records(done) -> tuple[list[dict], dict]:
     return lines[:-1], lines[-1]
 
 
+def _write_files(folder: Path) -> Path:
+    (folder / "cluster.yaml").write_text(CLUSTER)
+    (folder / "plan.yaml").write_text(PLAN)
+    (folder / "other.yaml").write_text(OTHER_PLAN)
+    return folder
+
+
 @pytest.fixture
 def files(tmp_path):
-    (tmp_path / "cluster.yaml").write_text(CLUSTER)
-    (tmp_path / "plan.yaml").write_text(PLAN)
-    (tmp_path / "other.yaml").write_text(OTHER_PLAN)
-    return tmp_path
+    return _write_files(tmp_path)
 
 
-def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_plan(files):
-    common = ["--seed", "3", "--lr", "1e-3", "--json", "--timeout", "60"]
-    whole = hethub(
-        files,
+WHOLE_FLAGS = ["--seed", "3", "--lr", "1e-3", "--json", "--timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """One uninterrupted fp32 run of PLAN, 4 steps, a checkpoint after every step and the latest
+    2 kept: (its folder, the finished `hethub train --json`). Every launch costs ~25 s of process
+    starts on a 2-core machine, so the tests that need such a run read this one (and copy it
+    before they change it)."""
+    folder = _write_files(tmp_path_factory.mktemp("whole"))
+    done = hethub(
+        folder,
         "train",
         "--cluster",
         "cluster.yaml",
@@ -98,10 +111,22 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
         "plan.yaml",
         "--steps",
         "4",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
         "--run-dir",
         "runs/whole",
-        *common,
+        *WHOLE_FLAGS,
     )
+    return folder, done
+
+
+def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_plan(
+    files, whole_run
+):
+    common = WHOLE_FLAGS
+    folder, whole = whole_run
     assert whole.returncode == 0, whole.stderr
     steps, final = records(whole)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -113,7 +138,7 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     assert {r["precision"] for r in steps} == {"fp32"}
     assert final["world_size"] == 2 and "loss" not in final
     assert [r["group"] for r in final["ranks"]] == ["nv", "amd"]
-    run = files / "runs" / "whole"
+    run = folder / "runs" / "whole"
     for name in (
         "plan.yaml",
         "cluster.yaml",
@@ -279,15 +304,15 @@ def _workers_of(folder: Path, run_dir: str) -> list[int]:
     return pids
 
 
-def test_a_run_keeps_its_latest_checkpoints_and_clears_crash_debris_on_resume(files):
-    common = ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--json", "--timeout", "60"]
-    done = hethub(
-        files, "train", *common, "--steps", "4", "--checkpoint-every", "1",
-        "--keep-checkpoints", "2", "--run-dir", "runs/kept",
-    )  # fmt: skip
+def test_a_run_keeps_its_latest_checkpoints_and_clears_crash_debris_on_resume(files, whole_run):
+    # The whole run: 4 steps, --checkpoint-every 1 --keep-checkpoints 2.
+    folder, done = whole_run
     assert done.returncode == 0, done.stderr
-    checkpoints = files / "runs/kept/checkpoints"
+    checkpoints = folder / "runs/whole/checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000004"]
+    # Resumed in a copy: the other tests read the whole run as it finished.
+    shutil.copytree(folder / "runs/whole", files / "runs/kept")
+    checkpoints = files / "runs/kept/checkpoints"
     debris = checkpoints / "step-000005.tmp-deadbeef"  # a save that crashed
     debris.mkdir()
     resumed = hethub(files, "train", "--resume", "runs/kept", "--steps", "5", "--json")

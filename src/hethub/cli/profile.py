@@ -80,6 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bf16 weights and activations, the loss in fp32 and AdamW on fp32 master weights",
     )
     parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed repeats of each layer pass and each link message size (default 30 and 15): "
+        "fewer is quicker and noisier",
+    )
+    parser.add_argument(
         "--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})"
     )
     parser.add_argument(
@@ -106,19 +113,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --cluster: seconds any process waits for the others, at each step "
         f"(default {DEFAULT_CLUSTER_TIMEOUT_S:g}; more than a kind's measurement takes)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=positive_int,
-        help="with --cluster: timed repeats of each layer pass and link message (default the "
-        "profiler's own; fewer: quicker, noisier)",
-    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.cluster or "LOCAL_RANK" in os.environ:
         return _run_cluster(args)
-    alone = [f for f in ("this_node", "timeout", "repeats") if getattr(args, f) is not None]
+    alone = [f for f in ("this_node", "timeout") if getattr(args, f) is not None]
     if alone:
         raise HethubError(
             f"--{alone[0].replace('_', '-')}: only with --cluster, under torchrun on the "
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     tps, micro, threads, concurrency = _measuring_options(args)
     device = _device(args.device)
     from hethub.profile.measure import (  # torch: only to measure
+        LINK_REPEATS,
+        REPEATS,
         check_layer_request,
         describe_device,
         ensure_profiles,
@@ -168,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             concurrent_ranks=c,
             progress=say,
             dtype=args.dtype,
+            repeats=args.repeats or REPEATS,
+            link_repeats=args.repeats or LINK_REPEATS,
         )
     elapsed = time.perf_counter() - started
     layers = [

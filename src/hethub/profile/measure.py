@@ -624,6 +624,7 @@ def ensure_profiles(
     concurrent_ranks: int = 1,
     ranks_list: Sequence[int] | None = None,
     repeats: int = REPEATS,
+    link_repeats: int = LINK_REPEATS,
     links: bool = True,
     progress: Callable[[str], None] | None = None,
     dtype: str = DTYPE,
@@ -631,7 +632,8 @@ def ensure_profiles(
     """Measure what ``directory`` lacks of these layer profiles (in ``dtype``, where
     measuring_device says) and (with ``links``, on a CPU only) of the link profile (with
     collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it there, and
-    return the directory's profiles."""
+    return the directory's profiles. ``repeats`` and ``link_repeats``: timed repeats of each
+    layer pass and of each link message size."""
     where = measuring_device(device_name)
     check_layer_request(
         model,
@@ -700,7 +702,12 @@ def ensure_profiles(
         wanted = sorted(
             set(ranks_list) | set(link.allreduce if link and link.method == METHOD else ())
         )
-        save_profile(folder, measure_links(device_name, wanted, concurrent_ranks=concurrent_ranks))
+        save_profile(
+            folder,
+            measure_links(
+                device_name, wanted, concurrent_ranks=concurrent_ranks, repeats=link_repeats
+            ),
+        )
     return load_profiles(folder)
 
 
