@@ -40,6 +40,8 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
         "3",
         "--profiles",
         "profiles",
+        "--repeats",
+        "3",  # what it measures, not how precisely: the profiler's default is 30
         "--json",
     )
     assert done.returncode == 0, done.stderr

@@ -465,6 +465,8 @@ def _profiles(
             ensure_profiles,
         )  # torch: only when measuring
 
+        given = getattr(args, "repeats", None)  # hethub validate --repeats
+        repeats = {"repeats": given, "link_repeats": given} if given else {}
         # Without a plan: everything the planner will try (its TP degrees and micro-batch sizes).
         tps = (
             sorted({s.tp for p in plan.pipelines for s in p.stages})
@@ -484,6 +486,7 @@ def _profiles(
                 concurrent_ranks=concurrency,
                 progress=say,
                 dtype=dtype,
+                **repeats,
             )
             if (
                 concurrency > cores
@@ -500,6 +503,7 @@ def _profiles(
                         links=False,
                         progress=say,
                         dtype=dtype,
+                        **repeats,
                     )
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"

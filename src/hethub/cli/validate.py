@@ -54,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=120,
         help="seconds a collective may wait for a peer",
     )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        help="timed repeats of each layer pass and link message when it profiles this machine "
+        "(default hethub profile's: 30 and 15); fewer is quicker and noisier",
+    )
     parser.set_defaults(run=run)
 
 
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         json=False,
         timeout=args.timeout,
         resume=None,
+        repeats=args.repeats,
     )
     others = [g.name for g in load_cluster(args.cluster).groups if g.accelerator.vendor != "cpu"]
     if others:
