@@ -46,6 +46,30 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """torch.distributed.init_process_group, in a store of this restart attempt's own.
+
+    Under torchrun with the agent's store (TORCHELASTIC_USE_AGENT_STORE), torch 2.13's env://
+    rendezvous reuses the agent's TCPStore unprefixed ("we create a new TCPStore for every
+    retry", it says; the c10d rendezvous keeps one). After a restart, the new workers can read
+    the dead workers' gloo addresses and fail with "Connection refused" (half of the restarts
+    here). Every group then lives under a prefix of TORCHELASTIC_RESTART_COUNT."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"hethub/attempt-{attempt}/groups", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
 class StopRequest:
     """SIGTERM (a scheduler's preemption, or the agent stopping the workers) and SIGINT (a
     Ctrl-C the agent forwards) ask this worker to stop after the current step: the training loop

@@ -37,6 +37,7 @@ from hethub.runtime.supervision import (
     Heartbeat,
     StopRequest,
     die_with_parent,
+    init_process_group,
 )
 from hethub.runtime.timeline import stage_times
 from hethub.runtime.topology import Topology
@@ -72,7 +73,7 @@ def train(
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     torch.set_num_threads(1)
     bind_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
+    init_process_group("gloo", datetime.timedelta(seconds=settings.timeout_s))
     rank = dist.get_rank()
     heartbeat = Heartbeat(rank, world, HEARTBEAT_S, settings.timeout_s)
     try:
