@@ -6,6 +6,7 @@ plan is refused with one line on both nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -14,9 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 import hethub
 from hethub.cli import main
@@ -256,30 +259,51 @@ def node_command(port: int, node: str | None, processes: int, run_dir: str) -> l
     ]
 
 
+@contextlib.contextmanager
+def rendezvous_host(port: int, timeout_s: float):
+    """Host the agents' c10d rendezvous store at 127.0.0.1:``port`` for the test, as a cluster's
+    rendezvous host would: both agents then join it as clients. Otherwise the agent that hosts
+    it may exit right after the exit barrier, before the other agent's own rendezvous shutdown,
+    which then fails ("The connection to the C10d store has failed") and exits 1 although its
+    workers succeeded: a race of torchrun's, seen once in the profile test's two agents."""
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        yield store
+    finally:
+        del store  # the server stops with its last reference
+
+
 def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -> list[tuple]:
     """Start one torchrun agent per (--this-node, processes), in this order (the c10d rendezvous
     ranks the agents of one host by pid: the first started is torchrun's node 0); per agent, in
     the same order: its exit status, stdout and stderr."""
     port, agents = free_port(), []
-    try:
-        for node, processes in nodes:
-            agents.append(
-                subprocess.Popen(
-                    node_command(port, node, processes, run_dir),
-                    cwd=folder,
-                    env=environment(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,  # its workers with it: all killed together below
+    with rendezvous_host(port, TIMEOUT_S):
+        try:
+            for node, processes in nodes:
+                agents.append(
+                    subprocess.Popen(
+                        node_command(port, node, processes, run_dir),
+                        cwd=folder,
+                        env=environment(),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,  # its workers with it: all killed together below
+                    )
                 )
-            )
-        return [(agent.wait(TIMEOUT_S), *agent.communicate()) for agent in agents]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.communicate()
+            return [(agent.wait(TIMEOUT_S), *agent.communicate()) for agent in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.communicate()
 
 
 def losses(stdout: str) -> list[float]:

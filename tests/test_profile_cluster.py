@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_nodes import rendezvous_host
 
 import hethub
 from hethub.predictor.iteration import predict
@@ -73,23 +74,24 @@ def node_command(port: int, node: str, processes: int, out: str) -> list[str]:
 def two_nodes(folder: Path, out: str) -> dict[str, tuple[int, str, str]]:
     """Node a:0 (2 processes) and node b:0 (1); per node: exit status, stdout, stderr."""
     port, agents = free_port(), {}
-    try:
-        for node, processes in (("a:0", 2), ("b:0", 1)):
-            agents[node] = subprocess.Popen(
-                node_command(port, node, processes, out),
-                cwd=folder,
-                env=environment(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,  # its workers with it: all killed together below
-            )
-        return {node: (a.wait(TIMEOUT_S), *a.communicate()) for node, a in agents.items()}
-    finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.communicate()
+    with rendezvous_host(port, TIMEOUT_S):  # neither agent's exit takes it from the other
+        try:
+            for node, processes in (("a:0", 2), ("b:0", 1)):
+                agents[node] = subprocess.Popen(
+                    node_command(port, node, processes, out),
+                    cwd=folder,
+                    env=environment(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,  # its workers with it: all killed together below
+                )
+            return {node: (a.wait(TIMEOUT_S), *a.communicate()) for node, a in agents.items()}
+        finally:
+            for agent in agents.values():
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.communicate()
 
 
 @pytest.fixture
