@@ -279,17 +279,17 @@ def rendezvous_host(port: int, timeout_s: float):
         del store  # the server stops with its last reference
 
 
-def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -> list[tuple]:
-    """Start one torchrun agent per (--this-node, processes), in this order (the c10d rendezvous
-    ranks the agents of one host by pid: the first started is torchrun's node 0); per agent, in
-    the same order: its exit status, stdout and stderr."""
+def run_agents(folder: Path, commands_at, timeout_s: float) -> list[tuple[int, str, str]]:
+    """Start one torchrun agent per command of ``commands_at(port)`` (their rendezvous port), in
+    this order, around a rendezvous store of the test's own; per agent, in the same order: its
+    exit status, stdout and stderr. Every agent and its workers are killed however it ends."""
     port, agents = free_port(), []
-    with rendezvous_host(port, TIMEOUT_S):
+    with rendezvous_host(port, timeout_s):  # neither agent's exit takes it from the other
         try:
-            for node, processes in nodes:
+            for command in commands_at(port):
                 agents.append(
                     subprocess.Popen(
-                        node_command(port, node, processes, run_dir),
+                        command,
                         cwd=folder,
                         env=environment(),
                         stdout=subprocess.PIPE,
@@ -298,12 +298,23 @@ def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -
                         start_new_session=True,  # its workers with it: all killed together below
                     )
                 )
-            return [(agent.wait(TIMEOUT_S), *agent.communicate()) for agent in agents]
+            return [(agent.wait(timeout_s), *agent.communicate()) for agent in agents]
         finally:
             for agent in agents:
                 if agent.poll() is None:
                     os.killpg(agent.pid, signal.SIGKILL)
                 agent.communicate()
+
+
+def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -> list[tuple]:
+    """Start one torchrun agent per (--this-node, processes), in this order (the c10d rendezvous
+    ranks the agents of one host by pid: the first started is torchrun's node 0); per agent, in
+    the same order: its exit status, stdout and stderr."""
+    return run_agents(
+        folder,
+        lambda port: [node_command(port, node, n, run_dir) for node, n in nodes],
+        TIMEOUT_S,
+    )
 
 
 def losses(stdout: str) -> list[float]:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_nodes import rendezvous_host
+from test_nodes import environment, run_agents
 
-import hethub
 from hethub.predictor.iteration import predict
-from hethub.profile.spawn import free_port
 from hethub.profile.store import (
     LayerKey,
     LayerProfile,
@@ -52,12 +48,6 @@ PLAN = {
 TIMEOUT_S = 240  # 2 agents, 3 workers and their measuring processes on a shared 2 cores
 
 
-def environment() -> dict[str, str]:
-    source = str(Path(hethub.__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-
-
 def node_command(port: int, node: str, processes: int, out: str) -> list[str]:
     """What the user runs on one node (README, "Distributed profiling")."""
     return [
@@ -73,25 +63,11 @@ def node_command(port: int, node: str, processes: int, out: str) -> list[str]:
 
 def two_nodes(folder: Path, out: str) -> dict[str, tuple[int, str, str]]:
     """Node a:0 (2 processes) and node b:0 (1); per node: exit status, stdout, stderr."""
-    port, agents = free_port(), {}
-    with rendezvous_host(port, TIMEOUT_S):  # neither agent's exit takes it from the other
-        try:
-            for node, processes in (("a:0", 2), ("b:0", 1)):
-                agents[node] = subprocess.Popen(
-                    node_command(port, node, processes, out),
-                    cwd=folder,
-                    env=environment(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,  # its workers with it: all killed together below
-                )
-            return {node: (a.wait(TIMEOUT_S), *a.communicate()) for node, a in agents.items()}
-        finally:
-            for agent in agents.values():
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                agent.communicate()
+    nodes = (("a:0", 2), ("b:0", 1))
+    done = run_agents(
+        folder, lambda port: [node_command(port, n, p, out) for n, p in nodes], TIMEOUT_S
+    )
+    return dict(zip((n for n, _ in nodes), done, strict=True))
 
 
 @pytest.fixture
