@@ -145,7 +145,7 @@ class AgentLog(logging.Handler):
             step = _latest_step(self.job)
             since = "step 0 (no checkpoint yet)" if step is None else f"step {step}"
             what = (
-                f"{self._rank(*self.last_failure)} {self._ended(self.last_failure[1])}"
+                f"{self._rank(self.last_failure[0])} {self._ended(self.last_failure[1])}"
                 if self.last_failure
                 else "a worker failed"
             )
@@ -164,15 +164,11 @@ class AgentLog(logging.Handler):
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, _stop_at_once)
 
-    def _rank(self, rank: int, _exitcode: int | None = None) -> str:
+    def _rank(self, rank: int) -> str:
         # hethub train starts every rank on this machine: the local rank is the plan's rank.
-        r = self._topology().ranks[rank]
-        return f"rank {r.rank} (group {r.group}, replica {r.replica}, stage {r.stage})"
-
-    def _topology(self):
         from hethub.runtime.topology import build_topology
 
-        return build_topology(self.job.plan, self.job.cluster)
+        return build_topology(self.job.plan, self.job.cluster).ranks[rank].describe()
 
     @staticmethod
     def _ended(exitcode: int) -> str:

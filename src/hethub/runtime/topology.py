@@ -39,6 +39,10 @@ class RankInfo:
     micro_batches: int
     """Micro-batches its replica runs per step."""
 
+    def describe(self) -> str:
+        """How a message names this rank: "rank 1 (group amd, replica 0, stage 1)"."""
+        return f"rank {self.rank} (group {self.group}, replica {self.replica}, stage {self.stage})"
+
 
 @dataclass(frozen=True, slots=True)
 class Topology:

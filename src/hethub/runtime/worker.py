@@ -192,7 +192,7 @@ def _stopped_non_finite(run, topology, step, loss, ranks, saved, log) -> int:
     checkpoints. Every rank stops here; the run keeps its last finite checkpoint."""
     if log:
         log.close()
-        where = ", ".join(_describe(topology.ranks[r]) for r in ranks) or "its weights"
+        where = ", ".join(topology.ranks[r].describe() for r in ranks) or "its weights"
         kept = f"its last checkpoint, step {saved}, is finite" if saved else "no checkpoint"
         _say(
             f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
@@ -204,10 +204,6 @@ def _stopped_non_finite(run, topology, step, loss, ranks, saved, log) -> int:
     return 0 if LAUNCHED_BY_HETHUB in os.environ else 1
 
 
-def _describe(r) -> str:
-    return f"rank {r.rank} (group {r.group}, replica {r.replica}, stage {r.stage})"
-
-
 def _lost_peers(heartbeat: Heartbeat, topology: Topology, stop, timeout_s: float) -> bool:
     """After a failed collective: whether peers went missing (or the agent is stopping the
     workers), naming, once for the whole job, the ranks that stopped answering."""
@@ -217,7 +213,7 @@ def _lost_peers(heartbeat: Heartbeat, topology: Topology, stop, timeout_s: float
     hung = [r for r in silent if r not in gone]
     if hung and heartbeat.first_to_report():
         _say(
-            f"error: {', '.join(_describe(topology.ranks[r]) for r in hung)} did not answer "
+            f"error: {', '.join(topology.ranks[r].describe() for r in hung)} did not answer "
             f"within --timeout {timeout_s:g} s (stopped, hung or cut off); stopping the workers"
         )
         heartbeat.stop_silent_local_peers(hung)
