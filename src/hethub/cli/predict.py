@@ -26,8 +26,9 @@ from hethub.spec import (
     load_plan,
 )
 from hethub.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, uniform_plan
+from hethub.spec.schedules import Schedule
 
-SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch")
+SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages")
 PROFILES_HELP = (
     "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
     "runtime: the plan's precision as dtype, 1 thread per rank, and as many ranks computing "
@@ -58,7 +59,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation"
     )
     parser.add_argument(
-        "--schedule", choices=SCHEDULES, default="1f1b", help="shorthand plan: schedule"
+        "--schedule",
+        choices=SCHEDULES,
+        help="shorthand plan: schedule (default 1f1b; interleaved-1f1b with --virtual-stages)",
+    )
+    parser.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="shorthand plan: split the optimizer state across the data-parallel replicas",
+    )
+    parser.add_argument(
+        "--overlap-grad-sync",
+        action="store_true",
+        help="shorthand plan: sync gradient buckets during the backwards",
     )
     parser.add_argument(
         "--precision",
@@ -153,7 +166,11 @@ def priced_by(cluster: ClusterSpec, profiles: Profiles | None, missing: int) -> 
 
 def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, ModelSpec, str]:
     """The plan from --plan or the shorthand flags, checked against the cluster and the model."""
-    given = [flag for flag in (*SHORTHAND, "precision") if getattr(args, flag, None) is not None]
+    given = [
+        flag
+        for flag in (*SHORTHAND, "precision", "schedule", "shard_optimizer", "overlap_grad_sync")
+        if getattr(args, flag, None) not in (None, False)
+    ]
     if args.plan:
         if given:
             raise HethubError(
@@ -180,11 +197,19 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
             f"(it has {len(cluster.groups)}: {', '.join(cluster.group_names)}); write a plan file"
         )
     model = load_model(args.model, source="--model")
-    tp, pp, dp = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp"))
-    if pp > model.layers:
+    tp, pp, dp, v = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp", "virtual_stages"))
+    if pp * v > model.layers:
         raise HethubError(
-            f"--pp = {pp}: at most one stage per layer "
+            f"--pp x --virtual-stages = {pp * v}: at most one chunk per layer "
             f"(the model has {plural(model.layers, 'layer')})"
+        )
+    if v > 1 and pp < 2:
+        raise HethubError(f"--virtual-stages = {v}: interleaving needs --pp 2 or more")
+    schedule = args.schedule or ("interleaved-1f1b" if v > 1 else "1f1b")
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise HethubError(
+            f"--virtual-stages = {v}: more than one chunk per stage needs --schedule "
+            f"interleaved-1f1b (not {schedule})"
         )
     if args.global_batch % (dp * args.micro_batch):
         raise HethubError(
@@ -200,12 +225,28 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
         recompute=args.recompute,
-        schedule=args.schedule,
+        schedule=schedule,
         precision=getattr(args, "precision", None) or "bf16",
         layers=model.layers,
+        virtual_stages=v,
+        shard_optimizer=args.shard_optimizer,
+        overlap_grad_sync=args.overlap_grad_sync,
     )
     check_plan(plan, cluster, model, "command line")
     return plan, model, "command line"
+
+
+def schedule_text(plan: Plan) -> str:
+    """The schedule, its chunks per stage where it interleaves, and the sync's options."""
+    text = str(plan.schedule)
+    chunks = sorted({p.virtual_stages for p in plan.pipelines})
+    if plan.schedule == Schedule.INTERLEAVED_1F1B:
+        text += f" (virtual stages {'/'.join(map(str, chunks))})"
+    if plan.shard_optimizer:
+        text += ", sharded optimizer"
+    if plan.overlap_grad_sync:
+        text += ", overlapped grad sync"
+    return text
 
 
 def describe(
@@ -243,7 +284,7 @@ def describe(
                 s.group,
                 s.accelerator,
                 str(s.tp),
-                str(s.layers),
+                "+".join(map(str, layout.stages[s.position].chunks)),
                 str(layout.micro_batches),
                 f"{s.forward_s * 1e3:.2f}",
                 f"{s.backward_s * 1e3:.2f}",
@@ -262,7 +303,8 @@ def describe(
             f"model {model.name} ({size} parameters), plan {source}: "
             f"global batch {plan.global_batch} x {model.seq_len} tokens, "
             f"{plan.precision}, micro-batch {plan.micro_batch}, "
-            f"recompute {plan.recompute}, {plan.schedule}, {plural(p.devices, 'device')}"
+            f"recompute {plan.recompute}, {schedule_text(plan)}, "
+            f"{plural(p.devices, 'device')}"
         ),
         "",
         render_table(header, rows),

@@ -83,7 +83,7 @@ def layer_cap(
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cap(
-    setting: Setting, group: DeviceGroup, tp: int, position: StagePosition, in_flight: int
+    setting: Setting, group: DeviceGroup, tp: int, position: StagePosition, in_flight: float
 ) -> int:
     def gb(layers: int) -> float:
         if setting.profiles is None:

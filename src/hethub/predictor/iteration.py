@@ -31,8 +31,16 @@ from hethub.predictor.memory import (
     in_flight_micro_batches,
     stage_memory_at,
     stage_params,
+    state_bytes,
 )
-from hethub.predictor.schedule import BACKWARD, FORWARD, schedule_order, simulate, stage_end_times
+from hethub.predictor.schedule import (
+    BACKWARD,
+    FORWARD,
+    ScheduleOrder,
+    schedule_order,
+    simulate,
+    stage_end_times,
+)
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import LinkProfile, Profiles
@@ -60,8 +68,10 @@ class StagePrediction:
     accelerator: str
     tp: int
     layers: int
+    chunks: tuple[int, ...]
+    """Layers per chunk (one chunk unless the pipeline interleaves)."""
     forward_s: float
-    """One micro-batch forward, TP communication included."""
+    """One micro-batch forward through all its chunks, TP communication included."""
     backward_s: float
     """One micro-batch backward, recomputation and TP communication included."""
     compute_s: float
@@ -90,6 +100,9 @@ class Prediction:
     stages: tuple[StagePrediction, ...]
     precision: Precision = Precision.BF16
     """The plan's precision, which the step was priced in."""
+    schedule: str = "1f1b"
+    shard_optimizer: bool = False
+    overlap_grad_sync: bool = False
     timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
@@ -97,6 +110,9 @@ class Prediction:
         """The object ``hethub predict --json`` prints."""
         return {
             "precision": self.precision.value,
+            "schedule": self.schedule,
+            "shard_optimizer": self.shard_optimizer,
+            "overlap_grad_sync": self.overlap_grad_sync,
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_device": self.model_tflops_per_device,
@@ -113,6 +129,7 @@ class Prediction:
                     "accelerator": s.accelerator,
                     "tp": s.tp,
                     "layers": s.layers,
+                    "chunks": list(s.chunks),
                     "forward_s": s.forward_s,
                     "backward_s": s.backward_s,
                     "compute_s": s.compute_s,
@@ -139,15 +156,28 @@ class _LayoutCosts:
     pipeline: PipelineLayout
     groups: tuple[DeviceGroup, ...]
     forward_s: list[float]
+    """Per model chunk (per stage, without interleaving): one micro-batch."""
     backward_s: list[float]
     send_s: list[float]
-    """Per boundary: an activation forward."""
+    """Per boundary between chunks: an activation forward."""
     send_back_s: list[float]
-    """Per boundary: its gradient backward."""
+    """Per boundary between chunks: its gradient backward."""
 
     def fields(self) -> dict:
         """The costs, to build the layout's _LayoutRun from."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(_LayoutCosts)}
+
+    @property
+    def chunks(self) -> int:
+        """Chunks per stage."""
+        return len(self.forward_s) // len(self.groups)
+
+    def stage_forward_s(self, s: int) -> float:
+        """One micro-batch through all of stage ``s``'s chunks, forward."""
+        return sum(self.forward_s[s :: len(self.groups)])
+
+    def stage_backward_s(self, s: int) -> float:
+        return sum(self.backward_s[s :: len(self.groups)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +188,8 @@ class _LayoutRun(_LayoutCosts):
     time_s: float
     compute_s: list[float]
     """Per stage: its forwards and backwards of the step, as simulated."""
+    chunk_done_s: list[float]
+    """Per model chunk: when its last backward ends (its gradients are then final)."""
 
 
 def predict(
@@ -353,6 +385,12 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         )
     if measured is not None and measured.optimizer_s is not None:
         optimizer = measured.optimizer_s
+    shards = sync.replicas[index] if plan.shard_optimizer else 1
+    if shards > 1:
+        grad_sync *= sharded_sync_share(plan.precision)
+        optimizer /= shards
+    if plan.overlap_grad_sync and sync.classes == 1:
+        start = _overlapped_sync_end(model, runs, peers, s, grad_sync) - grad_sync
     memory = stage_memory_for(
         model,
         group,
@@ -360,10 +398,11 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         layers=stage.layers,
         tp=stage.tp,
         position=position,
-        in_flight=in_flight_micro_batches(plan.schedule, s, p, m),
+        in_flight=in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks),
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
+        optimizer_shards=shards,
     )
     prediction = StagePrediction(
         pipeline=index,
@@ -372,8 +411,9 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         accelerator=group.accelerator.name,
         tp=stage.tp,
         layers=stage.layers,
-        forward_s=run.forward_s[s],
-        backward_s=run.backward_s[s],
+        chunks=stage.chunks,
+        forward_s=run.stage_forward_s(s),
+        backward_s=run.stage_backward_s(s),
         compute_s=run.compute_s[s],
         send_s=run.send_s[s] if s < p - 1 else 0.0,
         grad_sync_s=grad_sync,
@@ -427,6 +467,9 @@ def _assemble_step(
         pipeline_time_s=tuple(run.time_s for run in runs),
         stages=tuple(stages),
         precision=plan.precision,
+        schedule=str(plan.schedule),
+        shard_optimizer=plan.shard_optimizer,
+        overlap_grad_sync=plan.overlap_grad_sync,
         timeline=(
             None
             if schedule_events is None
@@ -472,37 +515,36 @@ def _layout_costs(
     cal: Calibration,
     profiles: Profiles | None,
 ) -> _LayoutCosts:
-    """Per-stage costs of one layout: forward, backward and the sends over each boundary."""
+    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward and
+    the sends over each boundary between the model's chunks. Chunk g is stage g mod p's chunk
+    g div p; the first holds the embedding, the last the head; under interleaving, the boundary
+    after each round of chunks wraps from the last stage to the first."""
     p, b, recompute, precision = (
         len(pipeline.stages),
         plan.micro_batch,
         plan.recompute,
         plan.precision,
     )
+    chunk_layers = pipeline.chunk_layers()
+    chunks = len(chunk_layers)
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
     forward, backward, sends, sends_back = [], [], [], []
-    for s, (stage, group) in enumerate(zip(pipeline.stages, groups)):
-        position = StagePosition.of(s, p)
+    for g, layers in enumerate(chunk_layers):
+        s = g % p
+        stage, group = pipeline.stages[s], groups[s]
+        position = StagePosition.of(g, chunks)
         if profiles is None and group.speed is None:
             times = stage_work(
-                model, group, cal, stage.tp, stage.layers, b, recompute, position, precision
+                model, group, cal, stage.tp, layers, b, recompute, position, precision
             )
         else:
             times = stage_cost(
-                model,
-                group,
-                cal,
-                profiles,
-                stage.tp,
-                stage.layers,
-                b,
-                recompute,
-                position,
-                precision,
+                model, group, cal, profiles, stage.tp, layers, b, recompute, position, precision
             )
         forward.append(times.forward_s)
         backward.append(times.backward_s)
-        if s < p - 1:
+        if g < chunks - 1:
+            nxt = (s + 1) % p
             measured = (
                 None
                 if profiles is None
@@ -511,15 +553,17 @@ def _layout_costs(
                     profiles,
                     b,
                     groups[s],
-                    groups[s + 1],
+                    groups[nxt],
                     stage.tp,
-                    pipeline.stages[s + 1].tp,
-                    across_nodes=_across_nodes(blocks, s, groups),
+                    pipeline.stages[nxt].tp,
+                    across_nodes=_across_nodes(blocks, s, nxt, groups),
                 )
             )
             if measured is None:  # analytic: the gradient takes as long as the activation
                 activation_bytes = b * model.seq_len * model.hidden * element_bytes(precision)
-                one_way = _send_time(activation_bytes / stage.tp, blocks, s, groups, cluster, cal)
+                one_way = _send_time(
+                    activation_bytes / stage.tp, blocks, s, nxt, groups, cluster, cal
+                )
                 measured = SendTimes(one_way, one_way)
             sends.append(measured.forward_s)
             sends_back.append(measured.backward_s)
@@ -529,27 +573,47 @@ def _layout_costs(
 def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:
     """One layout's schedule, each operation taking its cost; with ``every_op``, also the
     (order, starts, ends) of every operation, for a timeline."""
-    p, m = len(costs.groups), costs.pipeline.micro_batches
-    compute = [m * (f + b) for f, b in zip(costs.forward_s, costs.backward_s)]
-    if every_op:  # a timeline needs every operation of the full schedule
-        order = schedule_order(plan.schedule, p, m)
+    p, m, v = len(costs.groups), costs.pipeline.micro_batches, costs.chunks
+    compute = [m * (costs.stage_forward_s(s) + costs.stage_backward_s(s)) for s in range(p)]
+    if every_op or v > 1:  # a timeline needs every operation; interleaving runs them all anyway
+        order = schedule_order(plan.schedule, p, m, v)
         end = simulate(
             order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True
         )
         start = [
-            finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[s]
-            for (s, kind, _), finish in zip(order.ops, end)
+            finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[order.chunk_of(i)]
+            for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
         ]
         stage_end = [end[i] for i in order.last_op]
-        return _LayoutRun(
-            **costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
-        ), (order, start, end)
+        run = _LayoutRun(
+            **costs.fields(),
+            stage_end_s=stage_end,
+            time_s=max(stage_end),
+            compute_s=compute,
+            chunk_done_s=_chunk_done(order, end),
+        )
+        return run, (order, start, end) if every_op else None
     stage_end = stage_end_times(
         plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m
     )
-    return _LayoutRun(
-        **costs.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
-    ), None
+    run = _LayoutRun(
+        **costs.fields(),
+        stage_end_s=stage_end,
+        time_s=max(stage_end),
+        compute_s=compute,
+        chunk_done_s=stage_end,  # one chunk per stage: its last operation is a backward
+    )
+    return run, None
+
+
+def _chunk_done(order: ScheduleOrder, end: list[float]) -> list[float]:
+    """Per model chunk, the end of its last backward."""
+    done = [0.0] * (order.stages * order.chunks)
+    for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end)):
+        if kind == BACKWARD:
+            g = order.chunk_of(i)
+            done[g] = max(done[g], finish)
+    return done
 
 
 def _simulate_shared(
@@ -559,7 +623,7 @@ def _simulate_shared(
     (predictor.sharing)."""
     layouts = [
         SharedLayout(
-            order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches),
+            order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks),
             forward_s=c.forward_s,
             backward_s=c.backward_s,
             send_forward_s=c.send_s,
@@ -577,11 +641,47 @@ def _simulate_shared(
         stage_end = [end[i] for i in layout.order.last_op]
         runs.append(
             _LayoutRun(
-                **c.fields(), stage_end_s=stage_end, time_s=max(stage_end), compute_s=compute
+                **c.fields(),
+                stage_end_s=stage_end,
+                time_s=max(stage_end),
+                compute_s=compute,
+                chunk_done_s=_chunk_done(layout.order, end),
             )
         )
         orders.append((layout.order, start, end))
     return runs, orders
+
+
+def _overlapped_sync_end(
+    model: ModelSpec, runs: list[_LayoutRun], peers: list[int], s: int, grad_sync: float
+) -> float:
+    """When stage ``s``'s overlapped gradient sync ends: each layer's gradients are final once
+    the last backward of its chunk (over every peer replica) has passed it, going from the
+    chunk's last layer to its first, and the sync works through them in that order, one at a
+    time, each taking its share of ``grad_sync`` by parameters. Only what is left after the
+    stage's last backward shows."""
+    run = runs[peers[0]]
+    p, chunks = len(run.groups), run.chunks
+    pieces = []  # (ready, parameters)
+    for c, layers in enumerate(run.pipeline.stages[s].chunks):
+        g = c * p + s
+        params = stage_params(model, layers, StagePosition.of(g, p * chunks))
+        done, backward = max(runs[i].chunk_done_s[g] for i in peers), run.backward_s[g]
+        pieces += [
+            (done - backward * (1 - (k + 1) / layers), params / layers) for k in range(layers)
+        ]
+    total, end = sum(w for _, w in pieces), 0.0
+    for ready, params in sorted(pieces):
+        end = max(end, ready) + grad_sync * params / total
+    return end
+
+
+def sharded_sync_share(precision: Precision) -> float:
+    """A sharded optimizer's gradient sync over an all-reduce's: a reduce-scatter of the fp32
+    gradients (half an all-reduce's traffic) and an all-gather of the updated weights in the
+    training dtype (half an all-reduce of them), in place of the all-reduce of the gradients."""
+    weight_bytes, grad_bytes, _ = state_bytes(precision)
+    return (grad_bytes + weight_bytes) / (2 * grad_bytes)
 
 
 LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
@@ -628,13 +728,15 @@ def stage_memory_for(
     layers: int,
     tp: int,
     position: StagePosition,
-    in_flight: int,
+    in_flight: float,
     micro_batch: int,
     recompute: Recompute,
     precision: Precision = Precision.BF16,
+    optimizer_shards: int = 1,
 ) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
-    layer's key, else the analytic model's (stage_memory_at)."""
+    layer's key, else the analytic model's (stage_memory_at); the optimizer state split over
+    ``optimizer_shards`` ranks."""
     profile = (
         None
         if profiles is None
@@ -642,7 +744,15 @@ def stage_memory_for(
     )
     if profile is None:
         return stage_memory_at(
-            model, layers, tp, position, in_flight, micro_batch, recompute, precision
+            model,
+            layers,
+            tp,
+            position,
+            in_flight,
+            micro_batch,
+            recompute,
+            precision,
+            optimizer_shards,
         )
     return profiled.profiled_memory(
         profile,
@@ -655,6 +765,7 @@ def stage_memory_for(
         micro_batch=micro_batch,
         recompute=recompute,
         precision=precision,
+        optimizer_shards=optimizer_shards,
     )
 
 
@@ -800,31 +911,34 @@ class _StageState(NamedTuple):
 def _send_time(
     nbytes: float,
     blocks: list[StageBlock],
-    s: int,
+    a: int,
+    b: int,
     groups: tuple[DeviceGroup, ...],
     cluster: ClusterSpec,
     cal: Calibration,
 ) -> float:
-    """Activations from stage s to s+1 (each TP rank sends its share in parallel)."""
-    a, b = groups[s], groups[s + 1]
-    if a.name != b.name:
-        return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, a, b, cal), cal)
-    if not _across_nodes(blocks, s, groups):  # both stages of every replica on one node
-        return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
-    return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
+    """Activations from stage a to stage b (each TP rank sends its share in parallel)."""
+    group_a, group_b = groups[a], groups[b]
+    if group_a.name != group_b.name:
+        return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, group_a, group_b, cal), cal)
+    if not _across_nodes(blocks, a, b, groups):  # both stages of every replica on one node
+        return comm.p2p_time(nbytes, comm.intra_node_bw(group_a, cal), cal)
+    return comm.p2p_time(nbytes, comm.network_bw(group_a, cal), cal)
 
 
-def _across_nodes(blocks: list[StageBlock], s: int, groups: tuple[DeviceGroup, ...]) -> bool:
-    """Stage s and s+1 are on different nodes (in different groups, or on more than one node of
+def _across_nodes(
+    blocks: list[StageBlock], a: int, b: int, groups: tuple[DeviceGroup, ...]
+) -> bool:
+    """Stages a and b are on different nodes (in different groups, or on more than one node of
     their group) for some replica."""
-    a, b = groups[s], groups[s + 1]
-    if a.name != b.name:
+    if groups[a].name != groups[b].name:
         return True
+    per_node = groups[a].devices_per_node
     nodes = {
-        blocks[s].first_device // a.devices_per_node,
-        blocks[s].last_device // a.devices_per_node,
-        blocks[s + 1].first_device // a.devices_per_node,
-        blocks[s + 1].last_device // a.devices_per_node,
+        blocks[a].first_device // per_node,
+        blocks[a].last_device // per_node,
+        blocks[b].first_device // per_node,
+        blocks[b].last_device // per_node,
     }
     return len(nodes) > 1
 
@@ -833,9 +947,10 @@ def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
     """Every simulated operation and activation/gradient send, as trace events."""
     events = []
     for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
-        p = len(run.groups)
-        for (s, kind, j), begin, finish in zip(order.ops, start, end):
+        last_chunk = len(run.forward_s) - 1
+        for i, ((s, kind, j), begin, finish) in enumerate(zip(order.ops, start, end)):
             where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
+            g = order.chunk_of(i)
             events.append(
                 TimelineEvent(
                     **where,
@@ -844,16 +959,16 @@ def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
                     end_s=finish,
                 )
             )
-            if kind == FORWARD and s < p - 1:
+            if kind == FORWARD and g < last_chunk:
                 events.append(
                     TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[s]
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[g]
                     )
                 )
-            if kind == BACKWARD and s > 0:
+            if kind == BACKWARD and g > 0:
                 events.append(
                     TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[s - 1]
+                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[g - 1]
                     )
                 )
     return events

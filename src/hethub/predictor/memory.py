@@ -1,8 +1,10 @@
 """Memory of one device of a pipeline stage at the peak of a step.
 
-bf16 mixed precision with Adam (Megatron-LM's layout, no sharded optimizer): bf16 weights (2 bytes
-per parameter), fp32 main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8):
-18 bytes. fp32: weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes.
+bf16 mixed precision with Adam (Megatron-LM's layout): bf16 weights (2 bytes per parameter), fp32
+main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 bytes. fp32:
+weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
+(Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
+the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16.
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), for the micro-batches a stage holds at once under its schedule.
 """
@@ -16,7 +18,7 @@ from hethub.predictor.compute import LOSS_BYTES_PER_ELEMENT, element_bytes
 from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import FORWARD, Schedule, chunk_sequence
 
 # bf16 training's bytes per parameter; GRAD_BYTES is fp32 in either precision (Megatron keeps and
 # all-reduces bf16 training's main gradients in fp32).
@@ -83,13 +85,25 @@ def layer_activation_bytes(
     return (replicated + sharded) * element
 
 
+@functools.lru_cache(maxsize=65536)
 def in_flight_micro_batches(
-    schedule: Schedule, position: int, stages: int, micro_batches: int
-) -> int:
-    """Micro-batches whose activations a stage holds at once: 1F1B keeps stages - position."""
-    if schedule == Schedule.GPIPE:
-        return micro_batches
-    return min(stages - position, micro_batches)
+    schedule: Schedule,
+    position: int,
+    stages: int,
+    micro_batches: int,
+    chunks: tuple[int, ...] = (1,),
+) -> float:
+    """Micro-batches of the whole stage's activations it holds at its peak, read from the
+    schedule's order (spec.schedules): 1F1B keeps stages - position, GPipe every micro-batch.
+    ``chunks``: the stage's layers per chunk; under interleaving a forward of chunk c holds its
+    layers' activations until its backward, so the peak of the chunks' layers in flight, over
+    the stage's layers, is fractional where the chunks differ or are not all in flight."""
+    held = peak = 0
+    for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
+        held += chunks[c] if kind == FORWARD else -chunks[c]
+        peak = max(peak, held)
+    whole, layers = divmod(peak, sum(chunks))
+    return whole if not layers else peak / sum(chunks)
 
 
 def stage_memory(
@@ -126,7 +140,7 @@ def activation_bytes(
     layers: int,
     tp: int,
     last: bool,
-    in_flight: int,
+    in_flight: float,
     micro_batch: int,
     recompute: Recompute,
 ) -> float:
@@ -149,12 +163,14 @@ def stage_memory_at(
     layers: int,
     tp: int,
     position: StagePosition,
-    in_flight: int,
+    in_flight: float,
     micro_batch: int,
     recompute: Recompute,
     precision: Precision = Precision.BF16,
+    optimizer_shards: int = 1,
 ) -> StageMemory:
-    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations."""
+    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
+    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer)."""
     params = stage_params(model, layers, position) / tp
     weight_bytes, grad_bytes, optimizer_bytes = state_bytes(precision)
     activations = activation_bytes(
@@ -171,6 +187,6 @@ def stage_memory_at(
     return StageMemory(
         params * weight_bytes / GB,
         params * grad_bytes / GB,
-        params * optimizer_bytes / GB,
+        params * optimizer_bytes / optimizer_shards / GB,
         activations / GB,
     )

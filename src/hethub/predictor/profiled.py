@@ -225,14 +225,16 @@ def profiled_memory(
     layers: int,
     tp: int,
     position: StagePosition,
-    in_flight: int,
+    in_flight: float,
     micro_batch: int,
     recompute: Recompute,
     precision: Precision,
+    optimizer_shards: int = 1,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
     the measured activations of a layer, and the state the runtime keeps per parameter under
-    ``precision`` (runtime.precision: bf16 weights on fp32 masters, main grads and moments)."""
+    ``precision`` (runtime.precision: bf16 weights on fp32 masters, main grads and moments), the
+    optimizer's split over ``optimizer_shards`` ranks."""
     params = stage_params(model, layers, position) / tp
     activations = activation_bytes(
         model,
@@ -247,7 +249,10 @@ def profiled_memory(
     )
     weight, grad, optimizer = state_bytes(precision)
     return StageMemory(
-        params * weight / GB, params * grad / GB, params * optimizer / GB, activations / GB
+        params * weight / GB,
+        params * grad / GB,
+        params * optimizer / optimizer_shards / GB,
+        activations / GB,
     )
 
 

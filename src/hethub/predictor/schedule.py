@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, stage_sequence
+from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence, stage_sequence
 
 __all__ = [
     "BACKWARD",
@@ -44,22 +44,40 @@ class ScheduleOrder:
     """(stage, FORWARD|BACKWARD, micro-batch) of each operation."""
     steps: tuple[tuple[int, int, int, int], ...]
     """Per operation: (index of the stage's previous op, index of the op it waits for,
-    index of the send it waits for, index of its duration); -1 means none."""
+    index of the send it waits for, index of its duration); -1 means none. Durations are
+    indexed 2 x chunk + kind, over the model's chunks (chunk c of stage s is model chunk
+    c x stages + s); sends by chunk boundary, the activations' first, then the gradients'."""
     last_op: tuple[int, ...]
     """Index of each stage's last operation."""
     periodic: tuple[tuple[int, int, int], ...]
     """(first, last, period): positions first..last whose dependencies repeat every ``period``."""
 
+    chunks: int = 1
+    """Chunks per stage (interleaved 1F1B; else 1)."""
+
+    def chunk_of(self, i: int) -> int:
+        """The model chunk operation ``i`` runs."""
+        return self.steps[i][3] // 2
+
 
 @functools.lru_cache(maxsize=1024)
-def schedule_order(schedule: Schedule, stages: int, micro_batches: int) -> ScheduleOrder:
+def schedule_order(
+    schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
+) -> ScheduleOrder:
     """Build the dependency structure of a schedule once.
+
+    ``chunks`` > 1 (interleaved 1F1B): _interleaved_order. One chunk per stage under interleaving
+    is plain 1F1B, exactly, and is built as such.
 
     Ordering key: stages * position + (stage for forwards, stages - 1 - stage for backwards).
     A forward waits for the previous stage's forward at the same or an earlier position, a
     backward for the next stage's backward at the same or an earlier position, so the key puts
     every dependency first.
     """
+    if chunks > 1:
+        return _interleaved_order(stages, chunks, micro_batches)
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        schedule = Schedule.ONE_F_ONE_B
     keyed = []
     for s in range(stages):
         for pos, (kind, j) in enumerate(stage_sequence(schedule, s, stages, micro_batches)):
@@ -97,6 +115,43 @@ def schedule_order(schedule: Schedule, stages: int, micro_batches: int) -> Sched
     )
 
 
+def _interleaved_order(p: int, v: int, m: int) -> ScheduleOrder:
+    """Interleaved 1F1B's dependency structure over the model's p x v chunks: each stage's
+    operations in the order spec.schedules gives them, put in a dependency order by running the
+    stages in turn as far as their inputs allow. A forward of model chunk g waits for chunk
+    g - 1's forward (sent over boundary g - 1, which wraps from the last stage to the first
+    between a stage's chunks); a backward for chunk g + 1's backward. No steady-state jump: the
+    whole order is simulated (2 m v p operations)."""
+    sequences = [chunk_sequence(Schedule.INTERLEAVED_1F1B, s, p, v, m) for s in range(p)]
+    last_chunk = p * v - 1
+    index: dict[tuple[int, int, int], int] = {}  # (model chunk, kind, micro-batch) -> op
+    ops, steps, previous = [], [], [-1] * p
+    position = [0] * p
+    while len(ops) < 2 * m * v * p:
+        moved = False
+        for s in range(p):
+            while position[s] < len(sequences[s]):
+                kind, c, j = sequences[s][position[s]]
+                g = c * p + s
+                if kind == FORWARD:
+                    dep = -1 if g == 0 else index.get((g - 1, FORWARD, j))
+                    send = g - 1
+                else:
+                    dep = -1 if g == last_chunk else index.get((g + 1, BACKWARD, j))
+                    send = last_chunk + g
+                if dep is None:
+                    break
+                index[(g, kind, j)] = len(ops)
+                steps.append((previous[s], dep, send if dep >= 0 else -1, 2 * g + kind))
+                previous[s] = len(ops)
+                ops.append((s, kind, j))
+                position[s] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"interleaved order deadlocks (p={p}, v={v}, m={m})")
+    return ScheduleOrder(p, m, tuple(ops), tuple(steps), tuple(previous), periodic=(), chunks=v)
+
+
 # Two positions repeat when their end times, less their first, agree to this share of one pass.
 _REPEAT_TOLERANCE = 1e-9
 
@@ -112,13 +167,13 @@ def simulate(
 ) -> list[float]:
     """End time of the operations of ``order`` (indexed like ``order.steps``).
 
-    forward_s / backward_s: per stage, one micro-batch; send_*_s: per boundary between stage b and
-    b+1 (activations forward, gradients backward). The end times of each stage's last operation
-    are always exact; those of operations inside a skipped steady run are left at 0 unless
-    ``every_op`` asks for all of them (a timeline needs them).
+    forward_s / backward_s: per model chunk (per stage without interleaving), one micro-batch;
+    send_*_s: per boundary between chunk b and b+1 (activations forward, gradients backward). The
+    end times of each stage's last operation are always exact; those of operations inside a
+    skipped steady run are left at 0 unless ``every_op`` asks for all of them (a timeline needs
+    them).
     """
-    p = order.stages
-    durations = [0.0] * (2 * p)
+    durations = [0.0] * (2 * len(forward_s))
     durations[0::2] = forward_s
     durations[1::2] = backward_s
     sends = [*send_forward_s, *send_backward_s, 0.0]  # index -1: no send
@@ -133,19 +188,25 @@ def stage_end_times(
     send_forward_s: list[float],
     send_backward_s: list[float],
     micro_batches: int,
+    chunks: int = 1,
 ) -> list[float]:
     """When each stage finishes its last operation: simulate() of the whole schedule, exactly.
+    Costs as for simulate(); ``chunks`` per stage (interleaved 1F1B) are simulated whole.
 
     Once the steady state repeats, every cycle of c further micro-batches adds the same time to
     every stage. So a long schedule is simulated at a shorter length where its steady state shows,
     chosen so that the micro-batches left out are whole cycles, which are then added as time. If
     the steady state does not show, the full schedule is simulated.
     """
-    p = len(forward_s)
-    durations = [0.0] * (2 * p)
+    p = len(forward_s) // chunks
+    durations = [0.0] * (2 * len(forward_s))
     durations[0::2] = forward_s
     durations[1::2] = backward_s
     sends = [*send_forward_s, *send_backward_s, 0.0]
+    if chunks > 1:
+        order = schedule_order(schedule, p, micro_batches, chunks)
+        end, _ = _run(order, durations, sends, False)
+        return [end[i] for i in order.last_op]
     # Leave out a multiple of 12 micro-batches, so that cycles of 1, 2, 3, 4, 6 or 12 need no
     # second probe; a second probe, cut to whole cycles, handles the rest.
     simulated = 2 * p + _STEADY_PROBE

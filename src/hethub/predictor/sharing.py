@@ -56,8 +56,8 @@ class SharedLayout:
 
     order: ScheduleOrder
     forward_s: list[float]
-    """Per stage, one micro-batch with every rank of the job computing (emulated stretch
-    included)."""
+    """Per model chunk (per stage, without interleaving), one micro-batch with every rank of the
+    job computing (emulated stretch included)."""
     backward_s: list[float]
     send_forward_s: list[float]
     """Per boundary: an activation forward."""
@@ -154,10 +154,8 @@ class _Stage:
     def work(self, i: int) -> float:
         """What operation ``i`` computes, in seconds with every rank computing (its stretch left
         out)."""
-        kind = self.layout.order.ops[i][1]
-        duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[
-            self.index
-        ]
+        kind, chunk = self.layout.order.ops[i][1], self.layout.order.chunk_of(i)
+        duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[chunk]
         return duration * self.layout.speed[self.index]
 
     def ready_time(self) -> float | None:

@@ -97,6 +97,12 @@ class Fields:
             raise self.error(key, value, "must be a number in (0, 1]")
         return value
 
+    def boolean(self, key: str, default: Any = _MISSING) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, value, "must be true or false")
+        return value
+
     def string(self, key: str, default: Any = _MISSING) -> str:
         value = self.raw(key, default)
         if not isinstance(value, str) or not value.strip():

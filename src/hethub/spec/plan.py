@@ -40,11 +40,31 @@ SCHEDULES = tuple(s.value for s in Schedule)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageSpec:
-    """One pipeline stage: ``tp`` devices of one group holding ``layers`` consecutive layers."""
+    """One pipeline stage: ``tp`` devices of one group holding ``layers`` layers, in ``chunks``
+    of consecutive layers (one chunk unless its pipeline interleaves: stage s of p then holds the
+    model's chunks s, s + p, ..., in that order)."""
 
     group: str
     tp: int
     layers: int
+    """All the stage's layers, over its chunks."""
+    chunks: tuple[int, ...] = ()
+    """Layers per chunk; left out, one chunk of ``layers``."""
+
+    def __post_init__(self) -> None:
+        if len(self.chunks) <= 1:  # one chunk: all the layers (dataclasses.replace included)
+            object.__setattr__(self, "chunks", (self.layers,))
+        elif sum(self.chunks) != self.layers:
+            raise ValueError(f"chunks {self.chunks} do not sum to the stage's {self.layers} layers")
+
+    @classmethod
+    def of_chunks(cls, group: str, tp: int, chunks: tuple[int, ...] | list[int]) -> StageSpec:
+        """A stage holding ``chunks`` (layers per chunk)."""
+        return cls(group=group, tp=tp, layers=sum(chunks), chunks=tuple(chunks))
+
+    def layers_field(self) -> int | list[int]:
+        """``layers`` as plan files spell it: a count for one chunk, else the list."""
+        return self.layers if len(self.chunks) == 1 else list(self.chunks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +81,17 @@ class PipelineLayout:
         """Devices of one replica."""
         return sum(stage.tp for stage in self.stages)
 
+    @property
+    def virtual_stages(self) -> int:
+        """Chunks per stage (every stage holds as many): 1 unless the pipeline interleaves."""
+        return len(self.stages[0].chunks)
+
+    def chunk_layers(self) -> list[int]:
+        """Layers of each of the model's chunks, in model order: chunk c x p + s is stage s's
+        chunk c."""
+        p = len(self.stages)
+        return [self.stages[g % p].chunks[g // p] for g in range(p * self.virtual_stages)]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
@@ -75,6 +106,12 @@ class Plan:
     precision: Precision = Precision.BF16
     """bf16 by default: what GPU users expect, what published runs of these models use, and what
     the predictor was calibrated on."""
+    shard_optimizer: bool = False
+    """Split the optimizer state (Adam moments, bf16's fp32 master weights) across the
+    data-parallel ranks holding the same parameters (Megatron's distributed optimizer, ZeRO-1)."""
+    overlap_grad_sync: bool = False
+    """Sync each gradient bucket as soon as the last backward writing it ends, during the
+    backwards still to run, instead of after the last one."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
@@ -92,12 +129,15 @@ class Plan:
             "recompute": self.recompute.value,  # plain strings: yaml.safe_dump knows no enums
             "schedule": self.schedule.value,
             "precision": self.precision.value,
+            **({"shard_optimizer": True} if self.shard_optimizer else {}),
+            **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
             "pipelines": [
                 {
                     "count": p.count,
                     "micro_batches": p.micro_batches,
+                    **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
                     "stages": [
-                        {"group": s.group, "tp": s.tp, "layers": s.layers} for s in p.stages
+                        {"group": s.group, "tp": s.tp, "layers": s.layers_field()} for s in p.stages
                     ],
                 }
                 for p in self.pipelines
@@ -111,14 +151,27 @@ class Plan:
         """One line: precision, micro-batch, recomputation and each layout as
         count x [group/tp/layers ...] x micro-batches."""
         layouts = "; ".join(
-            f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{s.layers}L' for s in p.stages)}] "
+            f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{_layers_text(s)}L' for s in p.stages)}] "
             f"x{p.micro_batches}mb"
             for p in self.pipelines
         )
-        return (
-            f"{self.precision}, micro-batch {self.micro_batch}, recompute {self.recompute}: "
-            f"{layouts}"
+        extras = "".join(
+            f", {what}"
+            for what, on in (
+                (str(self.schedule), self.schedule != Schedule.ONE_F_ONE_B),
+                ("sharded optimizer", self.shard_optimizer),
+                ("overlapped grad sync", self.overlap_grad_sync),
+            )
+            if on
         )
+        return (
+            f"{self.precision}, micro-batch {self.micro_batch}, recompute {self.recompute}"
+            f"{extras}: {layouts}"
+        )
+
+
+def _layers_text(stage: StageSpec) -> str:
+    return "+".join(map(str, stage.chunks))
 
 
 def parse_plan(data: Any, source: str = "") -> Plan:
@@ -134,33 +187,54 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "recompute",
             "schedule",
             "precision",
+            "shard_optimizer",
+            "overlap_grad_sync",
             "pipelines",
         ),
     )
     model = top.string("model")
     global_batch = top.positive_int("global_batch")
     micro_batch = top.positive_int("micro_batch", 1)
+    schedule = Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value))
     raw_pipelines = top.mapping_list("pipelines")
     counts = []
     for i, raw in enumerate(raw_pipelines):
         counts.append(Fields(raw, source, f"pipelines[{i}]").positive_int("count", 1))
     pipelines = []
     for i, raw in enumerate(raw_pipelines):
-        f = Fields(raw, source, f"pipelines[{i}]", allowed=("count", "micro_batches", "stages"))
+        f = Fields(
+            raw,
+            source,
+            f"pipelines[{i}]",
+            allowed=("count", "micro_batches", "virtual_stages", "stages"),
+        )
         if f.has("micro_batches"):
             micro_batches = f.positive_int("micro_batches")
         else:
             micro_batches = _even_split(global_batch, micro_batch, sum(counts), top)
+        virtual_stages = f.positive_int("virtual_stages", 1)
+        if virtual_stages > 1 and schedule != Schedule.INTERLEAVED_1F1B:
+            raise f.error(
+                "virtual_stages",
+                virtual_stages,
+                f"more than one chunk per stage needs schedule "
+                f"{Schedule.INTERLEAVED_1F1B.value} (the plan's is {schedule.value})",
+            )
+        raw_stages = f.mapping_list("stages")
+        if virtual_stages > 1 and len(raw_stages) < 2:
+            raise f.error(
+                "virtual_stages",
+                virtual_stages,
+                "interleaving needs a pipeline of at least 2 stages (this one has 1)",
+            )
         stages = []
-        for j, raw_stage in enumerate(f.mapping_list("stages")):
+        for j, raw_stage in enumerate(raw_stages):
             s = Fields(
                 raw_stage, source, f"pipelines[{i}].stages[{j}]", allowed=("group", "tp", "layers")
             )
             stages.append(
-                StageSpec(
-                    group=s.string("group"),
-                    tp=s.positive_int("tp", 1),
-                    layers=s.positive_int("layers"),
+                StageSpec.of_chunks(
+                    s.string("group"), s.positive_int("tp", 1), _chunks(s, virtual_stages)
                 )
             )
         pipelines.append(
@@ -171,8 +245,10 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         global_batch=global_batch,
         micro_batch=micro_batch,
         recompute=Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value)),
-        schedule=Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value)),
+        schedule=schedule,
         precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
+        shard_optimizer=top.boolean("shard_optimizer", False),
+        overlap_grad_sync=top.boolean("overlap_grad_sync", False),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
@@ -185,6 +261,30 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             f"(({detail}) x {micro_batch} = {sequences})",
         )
     return plan
+
+
+def _chunks(stage: Fields, virtual_stages: int) -> list[int]:
+    """A stage's ``layers``: a count (one chunk) or a list of ``virtual_stages`` counts."""
+    value = stage.raw("layers")
+    if isinstance(value, list):
+        if len(value) != virtual_stages or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value
+        ):
+            raise stage.error(
+                "layers",
+                value,
+                f"must be a list of virtual_stages ({virtual_stages}) positive integers, "
+                f"the layers of each of the stage's chunks",
+            )
+        return value
+    if virtual_stages > 1:
+        raise stage.error(
+            "layers",
+            value,
+            f"must be a list of virtual_stages ({virtual_stages}) positive integers, "
+            f"the layers of each of the stage's chunks",
+        )
+    return [stage.positive_int("layers")]
 
 
 def _even_split(global_batch: int, micro_batch: int, replicas: int, top: Fields) -> int:
@@ -222,10 +322,15 @@ def uniform_plan(
     schedule: Schedule = Schedule.ONE_F_ONE_B,
     precision: Precision = Precision.BF16,
     layers: int,
+    virtual_stages: int = 1,
+    shard_optimizer: bool = False,
+    overlap_grad_sync: bool = False,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
-    ``group``."""
-    split = uniform_layers(layers, pp)
+    ``group``, each stage holding ``virtual_stages`` chunks (Megatron's even split over the
+    model's pp x virtual_stages chunks)."""
+    split = uniform_layers(layers, pp * virtual_stages)
+    chunks = [split[s::pp] for s in range(pp)]
     return parse_plan(
         {
             "model": model,
@@ -234,8 +339,17 @@ def uniform_plan(
             "recompute": recompute,
             "schedule": schedule,
             "precision": precision,
+            "shard_optimizer": shard_optimizer,
+            "overlap_grad_sync": overlap_grad_sync,
             "pipelines": [
-                {"count": dp, "stages": [{"group": group, "tp": tp, "layers": n} for n in split]}
+                {
+                    "count": dp,
+                    "virtual_stages": virtual_stages,
+                    "stages": [
+                        {"group": group, "tp": tp, "layers": c if virtual_stages > 1 else c[0]}
+                        for c in chunks
+                    ],
+                }
             ],
         },
         "command line",

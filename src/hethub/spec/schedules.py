@@ -16,6 +16,9 @@ class Schedule(enum.StrEnum):
     """Each stage alternates one forward and one backward once its pipeline is full."""
     GPIPE = "gpipe"
     """Every forward, then every backward."""
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    """1F1B over ``virtual_stages`` chunks per stage (interleaved_sequence); a pipeline of one
+    chunk per stage runs plain 1F1B."""
 
 
 def stage_sequence(
@@ -31,6 +34,19 @@ def stage_sequence(
         sequence += [(FORWARD, warmup + j), (BACKWARD, j)]
     sequence += [(BACKWARD, j) for j in range(m - warmup, m)]  # cool-down
     return sequence
+
+
+def chunk_sequence(
+    schedule: Schedule, stage: int, stages: int, chunks: int, micro_batches: int
+) -> list[tuple[int, int, int]]:
+    """The (kind, chunk, micro-batch) operations one stage runs, in order, under any schedule:
+    what the runtime runs and the predictor simulates. Only interleaved 1F1B has more than one
+    chunk per stage (the plan refuses the others)."""
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        return interleaved_sequence(stage, stages, chunks, micro_batches)
+    if chunks != 1:
+        raise ValueError(f"schedule {schedule} runs one chunk per stage, not {chunks}")
+    return [(kind, 0, j) for kind, j in stage_sequence(schedule, stage, stages, micro_batches)]
 
 
 def interleaved_sequence(
