@@ -137,6 +137,52 @@ PLANS = {
             ],
         },
     ),
+    "interleaved v 2 over pp 2, non-uniform chunks": (
+        "tiny-llama",
+        {
+            "global_batch": 5,
+            "schedule": "interleaved-1f1b",
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 5,
+                    "virtual_stages": 2,
+                    "stages": [stage("nv", 1, [3, 1]), stage("nv", 1, [2, 2])],
+                }
+            ],
+        },
+    ),
+    "interleaved, tp 2 on one stage, across vendors": (
+        "tiny-gpt",
+        {
+            "global_batch": 3,
+            "schedule": "interleaved-1f1b",
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 3,
+                    "virtual_stages": 2,
+                    "stages": [stage("nv", 2, [1, 3]), stage("amd", 1, [2, 2])],
+                }
+            ],
+        },
+    ),
+    "an interleaved replica and a plain one": (
+        "tiny-llama",
+        {
+            "global_batch": 5,
+            "schedule": "interleaved-1f1b",
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 3,
+                    "virtual_stages": 3,
+                    "stages": [stage("nv", 1, [1, 2, 1]), stage("amd", 1, [2, 1, 1])],
+                },
+                {"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 3), stage("amd", 1, 5)]},
+            ],
+        },
+    ),
     "recompute, gpipe": (
         "tiny-llama",
         {
@@ -168,6 +214,7 @@ def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_r
 
 BF16_LAYOUTS = [
     "pp 5/3",
+    "interleaved, tp 2 on one stage, across vendors",
     "tp 2",
     "pp x tp, tp 2 then 1",
     "unlike replicas, uneven split, across vendors",

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
-from hethub.runtime.model import Stage, shard
+from hethub.runtime.model import Stage, StageChunks, shard
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import (
     ProcessGroups,
@@ -40,7 +40,7 @@ from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Recompute
-from hethub.spec.schedules import FORWARD, stage_sequence
+from hethub.spec.schedules import FORWARD, chunk_sequence
 
 
 class Engine:
@@ -79,15 +79,21 @@ class Engine:
         self.tp_group = groups.get(Role.TENSOR, self.my_tp_ranks)
         stages = topology.replica_stages(self.me.replica)
         self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
-        self.stage = Stage.build(
-            spec,
-            self.me.first_layer,
-            self.me.layers,
-            self.tp_group,
-            is_first=self.is_first,
-            is_last=self.is_last,
-            seed=seed,
-            device=self.device,
+        # One Stage per model chunk this rank holds (interleaved 1F1B: several).
+        self.stage = StageChunks(
+            [
+                Stage.build(
+                    spec,
+                    chunk.first_layer,
+                    chunk.layers,
+                    self.tp_group,
+                    is_first=chunk.is_first,
+                    is_last=chunk.is_last,
+                    seed=seed,
+                    device=self.device,
+                )
+                for chunk in self.me.chunks
+            ]
         )
         # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
         # precision (runtime.precision).
@@ -96,16 +102,22 @@ class Engine:
             self.weights.parameters(), lr=lr, weight_decay=weight_decay
         )
         self.sync_buckets = self._sync_buckets(groups)
-        # The pipeline neighbours' leaders, and the group each pair talks through.
+        # The pipeline neighbours' leaders, and the group each pair talks through: a group per
+        # ordered pair, which carries the sender's activations one way and their gradients
+        # back, each in the order both ends run them. Interleaving adds the pair from the last
+        # stage to the first (between a micro-batch's rounds of chunks).
+        interleaved = len(self.me.chunks) > 1
         self.prev_leader = self.next_leader = self.prev_group = self.next_group = None
-        if not self.is_first:
-            self.prev_leader = topology.stage_ranks(self.me.replica, self.me.stage - 1)[0]
-        if not self.is_last:
-            self.next_leader = topology.stage_ranks(self.me.replica, self.me.stage + 1)[0]
+        if not self.is_first or interleaved:
+            previous = (self.me.stage - 1) % stages
+            self.prev_leader = topology.stage_ranks(self.me.replica, previous)[0]
+        if not self.is_last or interleaved:
+            following = (self.me.stage + 1) % stages
+            self.next_leader = topology.stage_ranks(self.me.replica, following)[0]
         if self.rank == self.leader:
-            if not self.is_first:
+            if self.prev_leader is not None:
                 self.prev_group = groups.get(Role.PIPELINE, (self.prev_leader, self.rank))
-            if not self.is_last:
+            if self.next_leader is not None:
                 self.next_group = groups.get(Role.PIPELINE, (self.rank, self.next_leader))
 
     @classmethod
@@ -200,59 +212,75 @@ class Engine:
         ]
 
     def _run_schedule(self, micro: list[torch.Tensor], total: int) -> float:
+        """This stage's operations in its schedule's order (spec.schedules.chunk_sequence):
+        each forward and backward of one micro-batch through one of its chunks."""
         stages = self.topology.replica_stages(self.me.replica)
         b, t, h = self.plan.micro_batch, self.spec.seq_len, self.spec.hidden
+        chunks = self.me.chunks
         inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
-        for kind, j in stage_sequence(self.plan.schedule, self.me.stage, stages, len(micro)):
+        order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
+        for kind, c, j in order:
+            chunk, key = chunks[c], (c, j)
             if kind == FORWARD:
-                if self.is_first:
+                if chunk.is_first:
                     x = micro[j][:, :-1]
                 else:
-                    x = self._receive((b, t, h), self.prev_leader, j).requires_grad_()
+                    x = self._receive((b, t, h), True, j).requires_grad_()
                 with self._timed("forward", j, stretch=True):
-                    out = self._forward(x)
-                    if self.is_last:
-                        outputs[j] = self.stage.loss(out, micro[j][:, 1:]) / total
-                if self.is_last:
+                    out = self._forward(c, x)
+                    if chunk.is_last:
+                        outputs[key] = self.stage.chunks[c].loss(out, micro[j][:, 1:]) / total
+                if chunk.is_last:
                     if self.rank == self.leader:
-                        loss_sum += outputs[j].item()
+                        loss_sum += outputs[key].item()
                 else:
-                    outputs[j] = out
-                    sends += self._send(out.detach(), self.next_leader)
-                inputs[j] = x
+                    outputs[key] = out
+                    sends += self._send(out.detach(), True)
+                inputs[key] = x
             else:
-                grad = None if self.is_last else self._receive((b, t, h), self.next_leader, j)
+                grad = None if chunk.is_last else self._receive((b, t, h), False, j)
                 with self._timed("backward", j, stretch=True):
-                    outputs[j].backward(grad)
-                if not self.is_first:
-                    sends += self._send(inputs[j].grad, self.prev_leader)
-                del inputs[j], outputs[j]
+                    outputs[key].backward(grad)
+                if not chunk.is_first:
+                    sends += self._send(inputs[key].grad, False)
+                del inputs[key], outputs[key]
         with self._timed("send_wait"):
             for work in sends:
                 self.comm.wait(work)
         return loss_sum
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        module = self.stage.chunks[chunk]
         if self.plan.recompute is Recompute.FULL:
-            return checkpoint(self.stage, x, use_reentrant=False)
-        return self.stage(x)
+            return checkpoint(module, x, use_reentrant=False)
+        return module(x)
 
-    def _send(self, tensor: torch.Tensor, peer: int) -> list:
-        # Activations and their gradients are whole on every TP rank of a stage, so the stage
-        # leaders exchange them (whatever the two stages' TP degrees) and the receiving leader
-        # broadcasts to its TP group.
+    def _send(self, tensor: torch.Tensor, forward: bool) -> list:
+        """Send an activation to the next stage (``forward``) or its gradient to the previous.
+        Activations and their gradients are whole on every TP rank of a stage, so the stage
+        leaders exchange them (whatever the two stages' TP degrees) and the receiving leader
+        broadcasts to its TP group. Each direction has its own group, so that with two stages
+        interleaved (the previous and the next stage one rank) activations and gradients never
+        cross."""
         if self.rank != self.leader:
             return []
-        group = self.next_group if peer == self.next_leader else self.prev_group
+        peer, group = (
+            (self.next_leader, self.next_group) if forward else (self.prev_leader, self.prev_group)
+        )
         return [self.comm.isend(tensor.contiguous(), peer, group)]
 
-    def _receive(self, shape: tuple[int, ...], peer: int, micro_batch: int) -> torch.Tensor:
-        # The wait covers the peer's compute still to come and the transfer: a receive cannot
-        # tell them apart, so the timeline calls it a wait.
+    def _receive(self, shape: tuple[int, ...], forward: bool, micro_batch: int) -> torch.Tensor:
+        """Receive an activation from the previous stage (``forward``) or a gradient from the
+        next. The wait covers the peer's compute still to come and the transfer: a receive
+        cannot tell them apart, so the timeline calls it a wait."""
         buffer = torch.empty(shape, device=self.device, dtype=self.weights.compute_dtype)
         with self._timed("recv_wait", micro_batch):
             if self.rank == self.leader:
-                group = self.next_group if peer == self.next_leader else self.prev_group
+                peer, group = (
+                    (self.prev_leader, self.prev_group)
+                    if forward
+                    else (self.next_leader, self.next_group)
+                )
                 self.comm.recv(buffer, peer, group)
             if len(self.my_tp_ranks) > 1:
                 dist.broadcast(buffer, self.leader, group=self.tp_group)

@@ -218,3 +218,19 @@ class Stage(nn.Module):
         """This stage's parameters by full-model name, sorted: the order in which every TP rank
         of a stage runs its per-parameter collectives (gradient sync, checkpoint gathers)."""
         return sorted((self.full_name(n), p) for n, p in self.named_parameters())
+
+
+class StageChunks(nn.Module):
+    """One rank's chunks of the model (interleaved 1F1B: stage s of p holds the model's chunks
+    s, s + p, ...; otherwise one chunk): each a Stage, trained as one module. Their parameters
+    have distinct full-model names, so the gradient sync, the optimizer and checkpoints see the
+    rank's parameters as one stage's."""
+
+    def __init__(self, chunks: list[Stage]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def full_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """As Stage.full_parameters, over every chunk."""
+        named = [pair for chunk in self.chunks for pair in chunk.full_parameters()]
+        return sorted(named, key=lambda pair: pair[0])

@@ -80,6 +80,10 @@ def job_groups(
         ]
         for sender, receiver in pairwise(leaders):
             add(Role.PIPELINE, (sender, receiver))
+        if (
+            len(topology.ranks[leaders[0]].chunks) > 1
+        ):  # interleaved: the last stage feeds the first
+            add(Role.PIPELINE, (leaders[-1], leaders[0]))
     # A sync set inside one vendor all-reduces natively; one that spans vendors reduces inside
     # each vendor natively and only the parts' first ranks cross the bridge (hierarchical).
     for leaders in sorted(set(parameter_holders(topology, model).values())):

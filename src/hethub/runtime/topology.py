@@ -14,7 +14,21 @@ from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameters
 from hethub.spec.placement import place
-from hethub.spec.plan import Plan
+from hethub.spec.plan import PipelineLayout, Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Consecutive layers of the model that one stage runs as one piece."""
+
+    index: int
+    """The model's chunk: chunk c of stage s of p is c x p + s."""
+    first_layer: int
+    layers: int
+    is_first: bool
+    """It embeds the tokens (the model's first chunk)."""
+    is_last: bool
+    """It holds the head and computes the loss (the model's last chunk)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +49,14 @@ class RankInfo:
     node: int
     """Index of its node inside its group."""
     first_layer: int
+    """The first layer of its first chunk."""
     layers: int
+    """All its layers, over its chunks."""
     micro_batches: int
     """Micro-batches its replica runs per step."""
+    chunks: tuple[Chunk, ...] = ()
+    """The model chunks its stage holds, in its schedule's chunk order (one unless its pipeline
+    interleaves)."""
 
     def describe(self) -> str:
         """How a message names this rank: "rank 1 (group amd, replica 0, stage 1)"."""
@@ -75,11 +94,16 @@ def parameter_holders(topology: Topology, model: ModelSpec) -> dict[str, tuple[i
         stages = topology.replica_stages(replica)
         for s in range(stages):
             leader = topology.ranks[topology.stage_ranks(replica, s)[0]]
-            names = stage_parameters(
-                model, leader.first_layer, leader.layers, is_first=s == 0, is_last=s == stages - 1
-            )
-            for name in names:
-                holders.setdefault(name, set()).add(leader.rank)
+            for chunk in leader.chunks:
+                names = stage_parameters(
+                    model,
+                    chunk.first_layer,
+                    chunk.layers,
+                    is_first=chunk.is_first,
+                    is_last=chunk.is_last,
+                )
+                for name in names:
+                    holders.setdefault(name, set()).add(leader.rank)
     return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
 
 
@@ -108,7 +132,7 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
     for rank, (g, device, i, replica, stage, t) in enumerate(slots):
         pipeline = plan.pipelines[i]
         group = cluster.groups[g]
-        first = sum(s.layers for s in pipeline.stages[:stage])
+        chunks = _stage_chunks(pipeline, stage)
         ranks.append(
             RankInfo(
                 rank=rank,
@@ -120,9 +144,10 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
                 group=group.name,
                 device=device,
                 node=device // group.devices_per_node,
-                first_layer=first,
+                first_layer=chunks[0].first_layer,
                 layers=pipeline.stages[stage].layers,
                 micro_batches=pipeline.micro_batches,
+                chunks=chunks,
             )
         )
     tp_groups: dict[tuple[int, int], list[int]] = {}
@@ -131,4 +156,20 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
     return Topology(
         tuple(ranks),
         tuple(tuple(sorted(v, key=lambda k: ranks[k].tp_rank)) for v in tp_groups.values()),
+    )
+
+
+def _stage_chunks(pipeline: PipelineLayout, stage: int) -> tuple[Chunk, ...]:
+    """The chunks stage ``stage`` of ``pipeline`` holds: its chunk c is the model's c x p + s."""
+    sizes = pipeline.chunk_layers()
+    p = len(pipeline.stages)
+    return tuple(
+        Chunk(
+            index=g,
+            first_layer=sum(sizes[:g]),
+            layers=sizes[g],
+            is_first=g == 0,
+            is_last=g == len(sizes) - 1,
+        )
+        for g in range(stage, len(sizes), p)
     )

@@ -355,7 +355,9 @@ class _StepLog:
                     "replica": r.replica,
                     "stage": r.stage,
                     "group": r.group,
-                    "layers": [r.first_layer, r.first_layer + r.layers],
+                    "layers": [r.first_layer, r.first_layer + r.layers]
+                    if len(r.chunks) == 1
+                    else [[c.first_layer, c.first_layer + c.layers] for c in r.chunks],
                 }
                 for r in self.topology.ranks
             ],
