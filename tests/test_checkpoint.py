@@ -112,13 +112,10 @@ def _engine(plan, topology, spec):
 
 def _snapshot(engine):
     """Every parameter of this rank by full-model name: weight, exp_avg, exp_avg_sq, step."""
-    out = {}
-    for name, p in engine.weights.named:
-        state = engine.optimizer.state[p]
-        out[name] = [p.detach().clone()] + [
-            state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")
-        ]
-    return out
+    return {
+        name: [tensor.clone() for tensor in state]
+        for name, state in engine.optimizer.local_state().items()
+    }
 
 
 def _job(rank, world, results, runs):

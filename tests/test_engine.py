@@ -74,11 +74,19 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
         if grads is None:
-            grads = {name: p.grad.clone() for name, p in engine.weights.named}
+            grads = {name: g.clone() for name, g in engine.optimizer.gradients().items()}
         engine.update()
     me = topology.ranks[rank]
     computed_in = {param.dtype for param in engine.weights.stage.parameters()}
-    return losses, grads, me.tp_rank, me.tp, computed_in, dict(engine.comm.bytes)
+    moved = {
+        **engine.comm.bytes,
+        "optimizer_state_bytes": engine.optimizer.state_bytes(),
+        "local_parameters": sum(p.numel() for _, p in engine.weights.named),
+        "overlapped_buckets": engine.overlapped_buckets,
+        "peers": len(engine.peers),
+        "buckets": len(engine.sync_buckets),
+    }
+    return losses, grads, me.tp_rank, me.tp, computed_in, moved
 
 
 def stage(group, tp, layers):
@@ -183,6 +191,50 @@ PLANS = {
             ],
         },
     ),
+    "sharded optimizer, overlapped sync, tp 2, two replicas": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "shard_optimizer": True,
+            "overlap_grad_sync": True,
+            "pipelines": [
+                {"count": 2, "micro_batches": 2, "stages": [stage("nv", 2, 5), stage("amd", 1, 3)]}
+            ],
+        },
+    ),
+    "sharded and overlapped, interleaved, tied embedding, uneven replicas": (
+        "tiny-gpt",
+        {
+            "global_batch": 5,
+            "schedule": "interleaved-1f1b",
+            "shard_optimizer": True,
+            "overlap_grad_sync": True,
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 3,
+                    "virtual_stages": 2,
+                    "stages": [stage("nv", 1, [1, 3]), stage("nv", 1, [2, 2])],
+                },
+                {
+                    "count": 1,
+                    "micro_batches": 2,
+                    "virtual_stages": 2,
+                    "stages": [stage("nv", 1, [1, 3]), stage("nv", 1, [2, 2])],
+                },
+            ],
+        },
+    ),
+    "overlapped sync, gpipe, recompute": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "recompute": "full",
+            "schedule": "gpipe",
+            "overlap_grad_sync": True,
+            "pipelines": [{"count": 2, "micro_batches": 2, "stages": [stage("amd", 1, 8)]}],
+        },
+    ),
     "recompute, gpipe": (
         "tiny-llama",
         {
@@ -258,6 +310,14 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
             assert computed_in == {torch.bfloat16}
             assert losses == pytest.approx(ref_losses, rel=2e-2)
         return results
+    for *_, moved in results:
+        if plan.overlap_grad_sync:  # every bucket of a layout's peers syncs during the backwards
+            assert moved["overlapped_buckets"] > 0
+        d = moved["peers"] if plan.shard_optimizer else 1
+        # fp32 AdamW keeps 8 bytes a parameter; sharded, 12 / d (its fp32 slice and moments),
+        # and at most one element more per bucket, padded to a multiple of d
+        whole = 8 * moved["local_parameters"] if d == 1 else 12 * moved["local_parameters"] / d
+        assert whole <= moved["optimizer_state_bytes"] <= whole + 12 * moved["buckets"]
     table = parameter_table(load_model(preset))
     for losses, grads, tp_rank, tp, computed_in, _ in results:
         assert computed_in == {torch.float32}

@@ -40,11 +40,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from hethub.errors import HethubError
 from hethub.runtime.checkpoint_folders import META, keep_latest, read_meta
 from hethub.runtime.model import shard
+from hethub.runtime.optimizer import MOMENTS, LocalState
 
 if TYPE_CHECKING:  # the engine does not need this module; annotations only
     from hethub.runtime.engine import Engine
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(
@@ -87,17 +86,16 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
 
 
 def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """The full tensors of this stage's weights and AdamW state, under their checkpoint keys."""
+    """The full tensors of this stage's weights and AdamW state, under their checkpoint keys
+    (a sharded optimizer first gathers its slices among its peers)."""
+    states = engine.optimizer.local_state()
     out = {}
-    for name, param in engine.weights.named:
-        state = engine.optimizer.state.get(param) or {}
-        out[f"model/{name}"] = engine.gather_full(name, param.detach())
+    for name, _ in engine.weights.named:  # every TP rank gathers in this one order
+        state = states[name]
+        out[f"model/{name}"] = engine.gather_full(name, state.value)
         for moment in MOMENTS:
-            # Before the first step AdamW has no state yet: zeros, step 0 are what it would make.
-            local = state[moment] if state else torch.zeros_like(param)
-            out[f"optim/{name}/{moment}"] = engine.gather_full(name, local)
-        # torch.zeros(()) has AdamW's own dtype for a CPU step counter (the default float type).
-        out[f"optim/{name}/step"] = state["step"].clone() if state else torch.zeros(())
+            out[f"optim/{name}/{moment}"] = engine.gather_full(name, getattr(state, moment))
+        out[f"optim/{name}/step"] = state.step
     return out
 
 
@@ -183,20 +181,14 @@ def _buffers(
 
 
 def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's TP shard of the loaded full tensors into its parameters and optimizer."""
+    """Hand this rank's TP shard of the loaded full tensors to its optimizer, which sets the
+    weights too."""
     rank, tp = engine.me.tp_rank, engine.me.tp
-    optimizer = engine.optimizer
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {}
-    with torch.no_grad():
-        for name, param in engine.weights.named:
-            layout = engine.parameter_table[name]
-            param.copy_(shard(layout, buffers[f"model/{name}"], rank, tp))
-            entry = {m: shard(layout, buffers[f"optim/{name}/{m}"], rank, tp) for m in MOMENTS}
-            state[index[id(param)]] = {"step": buffers[f"optim/{name}/step"], **entry}
-    # The optimizer's own loader puts the moments on the parameters' devices and dtypes and
-    # keeps the step counter as saved (a CPU tensor, capturable and fused being off).
-    full = optimizer.state_dict()
-    full["state"] = state
-    optimizer.load_state_dict(full)
-    engine.weights.copy_to_model()  # bf16: the stage computes with the loaded masters
+    states = {}
+    for name, _ in engine.weights.named:
+        layout = engine.parameter_table[name]
+        full = [buffers[f"model/{name}"], *(buffers[f"optim/{name}/{m}"] for m in MOMENTS)]
+        states[name] = LocalState(
+            *(shard(layout, tensor, rank, tp) for tensor in full), buffers[f"optim/{name}/step"]
+        )
+    engine.optimizer.load_local_state(states)

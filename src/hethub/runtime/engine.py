@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, StageChunks, shard
+from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import (
     ProcessGroups,
@@ -40,7 +41,7 @@ from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Recompute
-from hethub.spec.schedules import FORWARD, chunk_sequence
+from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
 
 
 class Engine:
@@ -98,10 +99,28 @@ class Engine:
         # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
         # precision (runtime.precision).
         self.weights = MasterWeights(self.stage, plan.precision)
-        self.optimizer = torch.optim.AdamW(
-            self.weights.parameters(), lr=lr, weight_decay=weight_decay
-        )
+        # The ranks holding exactly this rank's shards, in a group of their own when a sharded
+        # optimizer or an overlapped sync needs one.
+        self.peers = topology.data_parallel_peers(self.rank)
+        uses_peers = plan.shard_optimizer or plan.overlap_grad_sync
+        self.peer_group = groups.get(Role.DATA, self.peers) if uses_peers else None
         self.sync_buckets = self._sync_buckets(groups)
+        if plan.shard_optimizer and len(self.peers) > 1:
+            self.optimizer = ShardedAdamW(
+                self.weights,
+                [bucket.params for bucket in self.sync_buckets],
+                self.peers,
+                self.peer_group,
+                lr,
+                weight_decay,
+                self.comm,
+            )
+        else:
+            self.optimizer = PlainAdamW(self.weights, lr, weight_decay)
+        self._in_flight: dict[int, tuple] = {}  # bucket -> its overlapped sync, launched
+        self.overlapped_buckets = 0  # of the last step: synced during its backwards
+        if plan.overlap_grad_sync:
+            self._hook_overlap()
         # The pipeline neighbours' leaders, and the group each pair talks through: a group per
         # ordered pair, which carries the sender's activations one way and their gradients
         # back, each in the order both ends run them. Interleaving adds the pair from the last
@@ -136,7 +155,9 @@ class Engine:
         (whose messages wait at most ``timeout``) and the job's process groups (created here,
         on every rank alike); ``kwargs`` as for the constructor."""
         device = device or torch.device("cpu")
-        groups = create_job_groups(topology, spec, cluster, device)
+        groups = create_job_groups(
+            topology, spec, cluster, device, plan.shard_optimizer or plan.overlap_grad_sync
+        )
         return cls(
             plan,
             topology,
@@ -159,8 +180,6 @@ class Engine:
         """The optimizer step on the synced gradients (``gradients``); the stage then computes
         with the new weights."""
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.weights.copy_to_model()
 
     def gradients(self, tokens: torch.Tensor) -> float:
         """Forward and backward of the global batch and the gradient sync, without the update:
@@ -219,8 +238,18 @@ class Engine:
         chunks = self.me.chunks
         inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
         order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
-        for kind, c, j in order:
+        last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
+        if self.plan.overlap_grad_sync:
+            self._armed.clear()
+            self._waiting = {
+                index: len(bucket.params)
+                for index, bucket in enumerate(self.sync_buckets)
+                if bucket.direct
+            }
+        for i, (kind, c, j) in enumerate(order):
             chunk, key = chunks[c], (c, j)
+            if self.plan.overlap_grad_sync and i == last_backward[c]:
+                self._armed.add(c)  # this backward gives the chunk's gradients their last part
             if kind == FORWARD:
                 if chunk.is_first:
                     x = micro[j][:, :-1]
@@ -299,13 +328,20 @@ class Engine:
         for name, param in self.weights.named:
             if len(holders[name]) > 1:
                 held.setdefault(holders[name], []).append((name, param))
+        # The leaders of this rank's data-parallel peers: a bucket held by exactly them is summed
+        # among the peers directly, each TP rank its own shards, in one collective.
+        peer_leaders = {
+            self.topology.stage_ranks(self.topology.ranks[q].replica, self.me.stage)[0]
+            for q in self.peers
+        }
         buckets = []
         for leaders, params in held.items():
+            direct = self.peer_group is not None and set(leaders) == peer_leaders
             # Only the leaders reduce; the other TP ranks take part in gather and broadcast.
             sync = self._grad_sync(leaders, groups) if self.rank == self.leader else None
             full_bytes = [param.nbytes * (tp if self._split(name) else 1) for name, param in params]
             buckets += [
-                Bucket(params[start:stop], sync)
+                Bucket(params[start:stop], sync, direct)
                 for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)
             ]
         return buckets
@@ -327,11 +363,77 @@ class Engine:
 
     def _sync_gradients(self) -> None:
         """Sum each parameter's gradient over every replica (and the tied head copy) holding it,
-        bucket by bucket (_sync_buckets): gather each full gradient in the TP group, flatten the
-        bucket, all-reduce it among the holders' leaders, broadcast it back, keep this rank's
-        shards."""
-        for bucket in self.sync_buckets:
+        bucket by bucket (_sync_buckets): among the data-parallel peers directly where they are
+        its only holders and a sharded optimizer or an overlapped sync asked for their group
+        (_sync_direct; an overlapped one was launched during the backwards), else by gathering
+        each full gradient in the TP group, flattening the bucket, all-reducing it among the
+        holders' leaders, broadcasting it back and keeping this rank's shards (_sync_bucket).
+        A sharded optimizer then gets this rank's slice of each bucket."""
+        self.overlapped_buckets = len(self._in_flight)  # launched during the backwards
+        for index, bucket in enumerate(self.sync_buckets):
+            if bucket.direct:
+                launched = self._in_flight.pop(index, None) or self._sync_direct(bucket)
+                self._finish_direct(index, bucket, *launched)
+                continue
             self._sync_bucket(bucket)
+            if isinstance(self.optimizer, ShardedAdamW):
+                flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
+                self.optimizer.set_grad(index, self.optimizer.my_slice(self.optimizer.pad(flat)))
+
+    def _sync_direct(self, bucket: Bucket, async_op: bool = False) -> tuple:
+        """Start summing ``bucket`` among the data-parallel peers, each its own shards: a
+        reduce-scatter to this rank's slice for a sharded optimizer, else an all-reduce. The
+        (work, result) to finish it with."""
+        flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
+        peers = len(self.peers)
+        if isinstance(self.optimizer, ShardedAdamW):
+            padded = self.optimizer.pad(flat)
+            mine = padded.new_empty(padded.numel() // peers)
+            self.comm.native(padded, (peers - 1) / peers)  # a ring: (d - 1) / d of it out
+            work = dist.reduce_scatter_single(mine, padded, group=self.peer_group, async_op=True)
+            return work, mine
+        self.comm.native(flat, 2 * (peers - 1) / peers)
+        return dist.all_reduce(flat, group=self.peer_group, async_op=True), flat
+
+    def _finish_direct(self, index: int, bucket: Bucket, work, result: torch.Tensor) -> None:
+        work.wait()
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.set_grad(index, result)
+            return
+        sizes = [param.numel() for _, param in bucket.params]
+        for (_, param), piece in zip(bucket.params, result.split(sizes), strict=True):
+            param.grad.copy_(piece.view_as(param))
+
+    def _hook_overlap(self) -> None:
+        """An overlapped sync: each direct bucket's sum starts (_sync_direct, asynchronously)
+        once every one of its parameters has had its last gradient of the step, which the last
+        backward of its chunk gives it (_run_schedule arms the chunk before that backward).
+        The hooks run after AccumulateGrad (and after bf16's main-gradient hook, registered
+        first), in the backward's deterministic order, so the peers, which run the same chunks
+        in the same order, launch their collectives in the same order."""
+        bucket_of = {
+            id(param): index
+            for index, bucket in enumerate(self.sync_buckets)
+            if bucket.direct
+            for _, param in bucket.params
+        }
+        self._armed: set[int] = set()
+        self._waiting: dict[int, int] = {}
+        for c, chunk in enumerate(self.stage.chunks):
+            for name, computed in chunk.full_parameters():
+                index = bucket_of.get(id(self.weights.by_name[name]))
+                if index is not None:
+                    computed.register_post_accumulate_grad_hook(self._ready_hook(c, index))
+
+    def _ready_hook(self, chunk: int, index: int):
+        def hook(_: torch.Tensor) -> None:
+            if chunk not in self._armed:
+                return
+            self._waiting[index] -= 1
+            if not self._waiting[index]:
+                self._in_flight[index] = self._sync_direct(self.sync_buckets[index])
+
+        return hook
 
     def _sync_bucket(self, bucket: Bucket) -> None:
         """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one
@@ -388,3 +490,5 @@ class Bucket(NamedTuple):
     params: list[tuple[str, torch.nn.Parameter]]
     sync: GradSync | None
     """None on a rank that does not lead its stage: it only gathers and receives."""
+    direct: bool = False
+    """Summed among the data-parallel peers, each TP rank its own shards (Engine._sync_direct)."""

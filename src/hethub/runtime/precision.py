@@ -26,8 +26,11 @@ class MasterWeights:
     def __init__(self, stage: nn.Module, precision: Precision) -> None:
         self.stage, self.precision = stage, Precision(precision)
         named = stage.full_parameters()
+        self.model = dict(named)
+        self.released = False
         if self.precision is Precision.FP32:
             self.named = named
+            self.by_name = self.model
             return
         self.named = []
         for name, param in named:
@@ -37,6 +40,7 @@ class MasterWeights:
             param.data = param.data.to(COMPUTE_DTYPE[self.precision])
             param.register_post_accumulate_grad_hook(_accumulate_into(master))
             self.named.append((name, master))
+        self.by_name = dict(self.named)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -47,10 +51,34 @@ class MasterWeights:
         """What the optimizer steps."""
         return [param for _, param in self.named]
 
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights kept for the optimizer (bf16 only)."""
+        if self.precision is Precision.FP32 or self.released:
+            return 0
+        return sum(param.nbytes for _, param in self.named)
+
+    def release_masters(self) -> None:
+        """bf16: drop the masters' values (a sharded optimizer keeps its slices of them); each
+        master stays the holder of its fp32 main gradient, its value a broadcast zero that takes
+        no memory. The stage's weights are then written by ``write``."""
+        if self.precision is Precision.FP32:
+            return
+        for _, master in self.named:
+            master.data = master.data.new_zeros(()).expand(master.shape)
+        self.released = True
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Set parameter ``name`` (its TP shard on this rank) to the fp32 ``value``: the weight
+        the stage computes with, and its master where one is kept."""
+        with torch.no_grad():
+            self.model[name].copy_(value)
+            if self.precision is Precision.BF16 and not self.released:
+                self.by_name[name].copy_(value)
+
     def copy_to_model(self) -> None:
         """After an optimizer step (or a checkpoint load): the stage computes with the masters'
         new values."""
-        if self.precision is Precision.FP32:
+        if self.precision is Precision.FP32 or self.released:
             return
         with torch.no_grad():
             for (_, param), (_, master) in zip(

@@ -39,6 +39,7 @@ class Role(StrEnum):
     SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync set that spans vendors
     SYNC_BRIDGE = "sync_bridge"  # the first rank of each vendor's part of such a set
     VENDOR = "vendor"  # every rank of one vendor, when the job spans several
+    DATA = "data"  # a rank's data-parallel peers (Topology.data_parallel_peers), when used
     MEASURE = "measure"  # ranks the profiler times a collective among
 
 
@@ -59,11 +60,16 @@ def shared_backend(ranks: Iterable[int], vendors: Sequence[str], backends: Seque
 
 
 def job_groups(
-    topology: Topology, model: ModelSpec, vendors: Sequence[str], backends: Sequence[str]
+    topology: Topology,
+    model: ModelSpec,
+    vendors: Sequence[str],
+    backends: Sequence[str],
+    data_parallel: bool = False,
 ) -> tuple[GroupSpec, ...]:
     """Every group of the job, in the order every rank creates them. ``vendors[r]`` and
-    ``backends[r]``: rank r's accelerator vendor and its device's native backend (gloo on a CPU).
-    Groups of one rank are left out: they never communicate."""
+    ``backends[r]``: rank r's accelerator vendor and its device's native backend (gloo on a CPU);
+    ``data_parallel``: also each rank's data-parallel peers (a sharded optimizer, an overlapped
+    sync). Groups of one rank are left out: they never communicate."""
     world = tuple(range(topology.world_size))
     specs = [GroupSpec(Role.WORLD, world, BRIDGE_BACKEND)]
 
@@ -94,6 +100,9 @@ def job_groups(
         for part in parts:
             add(Role.SYNC_LOCAL, part)
         add(Role.SYNC_BRIDGE, tuple(part[0] for part in parts))
+    if data_parallel:
+        for rank in world:
+            add(Role.DATA, topology.data_parallel_peers(rank))
     if len(set(vendors)) > 1:
         for vendor in dict.fromkeys(vendors):
             add(Role.VENDOR, tuple(r for r in world if vendors[r] == vendor))
@@ -145,11 +154,18 @@ def create_groups(specs: Sequence[GroupSpec]) -> ProcessGroups:
 
 
 def create_job_groups(
-    topology: Topology, model: ModelSpec, cluster: ClusterSpec, device: torch.device
+    topology: Topology,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    device: torch.device,
+    data_parallel: bool = False,
 ) -> ProcessGroups:
     """Collective over the world group: every group of the job of ``topology``, this rank
-    running on ``device``. Every rank first learns every other's backend (each chose its own
-    device on its own node), so that all of them list the same groups."""
+    running on ``device`` (``data_parallel`` as for job_groups). Every rank first learns every
+    other's backend (each chose its own device on its own node), so that all of them list the
+    same groups."""
     backends: list[str | None] = [None] * topology.world_size
     dist.all_gather_object(backends, device_backend(device))
-    return create_groups(job_groups(topology, model, topology.vendors(cluster), backends))
+    return create_groups(
+        job_groups(topology, model, topology.vendors(cluster), backends, data_parallel)
+    )

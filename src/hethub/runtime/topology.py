@@ -57,6 +57,9 @@ class RankInfo:
     chunks: tuple[Chunk, ...] = ()
     """The model chunks its stage holds, in its schedule's chunk order (one unless its pipeline
     interleaves)."""
+    layout_class: int = 0
+    """The first layout of the plan with its layout's stages: ranks of one class, stage and TP
+    rank hold the same shard of the same parameters (its data-parallel peers)."""
 
     def describe(self) -> str:
         """How a message names this rank: "rank 1 (group amd, replica 0, stage 1)"."""
@@ -79,6 +82,18 @@ class Topology:
 
     def replica_stages(self, replica: int) -> int:
         return 1 + max(r.stage for r in self.ranks if r.replica == replica)
+
+    def data_parallel_peers(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding exactly ``rank``'s parameter shards (itself included): the same
+        stage and TP rank of every replica of identical layouts. A sharded optimizer splits
+        its state among them; with all of a parameter's holders among them, they sum its
+        gradient directly, each its own shard."""
+        me = self.ranks[rank]
+        return tuple(
+            r.rank
+            for r in self.ranks
+            if (r.layout_class, r.stage, r.tp_rank) == (me.layout_class, me.stage, me.tp_rank)
+        )
 
     def vendors(self, cluster: ClusterSpec) -> list[str]:
         """Every rank's accelerator vendor, in rank order."""
@@ -148,6 +163,9 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
                 layers=pipeline.stages[stage].layers,
                 micro_batches=pipeline.micro_batches,
                 chunks=chunks,
+                layout_class=next(
+                    k for k, other in enumerate(plan.pipelines) if other.stages == pipeline.stages
+                ),
             )
         )
     tp_groups: dict[tuple[int, int], list[int]] = {}
