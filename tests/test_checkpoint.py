@@ -426,3 +426,67 @@ def test_what_crashed_saves_left_is_removed_and_nothing_else(tmp_path):
     assert sorted(remove_debris(tmp_path)) == sorted(debris)
     assert all(p.exists() for p in kept) and not any(p.exists() for p in debris)
     assert remove_debris(tmp_path / "missing") == []
+
+
+# Two replicas of an interleaved PP 2 (non-uniform chunks), sharded and overlapped; and a plain
+# 1F1B plan of as many ranks: one job runs both.
+SHARDED = {
+    **plan_dict(
+        "tiny-llama",
+        2,
+        [
+            {
+                "count": 2,
+                "micro_batches": 1,
+                "virtual_stages": 2,
+                "stages": [stage("nv", 1, [2, 2]), stage("nv", 1, [3, 1])],
+            }
+        ],
+    ),
+    "schedule": "interleaved-1f1b",
+    "shard_optimizer": True,
+    "overlap_grad_sync": True,
+}
+PLAIN_4 = plan_dict(
+    "tiny-llama",
+    2,
+    [{"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 2)] * 4}],
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_jobs(tmp_path_factory):
+    """A sharded interleaved run: 4 steps, saving after 2; a plain 1F1B plan resumes its step 2
+    and saves after 4; the sharded plan then loads that."""
+    root = tmp_path_factory.mktemp("sharded")
+    sharded_dir, plain_dir = str(root / "sharded"), str(root / "plain")
+    sharded, plain, back = job(
+        root,
+        [
+            ("sharded", SHARDED, train(0, 1) + [("save", sharded_dir, 2)] + train(2, 3)),
+            (
+                "plain",
+                PLAIN_4,
+                [("load", str(step_dir(sharded_dir, 2)))] + train(2, 3) + [("save", plain_dir, 4)],
+            ),
+            ("sharded", SHARDED, [("load", str(step_dir(plain_dir, 4)))]),
+        ],
+    )
+    return {
+        "sharded": sharded,
+        "plain": plain,
+        "back": back,
+        "saved2": read(step_dir(sharded_dir, 2)),
+        "plain4": read(step_dir(plain_dir, 4)),
+    }
+
+
+def test_a_sharded_interleaved_run_resumes_under_plain_1f1b_and_back(sharded_jobs):
+    # the plain plan loaded the sharded run's full tensors, and trains on as it did
+    assert_holds_shards(sharded_jobs["plain"], sharded_jobs["saved2"], "loaded", 2)
+    for rank in sharded_jobs["plain"]:
+        torch.testing.assert_close(
+            rank["losses"], sharded_jobs["sharded"][0]["losses"][2:], rtol=1e-5, atol=0
+        )
+    # the sharded plan loads a plain checkpoint: every rank's whole state is the saved one
+    assert_holds_shards(sharded_jobs["back"], sharded_jobs["plain4"], "loaded", 4)

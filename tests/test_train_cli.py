@@ -33,16 +33,21 @@ pipelines:
       - {group: nv, tp: 1, layers: 5}
       - {group: amd, tp: 1, layers: 3}
 """
-# Resumed under another layout: TP 2 on one stage, then a 2/6 split over both vendors.
+# Resumed under another layout: two replicas of an interleaved pipeline over both vendors, chunks
+# of 2 + 3 and 2 + 1 layers, its optimizer sharded over the replicas, its sync overlapped.
 OTHER_PLAN = """model: tiny-llama
 global_batch: 4
 micro_batch: 1
 precision: fp32
+schedule: interleaved-1f1b
+shard_optimizer: true
+overlap_grad_sync: true
 pipelines:
-  - count: 1
+  - count: 2
+    virtual_stages: 2
     stages:
-      - {group: nv, tp: 2, layers: 2}
-      - {group: amd, tp: 1, layers: 6}
+      - {group: nv, tp: 1, layers: [2, 3]}
+      - {group: amd, tp: 1, layers: [2, 1]}
 """
 
 
@@ -206,7 +211,13 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     assert [r["loss"] for r in records(other)[0]] == pytest.approx(
         reference_losses(6, 3, 1e-3)[4:], rel=1e-5
     )
-    assert records(other)[1]["world_size"] == 3
+    final_other = records(other)[1]
+    assert final_other["world_size"] == 4
+    # fp32 AdamW keeps 8 bytes a parameter; sharded over the 2 replicas, 12 / 2 (its fp32 slice
+    # and moments): over all ranks, 1.5 times the unsharded run's (two ranks, one copy each)
+    whole_state = sum(r["optimizer_state_bytes"] for r in final["ranks"])
+    sharded_state = sum(r["optimizer_state_bytes"] for r in final_other["ranks"])
+    assert sharded_state == pytest.approx(1.5 * whole_state, rel=1e-3)
     assert (files / "runs/half/plan.before-step-4.yaml").read_text() != (
         files / "runs/half/plan.yaml"
     ).read_text()

@@ -142,10 +142,12 @@ def _train_steps(
             stop_signal = 0  # the run is done: it ends as any finished run does
         non_finite = [r for r in range(world) if shared[2 + world + r] > 0]
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object((engine.timeline, peak_memory_bytes(device)), gathered, dst=0)
+        mine = (engine.timeline, peak_memory_bytes(device), engine.optimizer.state_bytes())
+        dist.gather_object(mine, gathered, dst=0)
         if log:
-            timelines = [timeline for timeline, _ in gathered]
-            peaks = [peak for _, peak in gathered if peak is not None]
+            timelines = [timeline for timeline, *_ in gathered]
+            log.optimizer_state_bytes = [state for *_, state in gathered]
+            peaks = [peak for _, peak, _ in gathered if peak is not None]
             peak = max(peaks) if peaks else None
             log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
         moved_before = moved
@@ -249,6 +251,7 @@ class _StepLog:
         )
         self.bar = progress_bar()
         self.board = _tensorboard(run)
+        self.optimizer_state_bytes: list[int] = []  # per rank, as of the last step
         # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
         first = {}
         for r in topology.ranks:
@@ -355,6 +358,7 @@ class _StepLog:
                     "replica": r.replica,
                     "stage": r.stage,
                     "group": r.group,
+                    "optimizer_state_bytes": self.optimizer_state_bytes[r.rank],
                     "layers": [r.first_layer, r.first_layer + r.layers]
                     if len(r.chunks) == 1
                     else [[c.first_layer, c.first_layer + c.layers] for c in r.chunks],
