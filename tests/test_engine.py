@@ -267,6 +267,8 @@ def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_r
 BF16_LAYOUTS = [
     "pp 5/3",
     "interleaved, tp 2 on one stage, across vendors",
+    "sharded optimizer, overlapped sync, tp 2, two replicas",
+    "sharded and overlapped, interleaved, tied embedding, uneven replicas",
     "tp 2",
     "pp x tp, tp 2 then 1",
     "unlike replicas, uneven split, across vendors",

@@ -117,6 +117,7 @@ class Engine:
             )
         else:
             self.optimizer = PlainAdamW(self.weights, lr, weight_decay)
+        self.sharded = isinstance(self.optimizer, ShardedAdamW)
         self._in_flight: dict[int, tuple] = {}  # bucket -> its overlapped sync, launched
         self.overlapped_buckets = 0  # of the last step: synced during its backwards
         if plan.overlap_grad_sync:
@@ -376,7 +377,7 @@ class Engine:
                 self._finish_direct(index, bucket, *launched)
                 continue
             self._sync_bucket(bucket)
-            if isinstance(self.optimizer, ShardedAdamW):
+            if self.sharded:
                 flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
                 self.optimizer.set_grad(index, self.optimizer.my_slice(self.optimizer.pad(flat)))
 
@@ -386,7 +387,7 @@ class Engine:
         (work, result) to finish it with."""
         flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
         peers = len(self.peers)
-        if isinstance(self.optimizer, ShardedAdamW):
+        if self.sharded:
             padded = self.optimizer.pad(flat)
             mine = padded.new_empty(padded.numel() // peers)
             self.comm.native(padded, (peers - 1) / peers)  # a ring: (d - 1) / d of it out
@@ -397,7 +398,7 @@ class Engine:
 
     def _finish_direct(self, index: int, bucket: Bucket, work, result: torch.Tensor) -> None:
         work.wait()
-        if isinstance(self.optimizer, ShardedAdamW):
+        if self.sharded:
             self.optimizer.set_grad(index, result)
             return
         sizes = [param.numel() for _, param in bucket.params]
