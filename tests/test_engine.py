@@ -3,6 +3,8 @@ parameter (torch.testing.assert_close, fp32 defaults) and the losses of 3 AdamW 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -37,6 +39,7 @@ def batches(spec, global_batch):
     ]
 
 
+@functools.cache
 def reference(preset, global_batch, precision="fp32"):
     """One process, the whole model, the same recipe (runtime.precision): the losses of STEPS
     AdamW steps and the first step's (fp32 master) gradients."""

@@ -1,5 +1,6 @@
-"""Run a function on N gloo ranks in fresh local processes: a free port, every wait bounded, the
-processes cleaned up whatever happens. The measuring half of the profiler needs real process
+"""Run a function on N gloo ranks in fresh local processes (forked from a server that has
+imported torch once): a free port, every wait bounded, the processes cleaned up whatever
+happens. The measuring half of the profiler needs real process
 groups (TP collectives, point-to-point and all-reduce between processes), and so do the
 multi-process tests, which use this too: started as torchrun starts a run's workers."""
 
@@ -85,9 +86,7 @@ def run_ranks(
     torch threads; the return values (picklable) in rank order. A rank that fails, dies or is
     still running after ``timeout_s`` seconds is an error (a HethubError that starts with
     ``purpose``; a failed rank's traceback goes to stderr); every process is gone on return."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -133,6 +132,32 @@ def run_ranks(
                 p.join()
         results.close()
     return [pickle.loads(out[r][1]) for r in range(world)]
+
+
+def _context():
+    """Processes forked from a server that has imported torch and the runtime once, in this
+    process's first call: a fresh spawned process imports torch itself (3 s and more here, and
+    several at once share the cores), which made starting the ranks most of a small job's time
+    (2 ranks: 6 s spawned, 0.3 s forked from the server). The server imports but runs nothing,
+    so no thread pool or device state is forked; each rank starts its own. It exits with this
+    process, and the ranks with it (die_with_parent)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOADED))  # no effect once the server runs
+    return ctx
+
+
+# torch._dynamo: the first optimizer a process makes imports it (torch.optim's constructors are
+# wrapped by torch._disable_dynamo), 2 to 5 s here; checkpoint: torch.distributed.checkpoint.
+_PRELOADED = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "hethub.runtime.engine",
+    "hethub.runtime.checkpoint",
+    "hethub.profile.measure",
+)
 
 
 def _last_line(text: str) -> str:
