@@ -4,8 +4,9 @@ stage and recipe (runtime.precision), the precisions interleaved so that both se
 machine.
 
 Usage: python benchmarks/precision_speed.py [--steps N] [--micro-batch B]
-What it decides: the precision of the local default run (examples/clusters/local-hetero.yaml's
-plan): the faster one here.
+What it checks: the rule by which the local default run (examples/clusters/local-hetero.yaml's
+plan) picks its precision, bf16 where torch has bf16 kernels for this CPU, else fp32
+(hethub.cli.jobs.planned_precision): the precision it picks should be the faster one here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 
 from hethub.runtime.model import Stage
-from hethub.runtime.precision import MasterWeights
+from hethub.runtime.precision import MasterWeights, cpu_has_bf16_kernels
 from hethub.spec import load_model
 from hethub.spec.plan import Precision
 
@@ -59,7 +60,13 @@ def main() -> int:
     )
     print(f"fp32: {fp32:.3f} s/step   bf16: {bf16:.3f} s/step   bf16 speed-up {fp32 / bf16:.2f}x")
     faster = Precision.BF16 if bf16 < fp32 else Precision.FP32
+    kernels = cpu_has_bf16_kernels()
+    picked = Precision.BF16 if kernels else Precision.FP32
     print(f"the faster here: {faster}")
+    print(
+        f"torch has bf16 kernels for this CPU: {'yes' if kernels else 'no'}, so hethub train "
+        f"picks {picked}{'' if picked is faster else ': NOT the faster'}"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from hethub.cli import main
+from hethub.cli.jobs import NO_BF16_KERNELS
 from hethub.errors import HethubError
 from hethub.predictor import predict
 from hethub.predictor.memory import GB, stage_params
@@ -222,3 +223,35 @@ def test_a_bad_measured_link_is_one_clear_error(tmp_path, capsys, value):
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1
     assert f"groups[0].intra_node_gb_s = {value!r}: must be a positive number" in err
+
+
+@pytest.mark.parametrize(("bf16_kernels", "precision"), [(True, "bf16"), (False, "fp32")])
+def test_the_first_run_profiles_plans_and_trains_in_bf16_only_where_the_cpu_has_its_kernels(
+    tmp_path, monkeypatch, bf16_kernels, precision
+):
+    # Without them (an AVX2 CPU) a bf16 matmul runs torch's reference loop, and `hethub train`
+    # in bf16 profiled for 9.5 min and then stepped 6x slower than fp32 (README, "Precision").
+    import argparse
+
+    import hethub.cli.train
+    import hethub.runtime.precision
+    from hethub.cli.jobs import prepare
+    from hethub.profile import measure
+
+    measured = []
+
+    def ensure_profiles(folder, model, device, tps, micro_batches, **kwargs):
+        measured.append(kwargs["dtype"])
+        folder.mkdir(parents=True, exist_ok=True)  # nothing measured: priced analytically
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hethub.runtime.precision, "cpu_has_bf16_kernels", lambda: bf16_kernels)
+    monkeypatch.setattr(measure, "ensure_profiles", ensure_profiles)
+    parser = argparse.ArgumentParser()
+    hethub.cli.train.add_parser(parser.add_subparsers())
+    said = []
+    job = prepare(parser.parse_args(["train"]), write=False, say=said.append)
+    assert measured and set(measured) == {precision}
+    assert job.plan.precision == Precision(precision)
+    notice = [line for line in said if line.startswith("precision ")]
+    assert notice == ([] if bf16_kernels else [f"precision fp32, not bf16: {NO_BF16_KERNELS}"])

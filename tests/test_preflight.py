@@ -18,6 +18,7 @@ import yaml
 
 import hethub.cli.train
 import hethub.cli.validate
+import hethub.runtime.precision
 from hethub.cli import main, preflight
 from hethub.cli.jobs import prepare
 from hethub.errors import HethubError
@@ -201,10 +202,17 @@ def test_a_plan_whose_cpu_ranks_exceed_this_machines_memory_is_refused_before_pr
     assert not Path("runs").exists()  # no profiles measured either
 
 
-def test_a_model_too_big_for_this_machine_is_refused_before_planning(here, capsys):
+@pytest.mark.parametrize(
+    ("bf16_kernels", "precision", "state_bytes"), [(True, "bf16", 18), (False, "fp32", 16)]
+)
+def test_a_model_too_big_for_this_machine_is_refused_before_planning(
+    here, capsys, monkeypatch, bf16_kernels, precision, state_bytes
+):
+    # in the precision the plan would have: fp32 on a CPU without bf16 kernels
+    monkeypatch.setattr(hethub.runtime.precision, "cpu_has_bf16_kernels", lambda: bf16_kernels)
     line = refused(capsys, "--model", "llama-140b")
-    assert "training llama-140b in bf16 needs at least" in line
-    assert "parameters x 18 bytes of weights, gradients and optimizer states" in line
+    assert f"training llama-140b in {precision} needs at least" in line
+    assert f"parameters x {state_bytes} bytes of weights, gradients and optimizer states" in line
 
 
 def test_a_stage_over_its_devices_memory_is_refused(here, capsys):

@@ -44,10 +44,9 @@ from hethub.spec.plan import Precision
 
 DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
-# A plan made here (no --plan) trains in bf16: the plans' default, and on this kind of machine
-# the faster (benchmarks/precision_speed.py: bf16 1.17x fp32 for the default model).
 DEFAULT_PRECISION = Precision.BF16
-DEFAULT_STEPS = 90  # the default run: about 1.5 minutes on a 2-core machine, the loss down by ~40%
+"""The plans' default; a plan made here for this machine's CPU may differ (planned_precision)."""
+DEFAULT_STEPS = 90  # the loss down by ~50%: 1.3 min on an AVX-512 EPYC, 9 on a busy AVX2 one
 
 
 def builtin_cluster() -> Path:
@@ -190,9 +189,14 @@ def prepare(
         model = load_model(args.model or DEFAULT_MODEL, source="--model")
         global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
         _check_data(settings, model, global_batch)
-        _check_before_measuring(args, cluster, model, None, measure, local_launch)
-        profiles, basis = _profiles(args, cluster, model, None, measure, say)
-        plan = _plan(cluster, model, global_batch, args.model or DEFAULT_MODEL, profiles, say)
+        precision = planned_precision(cluster)
+        _check_before_measuring(args, cluster, model, None, measure, local_launch, precision)
+        if say and precision is not DEFAULT_PRECISION:
+            say(f"precision {precision}, not {DEFAULT_PRECISION}: {NO_BF16_KERNELS}")
+        profiles, basis = _profiles(args, cluster, model, None, measure, say, precision)
+        plan = _plan(
+            cluster, model, global_batch, args.model or DEFAULT_MODEL, profiles, say, precision
+        )
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     _check_launch(args, plan, cluster, prediction, local_launch, say)
     if write:  # every check passed: only now is the run directory made
@@ -380,6 +384,24 @@ def _forced(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "force", False))
 
 
+def planned_precision(cluster: ClusterSpec) -> Precision:
+    """The precision of a plan made here (no --plan): the plans' default, bf16, unless every
+    device is this machine's CPU and torch has no bf16 kernels for it (NO_BF16_KERNELS): then
+    fp32, so that the profiles, the plan and the run are all fp32. A --plan's precision is
+    always kept (and profiled as it is)."""
+    if not all_cpu(cluster):
+        return DEFAULT_PRECISION
+    from hethub.runtime.precision import cpu_has_bf16_kernels  # torch: only for a CPU cluster
+
+    return DEFAULT_PRECISION if cpu_has_bf16_kernels() else Precision.FP32
+
+
+NO_BF16_KERNELS = (
+    "torch has no bf16 kernels for this CPU (on x86 they need AVX-512 or AMX), and bf16 would "
+    "train several times slower here"
+)
+
+
 def _check_before_measuring(
     args: argparse.Namespace,
     cluster: ClusterSpec,
@@ -387,16 +409,17 @@ def _check_before_measuring(
     plan: Plan | None,
     measure: bool,
     local_launch: bool,
+    precision: Precision = DEFAULT_PRECISION,
 ) -> None:
     """Profiling this machine for a CPU cluster starts as many processes as the job and takes
     minutes: what the pre-flight would refuse is refused before it, on the analytic prediction of
-    the plan (no plan yet: on what every plan of the model needs). With --force it is left to the
-    pre-flight proper, which warns."""
+    the plan (no plan yet: on what every plan of the model in ``precision`` needs). With --force
+    it is left to the pre-flight proper, which warns."""
     if not (local_launch and measure and all_cpu(cluster)) or _forced(args):
         return
     machine = preflight.this_machine()
     if plan is None:
-        found = preflight.unplanned_excesses(cluster, model, DEFAULT_PRECISION, machine)
+        found = preflight.unplanned_excesses(cluster, model, precision, machine)
     else:
         found = preflight.launch_excesses(plan, cluster, predict(plan, cluster, model), machine)
     preflight.refuse_or_warn(found, force=False, warn=_warn)
@@ -449,11 +472,12 @@ def _profiles(
     plan: Plan | None,
     measure: bool,
     say,
+    precision: Precision = DEFAULT_PRECISION,
 ) -> tuple[Profiles | None, str]:
     """This machine's profiles for the job (measured first where missing), or None: the
-    analytic model."""
+    analytic model. ``precision``: the plan's to be made, when there is no plan."""
     folder = Path(args.profiles)
-    dtype = (plan.precision if plan else DEFAULT_PRECISION).value  # what the run will train in
+    dtype = (plan.precision if plan else precision).value  # what the run will train in
     if not all_cpu(cluster):
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
     devices = plan_devices(plan) if plan else cluster.devices
@@ -519,6 +543,7 @@ def _plan(
     model_ref: str,
     profiles: Profiles | None,
     say,
+    precision: Precision,
 ) -> Plan:
     from hethub.planner import search
 
@@ -532,7 +557,7 @@ def _plan(
         if model_ref.lower() in preset_names()
         else str(Path(model_ref).resolve()),
         profiles=profiles,
-        precision=DEFAULT_PRECISION,
+        precision=precision,
     )
     if result.best is None:
         raise HethubError(

@@ -42,6 +42,15 @@ def _entry(
     results,
     purpose: str,
 ) -> None:
+    # First: a measuring process dies with the process that started it (hethub train, profile
+    # or validate), even one killed by SIGKILL, which runs no code of its own to stop it (the
+    # daemon flag only acts at a clean exit, and setsid below puts the process out of reach of
+    # a signal to the CLI's process group). The kernel sends the signal when the thread that
+    # started the process ends: run_ranks' caller, which waits there for the results. The
+    # module imports torch.distributed, which this process imports below anyway.
+    from hethub.runtime.supervision import die_with_parent
+
+    die_with_parent()
     import torch
     import torch.distributed as dist
 
