@@ -41,16 +41,17 @@ def _entry(
     args: tuple,
     results,
     purpose: str,
+    caller: int,
 ) -> None:
     # First: a measuring process dies with the process that started it (hethub train, profile
     # or validate), even one killed by SIGKILL, which runs no code of its own to stop it (the
     # daemon flag only acts at a clean exit, and setsid below puts the process out of reach of
-    # a signal to the CLI's process group). The kernel sends the signal when the thread that
-    # started the process ends: run_ranks' caller, which waits there for the results. The
-    # module imports torch.distributed, which this process imports below anyway.
-    from hethub.runtime.supervision import die_with_parent
+    # a signal to the CLI's process group). Its parent is the fork server, which lives as long
+    # as its children do, so it watches run_ranks' caller itself (die_with). The module imports
+    # torch.distributed, which this process has imported already (the server's preload).
+    from hethub.runtime.supervision import die_with
 
-    die_with_parent()
+    die_with(caller)
     import torch
     import torch.distributed as dist
 
@@ -101,7 +102,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, world, port, threads, timeout_s, fn, args, results, purpose),
+            args=(r, world, port, threads, timeout_s, fn, args, results, purpose, os.getpid()),
             daemon=True,
         )
         for r in range(world)
@@ -148,8 +149,8 @@ def _context():
     process's first call: a fresh spawned process imports torch itself (3 s and more here, and
     several at once share the cores), which made starting the ranks most of a small job's time
     (2 ranks: 6 s spawned, 0.3 s forked from the server). The server imports but runs nothing,
-    so no thread pool or device state is forked; each rank starts its own. It exits with this
-    process, and the ranks with it (die_with_parent)."""
+    so no thread pool or device state is forked; each rank starts its own. The ranks die with
+    this process (die_with), and the server once neither is left."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")

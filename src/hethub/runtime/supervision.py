@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import threading
@@ -44,6 +45,35 @@ def die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` ends, from a daemon thread waiting on a pidfd
+    of it (Linux 5.3 and later; elsewhere a no-op). For a process whose parent is not the one
+    to die with: run_ranks' ranks are forked by multiprocessing's fork server, which lives as
+    long as any of them does, so its death (die_with_parent) never comes."""
+    try:
+        handle = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or ``pid`` has already ended
+        if not _running(pid):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([handle], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="die-with", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    return True
 
 
 def init_process_group(backend: str, timeout: timedelta) -> None:
