@@ -486,6 +486,27 @@ def test_shorthand_more_stages_than_layers(tmp_path, capsys) -> None:
     assert_error(capsys, args, "--pp = 9", "8 layers")
 
 
+def test_shorthand_interleaving_rules(tmp_path, capsys) -> None:
+    common = ["--micro-batch", "1", "--global-batch", "8"]
+    args = shorthand(tmp_path, "--pp", "4", "--virtual-stages", "3", *common)
+    assert_error(capsys, args, "--pp x --virtual-stages = 4 x 3", "one chunk per layer")
+    args = shorthand(tmp_path, "--virtual-stages", "2", *common)
+    assert_error(capsys, args, "--virtual-stages = 2", "needs --pp 2 or more")
+    args = shorthand(tmp_path, "--pp", "2", "--virtual-stages", "2", "--schedule", "gpipe", *common)
+    assert_error(capsys, args, "--virtual-stages = 2", "needs --schedule interleaved-1f1b")
+
+
+def test_shorthand_interleaved_sharded_plan_is_described(tmp_path, capsys) -> None:
+    flags = ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--shard-optimizer"]
+    args = shorthand(tmp_path, *flags, "--micro-batch", "1", "--global-batch", "8")
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert "interleaved-1f1b (virtual stages 2), sharded optimizer" in out
+    assert "pipeline bubble" in out
+    # tiny-gpt's 8 layers over 2 stages of 2 chunks: 2 + 2 layers a stage
+    assert "2+2" in out
+
+
 def test_trace_path_that_cannot_be_written(tmp_path, capsys) -> None:
     # --trace names a folder: an input error, not a crash.
     args = [*plan_args(tmp_path, tiny_plan()), "--trace", str(tmp_path)]

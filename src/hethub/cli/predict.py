@@ -199,8 +199,9 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
     model = load_model(args.model, source="--model")
     tp, pp, dp, v = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp", "virtual_stages"))
     if pp * v > model.layers:
+        given = f"--pp = {pp}" if v == 1 else f"--pp x --virtual-stages = {pp} x {v}"
         raise HethubError(
-            f"--pp x --virtual-stages = {pp * v}: at most one chunk per layer "
+            f"{given}: at most one {'stage' if v == 1 else 'chunk'} per layer "
             f"(the model has {plural(model.layers, 'layer')})"
         )
     if v > 1 and pp < 2:
