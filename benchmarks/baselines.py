@@ -3,7 +3,8 @@
 - megatron_uniform: what Megatron-LM does with a mixed cluster, treating it as homogeneous:
   identical replicas over all devices (ranks ordered TP, then DP, then PP over the groups in the
   cluster file's order), the same TP everywhere, layers split evenly, micro-batches split evenly.
-- exhaustive_best: every plan of the planner's space, enumerated (for clusters small enough).
+- exhaustive_best: every plan of the planner's space, enumerated (for clusters small enough):
+  every structure, layer split over 1, 2 or 4 chunks a stage, batch split, sharding on and off.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import itertools
 
 from hethub.planner.candidates import Layout, combinations, homogeneous, mixed, tp_degrees
-from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES
+from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES, VIRTUAL_STAGES, chunks_allowed
 from hethub.predictor import Prediction, predict
 from hethub.spec import ClusterSpec, ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
+from hethub.spec.schedules import Schedule
 
 
 def _best(
@@ -108,19 +110,28 @@ def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, m
                 total = global_batch // micro_batch
                 counts = [layout.count for layout in structure]
                 for shares in _compositions(total, len(structure), counts):
-                    splits = [
-                        list(_compositions(model.layers, len(layout.slots))) for layout in structure
-                    ]
-                    for chosen in itertools.product(*splits):
-                        yield _plan(
-                            structure,
-                            chosen,
-                            shares,
-                            micro_batch,
-                            recompute,
-                            global_batch,
-                            model_ref,
-                        )
+                    for chunks in VIRTUAL_STAGES:
+                        widths = [
+                            chunks_allowed(layout, model.layers, chunks) for layout in structure
+                        ]
+                        if chunks > 1 and max(widths) == 1:
+                            continue  # the same plans as one chunk a stage
+                        splits = [
+                            list(_compositions(model.layers, len(layout.slots) * v))
+                            for layout, v in zip(structure, widths)
+                        ]
+                        for chosen in itertools.product(*splits):
+                            for shard in (False, True):
+                                yield _plan(
+                                    structure,
+                                    chosen,
+                                    shares,
+                                    micro_batch,
+                                    recompute,
+                                    global_batch,
+                                    model_ref,
+                                    shard,
+                                )
 
     return _best(plans(), cluster, model)
 
@@ -133,12 +144,17 @@ def _plan(
     recompute: str,
     global_batch: int,
     model_ref: str,
+    shard: bool = False,
 ) -> Plan:
+    """``splits``: per layout, the layers of each of the model's chunks, in model order (chunk
+    c x p + s is stage s's chunk c). Replicas of a layout overlap their gradient sync (as the
+    planner's plans do: it never delays a step) and, with ``shard``, shard their optimizer."""
     pipelines = []
     for layout, split, share in zip(structure, splits, shares):
+        p = len(layout.slots)
         stages = tuple(
-            StageSpec(group=slot.group, tp=slot.tp, layers=n)
-            for slot, n in zip(layout.slots, split)
+            StageSpec.of_chunks(slot.group, slot.tp, split[s::p])
+            for s, slot in enumerate(layout.slots)
         )
         base, extra = divmod(share, layout.count)
         pipelines += [
@@ -146,10 +162,18 @@ def _plan(
             for c, m in ((layout.count - extra, base), (extra, base + 1))
             if c
         ]
+    data_parallel = any(layout.count > 1 for layout in structure)
     return Plan(
         model=model_ref,
         global_batch=global_batch,
         micro_batch=micro_batch,
         recompute=recompute,
+        schedule=(
+            Schedule.INTERLEAVED_1F1B
+            if any(len(p.stages[0].chunks) > 1 for p in pipelines)
+            else Schedule.ONE_F_ONE_B
+        ),
+        shard_optimizer=shard and data_parallel,
+        overlap_grad_sync=data_parallel,
         pipelines=tuple(pipelines),
     )

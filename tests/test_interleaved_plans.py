@@ -7,7 +7,7 @@ import pytest
 
 from hethub.errors import SpecError
 from hethub.predictor import predict
-from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
+from hethub.predictor.memory import in_flight_micro_batches, peak_in_flight, stage_memory_at
 from hethub.predictor.stage import StagePosition
 from hethub.spec import load_model, parse_cluster
 from hethub.spec.plan import parse_plan, uniform_plan
@@ -199,3 +199,13 @@ def test_an_overlapped_sync_hides_behind_the_backwards_but_never_ends_before_the
     compute_end = max(s.end_s for s in overlapped.stages)
     optimizer = max(s.optimizer_s for s in overlapped.stages)
     assert overlapped.iteration_time_s > compute_end + optimizer
+
+
+def test_one_chunk_in_flight_closed_form_matches_the_walk() -> None:
+    for schedule in ("1f1b", "gpipe", "interleaved-1f1b"):
+        for p in range(1, 9):
+            for m in range(1, 3 * p + 1):
+                for s in range(p):
+                    assert in_flight_micro_batches(schedule, s, p, m) == peak_in_flight(
+                        schedule, s, p, m, (1,)
+                    ), (schedule, s, p, m)

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from hethub.cli import main
 from hethub.planner import search, upper_bound
-from hethub.planner.partition import partition_layers, pipeline_cost
+from hethub.planner.costs import interleaved_in_flight
+from hethub.planner.partition import chunk_split, partition_chunks, partition_layers, pipeline_cost
 from hethub.planner.split import ReplicaTiming, split_micro_batches
+from hethub.predictor.memory import peak_in_flight
 from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, parse_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -342,3 +344,63 @@ def test_time_limit_stops_the_search_with_the_best_so_far_or_a_clear_error(tmp_p
         assert json.loads(captured.out)["timed_out"] is True
     else:
         assert code == 2 and "ran out of time" in captured.err and "Traceback" not in captured.err
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), p=st.integers(2, 3), v=st.integers(2, 3), m=st.integers(1, 12))
+def test_chunk_partitioner_is_optimal_for_the_interleaved_objective(data, p, v, m):
+    # Interleaved 1F1B: sum(w) / v + (m - 1 / v) max(w), every stage at least v layers.
+    layers = data.draw(st.integers(p * v, 12))
+    per_layer = data.draw(st.lists(st.floats(0.1, 3.0), min_size=p, max_size=p))
+    extra = data.draw(st.lists(st.floats(0.0, 2.0), min_size=p, max_size=p))
+    caps = data.draw(st.lists(st.integers(v, layers), min_size=p, max_size=p))
+
+    def cost(split):
+        times = [n * c + e for n, c, e in zip(split, per_layer, extra)]
+        return sum(times) / v + (m - 1 / v) * max(times)
+
+    costs = [
+        cost(split)
+        for split in itertools.product(range(v, layers + 1), repeat=p)
+        if sum(split) == layers and all(n <= c for n, c in zip(split, caps))
+    ]
+    found = partition_chunks(layers, per_layer, extra, caps, m, v)
+    if not costs:
+        assert found is None
+    else:
+        assert sum(found) == layers and all(v <= n <= c for n, c in zip(found, caps))
+        assert cost(found) == pytest.approx(min(costs), rel=1e-9)
+
+
+def test_chunk_split_makes_the_slowest_chunk_as_fast_as_it_can_be():
+    for layers, chunks, extra in [
+        (7, 2, [1.5, 0.0]),
+        (9, 4, [0.0, 0.0, 0.0, 2.2]),
+        (4, 4, [3, 0, 0, 0]),
+    ]:
+        split = chunk_split(layers, chunks, 1.0, extra)
+        best = min(
+            max(n + e for n, e in zip(s, extra))
+            for s in itertools.product(range(1, layers + 1), repeat=chunks)
+            if sum(s) == layers
+        )
+        assert sum(split) == layers and min(split) >= 1
+        assert max(n + e for n, e in zip(split, extra)) == best
+
+
+def test_the_planners_interleaved_memory_is_the_orders_on_whole_groups_and_never_more():
+    for p in range(2, 7):
+        for v in (2, 4):
+            for m in range(1, 3 * p + 1):
+                for s in range(p):
+                    exact = peak_in_flight("interleaved-1f1b", s, p, m, (1,) * v)
+                    estimate = interleaved_in_flight(s, p, m, v)
+                    assert estimate <= exact + 1e-12
+                    if m % p == 0:
+                        assert estimate == pytest.approx(exact)
+
+
+def test_planned_data_parallel_replicas_shard_and_overlap():
+    found = search(TWO_KINDS, SMALL, 8, model_ref="small").best.plan
+    parallel = any(p.count > 1 for p in found.pipelines)
+    assert found.shard_optimizer == parallel and found.overlap_grad_sync == parallel

@@ -74,16 +74,44 @@ def _work(
 
 
 def layer_cap(
-    setting: Setting, group: DeviceGroup, tp: int, position: int, stages: int, micro_batches: int
+    setting: Setting,
+    group: DeviceGroup,
+    tp: int,
+    position: int,
+    stages: int,
+    micro_batches: int,
+    chunks: int = 1,
+    shards: int = 1,
 ) -> int:
-    """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory."""
-    in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
-    return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight)
+    """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory,
+    in ``chunks`` chunks of about equal size (interleaved 1F1B), its optimizer state split over
+    ``shards`` ranks."""
+    if chunks == 1:
+        in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
+    else:
+        in_flight = interleaved_in_flight(position, stages, micro_batches, chunks)
+    return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight, shards)
+
+
+def interleaved_in_flight(position: int, stages: int, micro_batches: int, chunks: int) -> float:
+    """Micro-batches of a stage's activations in flight at its peak under interleaved 1F1B with
+    equal chunks, from Megatron-LM's warm-up of 2 (p - s - 1) + (v - 1) p chunk forwards: exactly
+    the schedule's (in_flight_micro_batches) when the micro-batches fill whole groups of p, and
+    never more otherwise (spec.schedules lengthens a warm-up only where a short last group would
+    deadlock). Building that order costs a planner's inner loop too much; the prediction of a
+    candidate checks its memory with the exact order."""
+    warmup = 2 * (stages - position - 1) + (chunks - 1) * stages
+    return min(warmup + 1, micro_batches * chunks) / chunks
 
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cap(
-    setting: Setting, group: DeviceGroup, tp: int, position: StagePosition, in_flight: float
+    setting: Setting,
+    group: DeviceGroup,
+    tp: int,
+    position: StagePosition,
+    in_flight: float,
+    shards: int,
 ) -> int:
     def gb(layers: int) -> float:
         if setting.profiles is None:
@@ -96,6 +124,7 @@ def _layer_cap(
                 setting.micro_batch,
                 setting.recompute,
                 setting.precision,
+                shards,
             ).total_gb
         return stage_memory_for(
             setting.model,
@@ -108,6 +137,7 @@ def _layer_cap(
             micro_batch=setting.micro_batch,
             recompute=setting.recompute,
             precision=setting.precision,
+            optimizer_shards=shards,
         ).total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers

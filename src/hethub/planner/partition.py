@@ -9,6 +9,12 @@ For a bound B on max(w), the least sum(w) puts every layer beyond each stage's f
 cheapest stages still under B (a unit-item knapsack, where greedy is exact). The optimum's max(w)
 is one of the values w_s(n), so trying each of them, cheapest first, and stopping once
 (m - 1) * B alone exceeds the best found, gives the exact optimum.
+
+Interleaved 1F1B over v chunks per stage takes about sum(w) / v + (m - 1 / v) * max(w) (the fill
+passes chunks, a v-th of a stage each), which is (sum(w) + (m v - 1) * max(w)) / v: the same
+problem with m v micro-batches, each stage holding at least v layers (partition_chunks); a
+stage's layers then go to its chunks so that its slowest chunk is as fast as it can be
+(chunk_split).
 """
 
 from __future__ import annotations
@@ -82,3 +88,41 @@ def _least_sum(
 ) -> float:
     """The least sum(w) under the caps alone: a lower bound for every bound B."""
     return sum(stage_times(_fill(layers, caps, cheapest), per_layer, extra))
+
+
+def partition_chunks(
+    layers: int,
+    per_layer: list[float],
+    extra: list[float],
+    cap: list[int],
+    micro_batches: int,
+    chunks: int,
+) -> list[int] | None:
+    """Layers per stage for interleaved 1F1B over ``chunks`` chunks a stage: partition_layers of
+    the layers beyond one a chunk, those ``chunks`` - 1 layers a stage counted in its fixed time,
+    over ``chunks`` x ``micro_batches`` micro-batches. None if none fits the caps."""
+    if chunks == 1:
+        return partition_layers(layers, per_layer, extra, cap, micro_batches)
+    p, fixed = len(per_layer), chunks - 1
+    split = partition_layers(
+        layers - fixed * p,
+        per_layer,
+        [e + fixed * c for e, c in zip(extra, per_layer)],
+        [c - fixed for c in cap],
+        chunks * micro_batches,
+    )
+    return None if split is None else [n + fixed for n in split]
+
+
+def chunk_split(layers: int, chunks: int, per_layer: float, extra: list[float]) -> list[int]:
+    """``layers`` over ``chunks`` chunks, at least one each, so that the slowest chunk (layers x
+    per_layer + its extra: the embedding on a first chunk, the head on a last) is the fastest it
+    can be: each layer goes to the chunk that is fastest with it (exact, the layers being alike)."""
+    split = [1] * chunks
+    heap = [((1 + 1) * per_layer + extra[c], c) for c in range(chunks)]
+    heapq.heapify(heap)
+    for _ in range(layers - chunks):
+        _, c = heapq.heappop(heap)
+        split[c] += 1
+        heapq.heappush(heap, ((split[c] + 1) * per_layer + extra[c], c))
+    return split

@@ -27,7 +27,7 @@ from hethub.planner.candidates import (
     tp_degrees,
 )
 from hethub.planner.costs import Setting, end_time, layer_cap, layer_time
-from hethub.planner.partition import partition_layers, stage_times
+from hethub.planner.partition import chunk_split, partition_chunks, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
@@ -45,8 +45,10 @@ from hethub.spec.plan import (
     StageSpec,
     uniform_layers,
 )
+from hethub.spec.schedules import Schedule
 
 MICRO_BATCH_SIZES = (1, 2, 4)
+VIRTUAL_STAGES = (1, 2, 4)  # chunks per stage (interleaved 1F1B) where the layers allow
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
 KEEP_PER_GROUP = 3  # per group and setting, the best layouts phase 2 combines
 UNPLACEABLE_PRICED = (
@@ -170,23 +172,33 @@ def search(
             for setting in settings
             for layout in homogeneous(group, model, MAX_STAGES)
         ]
-        results = _evaluate(state, jobs, f"group {group.name} alone")
-        fitting = [(r, job) for r, job in zip(results, jobs) if r is not None]
+        fitting = [(r, jobs[i]) for r, i in _evaluate(state, jobs, f"group {group.name} alone")]
         group_best[group.name] = _refine(state, [r for r, _ in fitting])
         for setting in settings:
             mine = sorted(
                 ((r, job[1][0]) for r, job in fitting if job[0] == setting),
                 key=lambda x: -_speed(x[0]),
             )
-            seeds[setting][group.name] = [layout for _, layout in mine[:KEEP_PER_GROUP]]
+            best_layouts = dict.fromkeys(layout for _, layout in mine)  # interleaved or not
+            seeds[setting][group.name] = list(best_layouts)[:KEEP_PER_GROUP]
 
     if len(cluster.groups) > 1:
         state.best_time = min(
             (r.prediction.iteration_time_s for r in group_best.values() if r), default=float("inf")
         )
         jobs = []
+        # A setting under which a group had nothing predicted (its bar came from a better
+        # setting) still mixes the group's best layouts of the other settings.
+        anywhere = {
+            g.name: list(dict.fromkeys(x for s in settings for x in seeds[s].get(g.name, [])))
+            for g in cluster.groups
+        }
         for setting in settings:
-            choices = {name: layouts for name, layouts in seeds[setting].items() if layouts}
+            choices = {
+                name: layouts or anywhere[name][:KEEP_PER_GROUP]
+                for name, layouts in seeds[setting].items()
+            }
+            choices = {name: layouts for name, layouts in choices.items() if layouts}
             if not choices:
                 continue  # no group came near its best alone under this setting: nor will a mix
             tps = _mixed_tps(cluster, model, choices)
@@ -194,7 +206,7 @@ def search(
                 cluster, model, tps, MAX_STAGES, choices
             ):
                 jobs.append((setting, structure))
-        found = [r for r in _evaluate(state, jobs, "heterogeneous plans") if r is not None]
+        found = [r for r, _ in _evaluate(state, jobs, "heterogeneous plans")]
         best = _refine(state, found)
         if best is not None:  # finer mixes of TP degrees, under the best plan's setting
             setting = next(
@@ -203,7 +215,7 @@ def search(
                 if s.micro_batch == best.plan.micro_batch and s.recompute == best.plan.recompute
             )
             jobs = [(setting, structure) for structure in mixed_tp(cluster, model, MAX_STAGES)]
-            _refine(state, [r for r in _evaluate(state, jobs, "mixed TP degrees") if r is not None])
+            _refine(state, [r for r, _ in _evaluate(state, jobs, "mixed TP degrees")])
 
     if not state.ranked and state.closest is None:
         _closest_unplaceable(state)
@@ -273,20 +285,26 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
 
 
 def _layer_moves(plan: Plan):
-    """Plans with one layer moved to a neighbouring stage, in every layout (replicas that share
-    stages move together, since they sync as one)."""
+    """Plans with one layer moved to a neighbouring chunk of the model (a neighbouring stage
+    without interleaving), in every layout (replicas that share stages move together, since they
+    sync as one)."""
     layouts = list(dict.fromkeys(p.stages for p in plan.pipelines))
     for stages in layouts:
-        for s in range(len(stages) - 1):
-            for donor, taker in ((s, s + 1), (s + 1, s)):
-                if stages[donor].layers == 1:
+        p, v = len(stages), len(stages[0].chunks)
+        chunk_layers = [stages[g % p].chunks[g // p] for g in range(p * v)]
+        for g in range(p * v - 1):
+            for donor, taker in ((g, g + 1), (g + 1, g)):
+                if chunk_layers[donor] == 1:
                     continue
-                moved = list(stages)
-                moved[donor] = dataclasses.replace(stages[donor], layers=stages[donor].layers - 1)
-                moved[taker] = dataclasses.replace(stages[taker], layers=stages[taker].layers + 1)
+                moved = list(chunk_layers)
+                moved[donor] -= 1
+                moved[taker] += 1
+                changed = tuple(
+                    StageSpec.of_chunks(st.group, st.tp, moved[s::p]) for s, st in enumerate(stages)
+                )
                 pipelines = tuple(
-                    dataclasses.replace(p, stages=tuple(moved)) if p.stages == stages else p
-                    for p in plan.pipelines
+                    dataclasses.replace(pl, stages=changed) if pl.stages == stages else pl
+                    for pl in plan.pipelines
                 )
                 yield dataclasses.replace(plan, pipelines=pipelines)
 
@@ -295,15 +313,28 @@ def _speed(ranked: Ranked) -> float:
     return ranked.prediction.tokens_per_s
 
 
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    plan: Plan
+    bound: float
+    """A lower bound on the plan's step: the slowest replica's m x bottleneck plus a quarter of
+    its fill, the fill a v-th as long over v chunks a stage."""
+    interleaved_bound: float
+    """The same bound at the most chunks a stage its layouts allow: the least any of the
+    structure's interleavings can take."""
+
+
 def _evaluate(
     state: _Search, jobs: list[tuple[Setting, Structure]], phase: str
-) -> list[Ranked | None]:
-    """Predict the jobs' plans, most promising first, skipping those that cannot beat the bar.
+) -> list[tuple[Ranked, int]]:
+    """Predict the jobs' plans (one chunk a stage), most promising first, skipping those that
+    cannot beat the bar, then interleave those that came near it (_interleave). Returns the
+    fitting plans, each with its job's index.
 
     A plan's step takes at least m x bottleneck (its slowest stage busy with every micro-batch)
     plus a quarter of the other stages' time per micro-batch (the forwards before it and the
-    backwards after it), so a plan whose bound is above the best step predicted so far is never
-    predicted: the skip loses nothing.
+    backwards after it), a v-th of that over v chunks a stage. A structure is predicted unless
+    even its most interleaved bound is above the best step predicted so far.
     """
     drafts = []
     for index, (setting, structure) in enumerate(jobs):
@@ -311,12 +342,12 @@ def _evaluate(
             state.progress(phase, index, 2 * len(jobs))
         if state.out_of_time():
             break
-        draft = _draft(state, setting, structure)
+        draft = _draft(state, setting, structure, 1)
         if draft is not None:
-            drafts.append((draft[0], index, setting, draft[1]))
+            drafts.append((draft.interleaved_bound, index, draft.plan))
     drafts.sort(key=lambda d: d[:2])
     results: list[Ranked | None] = [None] * len(jobs)
-    for done, (bound, index, setting, plan) in enumerate(drafts):
+    for done, (bound, index, plan) in enumerate(drafts):
         if state.progress and done % 16 == 0:
             state.progress(phase, len(jobs) + done * len(jobs) // len(drafts), 2 * len(jobs))
         if bound >= state.best_time or state.out_of_time():
@@ -324,46 +355,107 @@ def _evaluate(
         results[index] = _predict(state, plan)
     if state.progress:
         state.progress(phase, 2 * len(jobs), 2 * len(jobs))
+    fitting = [(ranked, index) for index, ranked in enumerate(results) if ranked is not None]
+    return fitting + _interleave(state, jobs, results)
+
+
+def _interleave(
+    state: _Search, jobs: list[tuple[Setting, Structure]], plain: list[Ranked | None]
+) -> list[tuple[Ranked, int]]:
+    """The predicted structures again over 2, 4, ... chunks a stage, most promising first.
+
+    Interleaving v chunks a stage shortens a pipeline's fill and drain about v-fold and nothing
+    else, so a plan can gain at most (1 - 1 / v) of its pipelines' idle time (a pipeline's time
+    less its busiest stage's compute): a variant whose one-chunk step less that gain cannot beat
+    the best step so far is never drafted."""
+    tries = []
+    for index, ranked in enumerate(plain):
+        if ranked is None:
+            continue
+        idle = _idle_s(ranked.prediction)
+        for v in VIRTUAL_STAGES[1:]:
+            bound = ranked.prediction.iteration_time_s - idle * (1 - 1 / v)
+            tries.append((bound, index, v))
+    tries.sort()
+    results = []
+    for bound, index, v in tries:
+        if bound >= state.best_time or state.out_of_time():
+            break
+        draft = _draft(state, *jobs[index], v)
+        if draft is None or draft.plan.schedule != Schedule.INTERLEAVED_1F1B:
+            continue  # no layout of the structure has the layers for v chunks a stage
+        if draft.bound < state.best_time and (ranked := _predict(state, draft.plan)):
+            results.append((ranked, index))
     return results
 
 
-def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[float, Plan] | None:
-    """Layers per stage and micro-batches per replica for a structure, and a lower bound on its
-    step."""
+def _idle_s(prediction: Prediction) -> float:
+    """The longest of the plan's pipelines' idle time: its time less its busiest stage's."""
+    busiest: dict[int, float] = {}
+    for stage in prediction.stages:
+        busiest[stage.pipeline] = max(busiest.get(stage.pipeline, 0.0), stage.compute_s)
+    return max(prediction.pipeline_time_s[i] - busy for i, busy in busiest.items())
+
+
+def chunks_allowed(layout: Layout, layers: int, chunks: int) -> int:
+    """``chunks`` a stage where the layout has 2 stages or more and a layer for every chunk,
+    else 1."""
+    p = len(layout.slots)
+    return chunks if p >= 2 and p * chunks <= layers else 1
+
+
+def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) -> _Draft | None:
+    """Layers per stage (and chunk) and micro-batches per replica for a structure, each layout
+    interleaved over ``chunks`` chunks a stage where its layers allow, and lower bounds on its
+    step. Replicas of one layout shard their optimizer and overlap their gradient sync with the
+    backward (both never slow a step down, and sharding frees memory for layers)."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
         return None
     nominal = max(1, total // replicas)
-    splits, timings = [], []
+    layers = state.model.layers
+    splits, timings, widths = [], [], []
     for layout in structure:
-        split, times = _partition(setting, state.cluster, layout, nominal)
+        v = chunks_allowed(layout, layers, chunks)
+        split, times = _partition(setting, state.cluster, layout, nominal, v)
         if split is None:
-            state.unplaceable.append((setting, structure))
+            if chunks == 1:
+                state.unplaceable.append((setting, structure))
             return None
         bottleneck = max(times)
         splits.append(split)
+        widths.append((v, chunks_allowed(layout, layers, VIRTUAL_STAGES[-1])))
         timings.append(ReplicaTiming(layout.count, bottleneck, sum(times) - bottleneck))
     shares = split_micro_batches(total, timings)
     if shares is None:
         return None
-    pipelines, bound = [], 0.0
-    for layout, split, share, timing in zip(structure, splits, shares, timings):
+    pipelines, bound, interleaved_bound = [], 0.0, 0.0
+    for layout, split, share, timing, (v, most) in zip(structure, splits, shares, timings, widths):
         stages = tuple(
-            StageSpec(group=slot.group, tp=slot.tp, layers=n)
-            for slot, n in zip(layout.slots, split)
+            StageSpec.of_chunks(slot.group, slot.tp, chunk_layers)
+            for slot, chunk_layers in zip(layout.slots, split)
         )
         pipelines += [
             PipelineLayout(count=count, micro_batches=m, stages=stages) for count, m in share
         ]
-        bound = max(bound, max(m for _, m in share) * timing.bottleneck_s + timing.fill_s / 4)
+        busiest = max(m for _, m in share) * timing.bottleneck_s
+        bound = max(bound, busiest + timing.fill_s / (4 * v))
+        interleaved_bound = max(interleaved_bound, busiest + timing.fill_s / (4 * most))
+    data_parallel = any(layout.count > 1 for layout in structure)
     plan = Plan(
         model=state.model_ref,
         global_batch=state.global_batch,
         micro_batch=setting.micro_batch,
         recompute=setting.recompute,
-        schedule=setting.schedule,
+        schedule=(
+            Schedule.INTERLEAVED_1F1B
+            if any(len(p.stages[0].chunks) > 1 for p in pipelines)
+            else setting.schedule
+        ),
         precision=setting.precision,
+        shard_optimizer=data_parallel,
+        overlap_grad_sync=data_parallel,
         pipelines=tuple(pipelines),
     )
     sharing = (
@@ -371,11 +463,11 @@ def _draft(state: _Search, setting: Setting, structure: Structure) -> tuple[floa
         if state.profiles is None
         else core_sharing(plan, state.cluster, state.model, state.profiles)
     )
-    if (
-        sharing is not None
-    ):  # ranks sharing the cores compute faster while others wait: so may every stage
+    if sharing is not None:
+        # ranks sharing the cores compute faster while others wait: so may every stage
         bound *= sharing.alone
-    return bound, plan
+        interleaved_bound *= sharing.alone
+    return _Draft(plan, bound, min(bound, interleaved_bound))
 
 
 def _predict(state: _Search, plan: Plan) -> Ranked | None:
@@ -392,8 +484,11 @@ def _predict(state: _Search, plan: Plan) -> Ranked | None:
     return ranked
 
 
-def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int):
-    """The exact layer split of one layout, and its stages' times per micro-batch."""
+def _partition(
+    setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int, chunks: int
+) -> tuple[list[tuple[int, ...]] | None, list[float] | None]:
+    """The exact layer split of one layout over ``chunks`` chunks a stage (each stage's layers
+    per chunk), and its stages' times per micro-batch."""
     p = len(layout.slots)
     groups = [cluster.group(slot.group) for slot in layout.slots]
     per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, layout.slots)]
@@ -402,13 +497,28 @@ def _partition(setting: Setting, cluster: ClusterSpec, layout: Layout, micro_bat
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
     caps = [
-        layer_cap(setting, g, slot.tp, s, p, micro_batches)
+        layer_cap(setting, g, slot.tp, s, p, micro_batches, chunks, layout.count)
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
-    split = partition_layers(setting.model.layers, per_layer, extra, caps, micro_batches)
+    split = partition_chunks(setting.model.layers, per_layer, extra, caps, micro_batches, chunks)
     if split is None:
         return None, None
-    return split, stage_times(split, per_layer, extra)
+    # The embedding's time is on the first stage's first chunk, the head's on the last's last.
+    chunked = [
+        tuple(
+            chunk_split(
+                n,
+                chunks,
+                per_layer[s],
+                [
+                    extra[s] if (c == 0 and s == 0) or (c == chunks - 1 and s == p - 1) else 0.0
+                    for c in range(chunks)
+                ],
+            )
+        )
+        for s, n in enumerate(split)
+    ]
+    return chunked, stage_times(split, per_layer, extra)
 
 
 def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:

@@ -98,6 +98,17 @@ def in_flight_micro_batches(
     ``chunks``: the stage's layers per chunk; under interleaving a forward of chunk c holds its
     layers' activations until its backward, so the peak of the chunks' layers in flight, over
     the stage's layers, is fractional where the chunks differ or are not all in flight."""
+    if len(chunks) == 1:  # peak_in_flight's walk in closed form: a planner asks this a lot
+        if schedule == Schedule.GPIPE:
+            return micro_batches
+        return min(stages - position, micro_batches)
+    return peak_in_flight(schedule, position, stages, micro_batches, chunks)
+
+
+def peak_in_flight(
+    schedule: Schedule, position: int, stages: int, micro_batches: int, chunks: tuple[int, ...]
+) -> float:
+    """in_flight_micro_batches by walking the stage's order."""
     held = peak = 0
     for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
         held += chunks[c] if kind == FORWARD else -chunks[c]

@@ -105,26 +105,28 @@ def _stuck_on_a_backward(orders, p: int, v: int) -> list[int]:
     """Run the stages' orders in dependency order (a forward waits for the previous model
     chunk's forward of its micro-batch; a backward for its own forward and the next chunk's
     backward); the stages left waiting for a backward when nothing can run (none: no deadlock)."""
-    done: set[tuple[int, int, int]] = set()
+    m = max(j for order in orders for _, _, j in order) + 1
+    last = p * v - 1
+    done = bytearray(2 * p * v * m)  # (kind, model chunk, micro-batch) -> ran
     position = [0] * p
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                kind, chunk, j = orders[s][position[s]]
+        for s, order in enumerate(orders):
+            at, end = position[s], len(order)
+            while at < end:
+                kind, chunk, j = order[at]
                 g = chunk * p + s
                 if kind == FORWARD:
-                    ready = g == 0 or (FORWARD, g - 1, j) in done
+                    ready = g == 0 or done[(g - 1) * m + j]
                 else:
-                    ready = (FORWARD, g, j) in done and (
-                        g == p * v - 1 or (BACKWARD, g + 1, j) in done
-                    )
+                    ready = done[g * m + j] and (g == last or done[(p * v + g + 1) * m + j])
                 if not ready:
                     break
-                done.add((kind, g, j))
-                position[s] += 1
-                progress = True
+                done[(kind * p * v + g) * m + j] = 1
+                at += 1
+            if at != position[s]:
+                position[s], progress = at, True
     return [
         s
         for s in range(p)
