@@ -160,7 +160,7 @@ def _entry(rank, port, comparison, steps, out):
 
 
 def pipeline_seconds(comparison, steps):
-    """Median step seconds (the slower rank's, after the warm-up) of hethub and of torch."""
+    """Step seconds (the slower rank's, after the warm-up) of hethub and of torch, in order."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
@@ -177,11 +177,10 @@ def pipeline_seconds(comparison, steps):
                 raise TimeoutError(f"{comparison} pipelines did not finish")
             if p.exitcode:
                 raise RuntimeError(f"{comparison}: a rank failed (exit {p.exitcode})")
-        medians = {}
-        for which in ("hethub", "torch"):
-            steady = [max(a, b) for a, b in zip(out[0][which], out[1][which])][1:]
-            medians[which] = sorted(steady)[len(steady) // 2]
-        return medians
+        return {
+            which: [max(a, b) for a, b in zip(out[0][which], out[1][which])][1:]
+            for which in ("hethub", "torch")
+        }
 
 
 def single_process_seconds(steps):
@@ -228,7 +227,9 @@ def main() -> int:
     for comparison in chosen:
         _, torch_schedule, chunks = COMPARISONS[comparison]
         seconds = pipeline_seconds(comparison, args.steps)
-        ours, theirs = seconds["hethub"], seconds["torch"]
+        ours, theirs = (sorted(seconds[w])[len(seconds[w]) // 2] for w in ("hethub", "torch"))
+        each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(seconds["hethub"], seconds["torch"]))
+        print(f"{comparison}: each step, hethub/torch s: {each}")
         ratio = theirs / ours
         met = met and ratio >= 0.95
         if comparison == "1f1b":  # the lines as issue 4's benchmark printed them
