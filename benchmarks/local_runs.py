@@ -49,5 +49,6 @@ def validate(
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def stage(group: str, tp: int, layers: int) -> dict:
+def stage(group: str, tp: int, layers: int | list[int]) -> dict:
+    """A stage of a plan; ``layers``: its layers, or under interleaving its chunks' layers."""
     return {"group": group, "tp": tp, "layers": layers}

@@ -1,9 +1,11 @@
 """The predictor, on this machine's profiles, against real runs of the hethub runtime here.
 
 Usage: python benchmarks/predictor_vs_runtime.py [--steps N] [--rounds R] [--workdir DIR]
+                                                 [--only NAME[,NAME...]]
 Target (issue 5): MAPE of predicted vs measured iteration time <= 10% (aim 5%) over at least 6
 plans on 2 and 4 ranks (PP splits, DP, TP, recomputation, an uneven batch split), worst case
-printed. Every prediction is made before its run, from profiles (`hethub validate`).
+printed; issue 17's plans (interleaved 1F1B, a sharded optimizer, an overlapped gradient sync)
+each within 10%. Every prediction is made before its run, from profiles (`hethub validate`).
 
 This shared machine's speed drifts by 20% and more over minutes, so a profile taken at one moment
 misprices a run a few minutes later. Each plan is therefore profiled afresh right before each of
@@ -40,13 +42,16 @@ def plan(
     pipelines: list[dict],
     recompute: str = "none",
     precision: str = "fp32",
+    **fields,
 ) -> dict:
+    """A plan of ``MODEL``; ``fields``: further plan fields (schedule, shard_optimizer, ...)."""
     return {
         "model": MODEL,
         "global_batch": global_batch,
         "micro_batch": micro_batch,
         "recompute": recompute,
         "precision": precision,
+        **fields,
         "pipelines": pipelines,
     }
 
@@ -142,6 +147,36 @@ PLANS = [
         plan(16, 2, [{"count": 1, "stages": [stage("cpu", 1, 2)] * 4}], precision="bf16"),
         "4 ranks: PP 4 x 2 layers, bf16",
     ),
+    # issue 17: interleaved 1F1B, the sharded optimizer, the overlapped gradient sync
+    (
+        "pp2-interleaved",
+        CPU,
+        plan(
+            16,
+            2,
+            [
+                {
+                    "count": 1,
+                    "virtual_stages": 2,
+                    "stages": [stage("cpu", 1, [3, 2]), stage("cpu", 1, [2, 1])],
+                }
+            ],
+            schedule="interleaved-1f1b",
+        ),
+        "2 ranks: PP 2, 2 chunks a stage, 3+2 / 2+1 layers",
+    ),
+    (
+        "dp2-sharded",
+        CPU,
+        plan(16, 2, [{"count": 2, "stages": [stage("cpu", 1, 8)]}], shard_optimizer=True),
+        "2 ranks: DP 2, sharded optimizer",
+    ),
+    (
+        "dp2-overlap",
+        CPU,
+        plan(16, 2, [{"count": 2, "stages": [stage("cpu", 1, 8)]}], overlap_grad_sync=True),
+        "2 ranks: DP 2, gradient sync overlapped",
+    ),
 ]
 
 
@@ -159,7 +194,19 @@ def main() -> int:
     parser.add_argument(
         "--workdir", type=Path, help="keep the runs here (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--only",
+        help="comma-separated plan names to run (default: every plan): "
+        + ", ".join(name for name, *_ in PLANS),
+    )
     args = parser.parse_args()
+    plans = PLANS
+    if args.only:
+        chosen = args.only.split(",")
+        unknown = set(chosen) - {name for name, *_ in PLANS}
+        if unknown:
+            parser.error(f"unknown plan(s): {', '.join(sorted(unknown))}")
+        plans = [entry for entry in PLANS if entry[0] in chosen]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-pvr-"))
     started = time.perf_counter()
     print(
@@ -168,9 +215,9 @@ def main() -> int:
         f"right before each run; measured: median of {args.steps - 1} steps after a warm-up; "
         f"{args.rounds} round(s) of every plan"
     )
-    reports: dict[str, list[dict]] = {name: [] for name, *_ in PLANS}
+    reports: dict[str, list[dict]] = {name: [] for name, *_ in plans}
     for r in range(args.rounds):
-        for name, cluster, plan_dict, _ in PLANS:
+        for name, cluster, plan_dict, _ in plans:
             folder = workdir / f"round-{r + 1}"
             reports[name].append(
                 validate(folder, name, cluster, plan_dict, args.steps, folder / name / "profiles")
@@ -184,7 +231,7 @@ def main() -> int:
         "each round's error"
     )
     errors = []
-    for name, _, _, what in PLANS:
+    for name, _, _, what in plans:
         runs = reports[name]
         error = statistics.median(run["error"] for run in runs)
         errors.append((abs(error), name))

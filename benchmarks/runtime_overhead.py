@@ -1,8 +1,14 @@
-"""hethub's pipeline runtime against torch.distributed.pipelining's Schedule1F1B on the same
-homogeneous 2-rank plan, and the 2-stage pipeline's speed-up over one process.
+"""hethub's pipeline runtime against torch.distributed.pipelining on the same homogeneous 2-rank
+plan: 1F1B against Schedule1F1B, interleaved 1F1B (2 chunks a rank) against
+ScheduleInterleaved1F1B, and the 2-stage pipeline's speed-up over one process.
 
-Usage: python benchmarks/runtime_overhead.py [--steps N]
-Target (issue 4): hethub reaches >= 0.95x Schedule1F1B's throughput. Each process uses one thread.
+Usage: python benchmarks/runtime_overhead.py [--steps N] [--only 1f1b,interleaved]
+Targets: hethub reaches >= 0.95x Schedule1F1B's throughput (issue 4) and >= 0.95x
+ScheduleInterleaved1F1B's (issue 17). Each process uses one thread.
+
+The machine is shared and its speed drifts by 20% and more over minutes, so each comparison runs
+hethub and torch in the same two processes, one step each in turn (the order swapped every
+round), after one warm-up step each: both see the same moments of the machine.
 """
 
 from __future__ import annotations
@@ -33,20 +39,35 @@ MODEL = {
 }
 MICRO_BATCH, MICRO_BATCHES = 2, 8
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
-PLAN = {
-    "model": "bench",
-    "precision": "fp32",  # as torch.distributed.pipelining's stages below
-    "global_batch": MICRO_BATCH * MICRO_BATCHES,
-    "micro_batch": MICRO_BATCH,
-    "pipelines": [
-        {
-            "count": 1,
-            "stages": [
-                {"group": "cpu", "tp": 1, "layers": 4},
-                {"group": "cpu", "tp": 1, "layers": 4},
-            ],
-        }
-    ],
+CHUNKS = 2  # interleaved: model chunks per rank (virtual_stages)
+RANKS = 2
+
+
+def plan(schedule: str) -> dict:
+    """The homogeneous 2-rank plan: 4 layers a stage, or under interleaving 2 chunks of 2."""
+    interleaved = schedule == "interleaved-1f1b"
+    layers = MODEL["layers"] // RANKS
+    per_stage = [layers // CHUNKS] * CHUNKS if interleaved else layers
+    return {
+        "model": "bench",
+        "precision": "fp32",  # as torch.distributed.pipelining's stages below
+        "schedule": schedule,
+        "global_batch": MICRO_BATCH * MICRO_BATCHES,
+        "micro_batch": MICRO_BATCH,
+        "pipelines": [
+            {
+                "count": 1,
+                **({"virtual_stages": CHUNKS} if interleaved else {}),
+                "stages": [{"group": "cpu", "tp": 1, "layers": per_stage}] * RANKS,
+            }
+        ],
+    }
+
+
+# which comparison: (hethub's schedule, torch's schedule class, model chunks a rank)
+COMPARISONS = {
+    "1f1b": ("1f1b", "Schedule1F1B", 1),
+    "interleaved": ("interleaved-1f1b", "ScheduleInterleaved1F1B", CHUNKS),
 }
 
 
@@ -57,77 +78,109 @@ def batch(spec, step):
     )
 
 
-def hethub_rank(spec, steps):
-    plan, cluster = parse_plan(PLAN), parse_cluster(CLUSTER)
-    topology = build_topology(plan, cluster)
-    engine = Engine.for_job(plan, topology, spec, cluster, seed=0)
-    times = []
-    for step in range(steps):
-        dist.barrier()
-        started = time.perf_counter()
-        engine.step(batch(spec, step))
-        times.append(time.perf_counter() - started)
-    return times
+def hethub_runner(spec, schedule):
+    """One step of hethub's engine on this rank, given the step's tokens."""
+    plan_spec, cluster = parse_plan(plan(schedule)), parse_cluster(CLUSTER)
+    topology = build_topology(plan_spec, cluster)
+    engine = Engine.for_job(plan_spec, topology, spec, cluster, seed=0)
+    return engine.step
 
 
-def torch_rank(spec, steps):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def torch_runner(spec, schedule_name, chunks):
+    """One step of torch.distributed.pipelining's schedule (and AdamW) on this rank: its chunk c
+    is the model's chunk rank + c x ranks (stage index), as hethub lays out interleaving."""
+    from torch.distributed import pipelining
 
     rank = dist.get_rank()
-    module = Stage.build(spec, 4 * rank, 4, None, is_first=rank == 0, is_last=rank == 1, seed=0)
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    stages = RANKS * chunks
+    per_chunk = spec.layers // stages
+    modules, pipeline_stages = [], []
+    for c in range(chunks):
+        index = rank + c * RANKS
+        module = Stage.build(
+            spec,
+            per_chunk * index,
+            per_chunk,
+            None,
+            is_first=index == 0,
+            is_last=index == stages - 1,
+            seed=0,
+        )
+        modules.append(module)
+        pipeline_stages.append(pipelining.PipelineStage(module, index, stages, torch.device("cpu")))
 
     def loss_fn(logits, targets):
         return torch.nn.functional.cross_entropy(
             logits.reshape(-1, spec.vocab), targets.reshape(-1)
         )
 
-    schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    times = []
-    for step in range(steps):
-        tokens = batch(spec, step)
-        dist.barrier()
-        started = time.perf_counter()
-        if rank == 0:
+    schedule_class = getattr(pipelining, schedule_name)
+    schedule = schedule_class(
+        pipeline_stages if chunks > 1 else pipeline_stages[0], MICRO_BATCHES, loss_fn=loss_fn
+    )
+    optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
+    holds_first = any(s.is_first for s in pipeline_stages)
+    holds_last = any(s.is_last for s in pipeline_stages)
+
+    def step(tokens):
+        if holds_first and holds_last:
+            schedule.step(tokens[:, :-1], target=tokens[:, 1:])
+        elif holds_first:
             schedule.step(tokens[:, :-1])
         else:
             schedule.step(target=tokens[:, 1:])
         optimizer.step()
         optimizer.zero_grad()
-        times.append(time.perf_counter() - started)
-    return times
+
+    return step
 
 
-def _entry(rank, port, which, steps, out):
+def _entry(rank, port, comparison, steps, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+        "gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=600)
     )
     spec = parse_model(MODEL, "bench", "bench")
-    times = (hethub_rank if which == "hethub" else torch_rank)(spec, steps)
-    out[(which, rank)] = times
+    schedule, torch_schedule, chunks = COMPARISONS[comparison]
+    runners = {
+        "hethub": hethub_runner(spec, schedule),
+        "torch": torch_runner(spec, torch_schedule, chunks),
+    }
+    times = {which: [] for which in runners}
+    for step in range(steps):  # step 0 is each one's warm-up (torch fixes its shapes there)
+        tokens = batch(spec, step)
+        for which in ("hethub", "torch") if step % 2 == 0 else ("torch", "hethub"):
+            dist.barrier()
+            started = time.perf_counter()
+            runners[which](tokens)
+            times[which].append(time.perf_counter() - started)
+    out[rank] = times
     dist.destroy_process_group()
 
 
-def pipeline_seconds(which, steps):
+def pipeline_seconds(comparison, steps):
+    """Step seconds (the slower rank's, after the warm-up) of hethub and of torch, in order."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, port, which, steps, out)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, port, comparison, steps, out)) for r in range(RANKS)
+        ]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(600)
+            p.join(3600)
             if p.is_alive():
                 p.kill()
-                raise TimeoutError(f"{which} pipeline did not finish")
-        steady = [max(a, b) for a, b in zip(out[(which, 0)], out[(which, 1)])][
-            2:
-        ]  # two warm-up steps
-        return sorted(steady)[len(steady) // 2]
+                raise TimeoutError(f"{comparison} pipelines did not finish")
+            if p.exitcode:
+                raise RuntimeError(f"{comparison}: a rank failed (exit {p.exitcode})")
+        return {
+            which: [max(a, b) for a, b in zip(out[0][which], out[1][which])][1:]
+            for which in ("hethub", "torch")
+        }
 
 
 def single_process_seconds(steps):
@@ -144,32 +197,71 @@ def single_process_seconds(steps):
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - started)
-    return sorted(times[2:])[len(times[2:]) // 2]
+    return sorted(times[1:])[len(times[1:]) // 2]  # after one warm-up step, as the pipelines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument(
+        "--steps", type=int, default=6, help="steps of each, the first a warm-up (default 6)"
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(COMPARISONS),
+        help=f"comma-separated comparisons to run, of {', '.join(COMPARISONS)} (default: all)",
+    )
     args = parser.parse_args()
+    chosen = args.only.split(",")
+    unknown = set(chosen) - set(COMPARISONS)
+    if unknown:
+        parser.error(f"unknown comparison(s): {', '.join(sorted(unknown))}")
     tokens = MICRO_BATCH * MICRO_BATCHES * MODEL["seq_len"]
-    ours = pipeline_seconds("hethub", args.steps)
-    theirs = pipeline_seconds("torch", args.steps)
-    alone = single_process_seconds(args.steps)
-    ratio = theirs / ours
     print(
         f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, "
         f"seq {MODEL['seq_len']}; {MICRO_BATCHES} micro-batches of {MICRO_BATCH}; "
-        f"2 ranks x 1 thread, median of {args.steps - 2} steps"
+        f"{RANKS} ranks x 1 thread, hethub and torch alternating, "
+        f"median of {args.steps - 1} steps each",
+        flush=True,
     )
-    print(f"hethub 1F1B:                    {ours:.3f} s/step, {tokens / ours:,.0f} tokens/s")
-    print(f"torch.distributed.pipelining:   {theirs:.3f} s/step, {tokens / theirs:,.0f} tokens/s")
-    print(f"one process (1 thread):         {alone:.3f} s/step, {tokens / alone:,.0f} tokens/s")
-    print(
-        f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): "
-        f"{'met' if ratio >= 0.95 else 'MISSED'}"
-    )
-    print(f"2-stage pipeline speed-up over one process: {alone / ours:.2f}x")
-    return 0 if ratio >= 0.95 else 1
+    met = True
+    for comparison in chosen:
+        _, torch_schedule, chunks = COMPARISONS[comparison]
+        seconds = pipeline_seconds(comparison, args.steps)
+        ours, theirs = (sorted(seconds[w])[len(seconds[w]) // 2] for w in ("hethub", "torch"))
+        each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(seconds["hethub"], seconds["torch"]))
+        print(f"{comparison}: each step, hethub/torch s: {each}")
+        ratio = theirs / ours
+        met = met and ratio >= 0.95
+        if comparison == "1f1b":  # the lines as issue 4's benchmark printed them
+            alone = single_process_seconds(args.steps)
+            print(
+                f"hethub 1F1B:                    {ours:.3f} s/step, {tokens / ours:,.0f} tokens/s"
+            )
+            print(
+                f"torch.distributed.pipelining:   {theirs:.3f} s/step, "
+                f"{tokens / theirs:,.0f} tokens/s"
+            )
+            print(
+                f"one process (1 thread):         {alone:.3f} s/step, "
+                f"{tokens / alone:,.0f} tokens/s"
+            )
+            print(
+                f"hethub / Schedule1F1B throughput: {ratio:.3f}x (target >= 0.95): "
+                f"{'met' if ratio >= 0.95 else 'MISSED'}"
+            )
+            print(f"2-stage pipeline speed-up over one process: {alone / ours:.2f}x", flush=True)
+            continue
+        print(
+            f"hethub interleaved 1F1B ({chunks} chunks a rank): {ours:.3f} s/step, "
+            f"{tokens / ours:,.0f} tokens/s"
+        )
+        print(
+            f"torch.distributed.pipelining {torch_schedule}: {theirs:.3f} s/step, "
+            f"{tokens / theirs:,.0f} tokens/s"
+        )
+        print(f"hethub / {torch_schedule} throughput: {ratio:.2f}x")
+        print(f"target >= 0.95x: {'met' if ratio >= 0.95 else 'MISSED'}", flush=True)
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
