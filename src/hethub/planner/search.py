@@ -503,6 +503,8 @@ def _partition(
     split = partition_chunks(setting.model.layers, per_layer, extra, caps, micro_batches, chunks)
     if split is None:
         return None, None
+    if chunks == 1:
+        return [(n,) for n in split], stage_times(split, per_layer, extra)
     # The embedding's time is on the first stage's first chunk, the head's on the last's last.
     chunked = [
         tuple(
