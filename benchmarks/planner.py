@@ -1,4 +1,4 @@
-"""The planner against its targets (issues 3 and 17): efficiency against the theoretical upper bound,
+"""The planner against its targets (issues 3, 17): efficiency against the theoretical upper bound,
 search time, optimality on small clusters, and two baselines, all under the same predictor.
 
 Usage: python benchmarks/planner.py [--skip-exhaustive]

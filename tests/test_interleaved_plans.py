@@ -8,7 +8,7 @@ import pytest
 from hethub.errors import SpecError
 from hethub.predictor import predict
 from hethub.predictor.memory import in_flight_micro_batches, peak_in_flight, stage_memory_at
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.stage import MIDDLE, StagePosition
 from hethub.spec import load_model, parse_cluster
 from hethub.spec.plan import parse_plan, uniform_plan
 from hethub.spec.schedules import FORWARD, chunk_sequence
@@ -209,3 +209,14 @@ def test_one_chunk_in_flight_closed_form_matches_the_walk() -> None:
                     assert in_flight_micro_batches(schedule, s, p, m) == peak_in_flight(
                         schedule, s, p, m, (1,)
                     ), (schedule, s, p, m)
+
+
+def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_either_precision() -> None:
+    # The runtime's ShardedAdamW keeps an fp32 slice of the weights and the two moments: 12/d.
+    model = load_model("tiny-llama")
+    for precision in ("bf16", "fp32"):
+        alone = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 1)
+        shared = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 4)
+        params = alone.weights_gb / (2 if precision == "bf16" else 4)
+        assert shared.optimizer_gb == pytest.approx(params * 12 / 4)
+        assert shared.weights_gb == alone.weights_gb and shared.grads_gb == alone.grads_gb

@@ -4,7 +4,8 @@ bf16 mixed precision with Adam (Megatron-LM's layout): bf16 weights (2 bytes per
 main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 bytes. fp32:
 weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
 (Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
-the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16.
+the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 12 / d in
+fp32 (the ranks update an fp32 slice of the weights kept apart from the full weights).
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), for the micro-batches a stage holds at once under its schedule.
 """
@@ -32,6 +33,15 @@ def state_bytes(precision: Precision) -> tuple[int, int, int]:
     if precision == Precision.BF16:
         return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
     return FP32_WEIGHT_BYTES, GRAD_BYTES, FP32_OPTIMIZER_BYTES
+
+
+def optimizer_bytes_per_parameter(precision: Precision, shards: int) -> float:
+    """Optimizer state per parameter on one of ``shards`` ranks sharing it. A sharded optimizer
+    keeps an fp32 slice of the weights it updates in fp32 training too (the runtime's slice, apart
+    from the full weights), so its state is 12 / d bytes in either precision."""
+    if shards == 1:
+        return state_bytes(precision)[2]
+    return OPTIMIZER_BYTES / shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +193,7 @@ def stage_memory_at(
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
     its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer)."""
     params = stage_params(model, layers, position) / tp
-    weight_bytes, grad_bytes, optimizer_bytes = state_bytes(precision)
+    weight_bytes, grad_bytes, _ = state_bytes(precision)
     activations = activation_bytes(
         model,
         per_layer=layer_activation_bytes(model, tp, micro_batch, precision),
@@ -198,6 +208,6 @@ def stage_memory_at(
     return StageMemory(
         params * weight_bytes / GB,
         params * grad_bytes / GB,
-        params * optimizer_bytes / optimizer_shards / GB,
+        params * optimizer_bytes_per_parameter(precision, optimizer_shards) / GB,
         activations / GB,
     )

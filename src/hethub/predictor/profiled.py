@@ -20,7 +20,14 @@ import dataclasses
 import functools
 import statistics
 
-from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params, state_bytes
+from hethub.predictor.memory import (
+    GB,
+    StageMemory,
+    activation_bytes,
+    optimizer_bytes_per_parameter,
+    stage_params,
+    state_bytes,
+)
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
@@ -247,11 +254,11 @@ def profiled_memory(
         micro_batch=micro_batch,
         recompute=recompute,
     )
-    weight, grad, optimizer = state_bytes(precision)
+    weight, grad, _ = state_bytes(precision)
     return StageMemory(
         params * weight / GB,
         params * grad / GB,
-        params * optimizer / optimizer_shards / GB,
+        params * optimizer_bytes_per_parameter(precision, optimizer_shards) / GB,
         activations / GB,
     )
 
