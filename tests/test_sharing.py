@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hethub.planner import search
 from hethub.planner.candidates import homogeneous
 from hethub.planner.costs import Setting
-from hethub.planner.search import _draft, _Search
+from hethub.planner.search import VIRTUAL_STAGES, _draft, _Search
 from hethub.predictor import default_calibration, predict
 from hethub.predictor.profiled import core_sharing, missing_profiles
 from hethub.predictor.schedule import schedule_order, simulate
@@ -206,12 +206,13 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
             precision=Precision.FP32,  # the profiles' dtype: fp32 plans are priced by them
         )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):
-            draft = _draft(state, setting, (layout,))
-            if draft is not None:
-                bound, plan = draft
-                assert bound <= predict(plan, CPU4, TINY, profiles=profiles).iteration_time_s
-                checked += 1
-    assert checked >= 6
+            for chunks in VIRTUAL_STAGES:
+                draft = _draft(state, setting, (layout,), chunks)
+                if draft is not None:
+                    step = predict(draft.plan, CPU4, TINY, profiles=profiles).iteration_time_s
+                    assert draft.interleaved_bound <= draft.bound <= step
+                    checked += 1
+    assert checked >= 12
     best = search(
         CPU4, TINY, 16, model_ref="tiny-llama", profiles=profiles, precision=Precision.FP32
     ).best
