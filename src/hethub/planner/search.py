@@ -270,7 +270,7 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
         best = ranked
         for _ in range(REFINE_ROUNDS):
             improved = False
-            for plan in _layer_moves(best.plan):
+            for plan in _neighbours(best.plan):
                 if state.evaluated >= budget or state.out_of_time():
                     break
                 candidate = _predict(state, plan)
@@ -282,6 +282,15 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
         if state.evaluated >= budget or state.out_of_time():
             break
     return max([*found, *polished], key=_speed, default=None)
+
+
+def _neighbours(plan: Plan):
+    """The plans one step from ``plan``: one layer moved (_layer_moves), or its optimizer
+    unsharded (a sharded optimizer's all-gather of the updated weights follows its step, where
+    an overlapped all-reduce may have hidden the whole sync; unsharded, it may not fit)."""
+    yield from _layer_moves(plan)
+    if plan.shard_optimizer:
+        yield dataclasses.replace(plan, shard_optimizer=False)
 
 
 def _layer_moves(plan: Plan):
@@ -408,7 +417,7 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
     """Layers per stage (and chunk) and micro-batches per replica for a structure, each layout
     interleaved over ``chunks`` chunks a stage where its layers allow, and lower bounds on its
     step. Replicas of one layout shard their optimizer and overlap their gradient sync with the
-    backward (both never slow a step down, and sharding frees memory for layers)."""
+    backward (sharding frees memory for layers; _refine tries each best plan unsharded too)."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:

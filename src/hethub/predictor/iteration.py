@@ -79,6 +79,9 @@ class StagePrediction:
     send_s: float
     """One activation send to the next stage (0 for the last stage)."""
     grad_sync_s: float
+    """The gradients' sum and, with a sharded optimizer, the updated weights' all-gather."""
+    param_gather_s: float
+    """Of ``grad_sync_s``, a sharded optimizer's all-gather: it follows the optimizer step."""
     optimizer_s: float
     end_s: float
     """When the stage finishes its last backward."""
@@ -358,7 +361,15 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         sync.replicas[index],
         plan.precision,
     )
-    grad_sync, optimizer = state.grad_sync_s, state.optimizer_s
+    shards = sync.replicas[index] if plan.shard_optimizer else 1
+    reduce, gather, optimizer = state.grad_sync_s, 0.0, state.optimizer_s
+    if shards > 1:
+        # Identical layouts alone reduce-scatter their buckets; with unlike layouts the sum goes
+        # through the bridge whole, and each rank keeps its slice. Either way the peers then
+        # all-gather the updated weights.
+        gather = reduce * all_gather_share(plan.precision)
+        if sync.classes == 1:
+            reduce *= REDUCE_SCATTER_SHARE
     measured = (
         None
         if profiles is None
@@ -369,15 +380,17 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
             pricing.plan_link,
             stage.tp,
             stage.layers,
-            plan.micro_batch,
+            plan,
             position,
             *pricing.holders,
+            peers=sync.replicas[index],
         )
     )
-    if measured is not None and measured.grad_sync_s is not None:
-        grad_sync = measured.grad_sync_s  # over every holder of each tensor, whatever its layout
+    if measured is not None and measured.sync is not None:
+        # over every holder of each tensor, whatever its layout
+        reduce, gather = measured.sync.reduce_s, measured.sync.gather_s
     elif sync.classes > 1:  # a layer's gradient is the mean over every layout's replicas
-        grad_sync += comm.ring_allreduce_time(
+        reduce += comm.ring_allreduce_time(
             state.params * GRAD_BYTES / sync.fewest,
             sync.classes,
             sync.cross_bw[group.name],
@@ -385,12 +398,9 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         )
     if measured is not None and measured.optimizer_s is not None:
         optimizer = measured.optimizer_s
-    shards = sync.replicas[index] if plan.shard_optimizer else 1
-    if shards > 1:
-        grad_sync *= sharded_sync_share(plan.precision)
-        optimizer /= shards
+    optimizer /= shards
     if plan.overlap_grad_sync and sync.classes == 1:
-        start = _overlapped_sync_end(model, runs, peers, s, grad_sync) - grad_sync
+        start = _overlapped_sync_end(model, runs, peers, s, reduce) - reduce
     memory = stage_memory_for(
         model,
         group,
@@ -416,7 +426,8 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         backward_s=run.stage_backward_s(s),
         compute_s=run.compute_s[s],
         send_s=run.send_s[s] if s < p - 1 else 0.0,
-        grad_sync_s=grad_sync,
+        grad_sync_s=reduce + gather,
+        param_gather_s=gather,
         optimizer_s=optimizer,
         end_s=run.stage_end_s[s],
         memory=memory,
@@ -436,7 +447,8 @@ def _assemble_step(
     for stage in priced:
         s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
         iteration = max(iteration, start + s.grad_sync_s + s.optimizer_s)
-        synced, stepped = max(synced, start + s.grad_sync_s), max(stepped, s.optimizer_s)
+        reduced = start + s.grad_sync_s - s.param_gather_s
+        synced, stepped = max(synced, reduced), max(stepped, s.optimizer_s + s.param_gather_s)
         devices = run.pipeline.count * s.tp
         busy += devices * s.compute_s
         span += devices * run.time_s
@@ -486,7 +498,7 @@ def _step_events(
     events = []
     for stage in priced:
         s, start = stage.prediction, stage.sync_start_s
-        sync_end = start + s.grad_sync_s
+        sync_end = start + s.grad_sync_s - s.param_gather_s
         optimizer_start, optimizer_end = sync_end, sync_end + s.optimizer_s
         if loss_sync is not None:
             duration = optimizer_end - optimizer_start
@@ -496,6 +508,15 @@ def _step_events(
             TimelineEvent(**where, kind="grad_sync", start_s=start, end_s=sync_end),
             TimelineEvent(**where, kind="optimizer", start_s=optimizer_start, end_s=optimizer_end),
         ]
+        if s.param_gather_s > 0:
+            events.append(
+                TimelineEvent(
+                    **where,
+                    kind="param_gather",
+                    start_s=optimizer_end,
+                    end_s=optimizer_end + s.param_gather_s,
+                )
+            )
     return events
 
 
@@ -676,12 +697,15 @@ def _overlapped_sync_end(
     return end
 
 
-def sharded_sync_share(precision: Precision) -> float:
-    """A sharded optimizer's gradient sync over an all-reduce's: a reduce-scatter of the fp32
-    gradients (half an all-reduce's traffic) and an all-gather of the updated weights in the
-    training dtype (half an all-reduce of them), in place of the all-reduce of the gradients."""
+REDUCE_SCATTER_SHARE = 0.5
+"""A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps."""
+
+
+def all_gather_share(precision: Precision) -> float:
+    """A sharded optimizer's all-gather of the updated weights (in the training dtype) over the
+    all-reduce of the fp32 gradients it replaces: half the steps, of weight-sized elements."""
     weight_bytes, grad_bytes, _ = state_bytes(precision)
-    return (grad_bytes + weight_bytes) / (2 * grad_bytes)
+    return weight_bytes / (2 * grad_bytes)
 
 
 LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
@@ -784,12 +808,15 @@ def _profiled_state(
     link: LinkProfile | None,
     tp: int,
     layers: int,
-    micro_batch: int,
+    plan: Plan,
     position: StagePosition,
     holders: int,
     embed_holders: int,
+    *,
+    peers: int,
 ) -> _MeasuredState:
-    """A stage's gradient sync and optimizer step from the profiles; None for what they lack."""
+    """A stage's gradient sync and optimizer step from the profiles; None for what they lack.
+    ``peers``: the replicas of the stage's identical layouts."""
     sync = None
     if link is not None and link.device == group.accelerator.name:
         sync = profiled.grad_sync_time(
@@ -800,9 +827,12 @@ def _profiled_state(
             position=position,
             holders=holders,
             embed_holders=embed_holders,
-            bytes_per_element=profiles.bytes_per_element,
+            peers=peers,
+            sharded=plan.shard_optimizer and peers > 1,
+            direct=plan.shard_optimizer or plan.overlap_grad_sync,
+            weight_bytes=state_bytes(plan.precision)[0],
         )
-    profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
+    profile = profiles.layer_for(group.accelerator.name, model, tp, plan.micro_batch)
     optimizer = (
         None if profile is None else profiled.optimizer_time(profile, model, tp, layers, position)
     )
@@ -810,7 +840,7 @@ def _profiled_state(
 
 
 class _MeasuredState(NamedTuple):
-    grad_sync_s: float | None
+    sync: profiled.SyncTimes | None
     optimizer_s: float | None
 
 

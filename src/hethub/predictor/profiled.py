@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+from typing import NamedTuple
 
 from hethub.predictor.memory import (
     GB,
+    GRAD_BYTES,
     StageMemory,
     activation_bytes,
     optimizer_bytes_per_parameter,
@@ -174,6 +176,16 @@ def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
     return replicas, sum(p.count * (1 if len(p.stages) == 1 else 2) for p in plan.pipelines)
 
 
+class SyncTimes(NamedTuple):
+    """A stage's gradient sync on one rank, in the two parts the step puts apart."""
+
+    reduce_s: float
+    """The gradients' sum (all-reduce, or a sharded optimizer's reduce-scatter): before the
+    optimizer step, and what an overlapped sync can hide behind the backwards."""
+    gather_s: float
+    """A sharded optimizer's all-gather of the updated weights: after its step."""
+
+
 def grad_sync_time(
     link: LinkProfile,
     model: ModelSpec,
@@ -183,34 +195,62 @@ def grad_sync_time(
     position: StagePosition,
     holders: int,
     embed_holders: int,
-    bytes_per_element: int,
-) -> float | None:
+    peers: int,
+    sharded: bool,
+    direct: bool,
+    weight_bytes: int,
+) -> SyncTimes | None:
     """One rank's gradient sync of a stage, as the runtime buckets it (spec.buckets); None where
     a collective was not measured.
 
     ``holders``: stages (of all replicas) holding each layer; ``embed_holders``: those holding
-    the embedding (with gpt's tied head, the last stages too). Tensors with the same holders share
-    buckets; each sharded tensor is first gathered in the TP group, each bucket is all-reduced
-    and then broadcast to the TP group. The runtime fills buckets in full-model name order,
-    priced here in building order: the two differ only in where a bucket of a stage over
-    BUCKET_BYTES ends.
+    the embedding (with gpt's tied head, the last stages too); ``peers``: the replicas of this
+    stage's identical layouts, which a sharded optimizer (``sharded``) shares among. Tensors with
+    the same holders share buckets. A bucket held by exactly the peers, where the plan shards or
+    overlaps (``direct``), is summed among them by each TP rank for its own shards: a
+    reduce-scatter when sharded, else an all-reduce. Any other bucket's sharded tensors are first
+    gathered in the TP group, the bucket all-reduced and broadcast back to the TP group. The
+    gradients are fp32 in either precision (bf16 sums its main gradients); a sharded optimizer
+    then all-gathers each bucket's updated weights (``weight_bytes`` an element) among the peers.
+    The runtime fills buckets in full-model name order, priced here in building order: the two
+    differ only in where a bucket of a stage over BUCKET_BYTES ends.
     """
     by_holders: dict[int, list[tuple[int, bool]]] = {}
-    for what, elements, sharded in param_tensors(model, layers, position):
+    for what, elements, over_tp in param_tensors(model, layers, position):
         ranks = embed_holders if what == "embed" else holders
         if ranks > 1:
-            by_holders.setdefault(ranks, []).append((elements * bytes_per_element, sharded))
-    parts = []
+            by_holders.setdefault(ranks, []).append((elements, over_tp))
+    reduce, gather = [], []
     for ranks, tensors in by_holders.items():
-        sizes = [nbytes for nbytes, _ in tensors]
-        if tp > 1:
-            parts += [link.allgather_time(nbytes, tp) for nbytes, sharded in tensors if sharded]
-        for start, stop in bucket_bounds(sizes):
-            bucket = sum(sizes[start:stop])
-            parts.append(link.allreduce_time(bucket, ranks))
+        local = [elements // tp if over_tp else elements for elements, over_tp in tensors]
+        if direct and ranks == peers:
+            sizes = [elements * GRAD_BYTES for elements in local]
+            for start, stop in bucket_bounds(sizes):
+                bucket = sum(sizes[start:stop])
+                summed = link.reducescatter_time if sharded else link.allreduce_time
+                reduce.append(summed(bucket, ranks))
+        else:
+            sizes = [elements * GRAD_BYTES for elements, _ in tensors]
             if tp > 1:
-                parts.append(link.broadcast_time(bucket, tp))
-    return None if None in parts else sum(parts)
+                reduce += [
+                    link.allgather_time(elements * GRAD_BYTES, tp)
+                    for elements, over_tp in tensors
+                    if over_tp
+                ]
+            for start, stop in bucket_bounds(sizes):
+                bucket = sum(sizes[start:stop])
+                reduce.append(link.allreduce_time(bucket, ranks))
+                if tp > 1:
+                    reduce.append(link.broadcast_time(bucket, tp))
+        if sharded and peers > 1:
+            sizes = [elements * weight_bytes for elements in local]
+            gather += [
+                link.allgather_time(sum(sizes[start:stop]), peers)
+                for start, stop in bucket_bounds(sizes)
+            ]
+    if None in reduce or None in gather:
+        return None
+    return SyncTimes(sum(reduce), sum(gather))
 
 
 def optimizer_time(

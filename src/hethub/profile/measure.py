@@ -36,6 +36,7 @@ from hethub.comm import local_device
 from hethub.errors import HethubError
 from hethub.profile.spawn import run_ranks
 from hethub.profile.store import (
+    COLLECTIVES,
     METHOD,
     LayerKey,
     LayerProfile,
@@ -455,8 +456,9 @@ def measure_links(
     repeats: int = LINK_REPEATS,
     timeout_s: float = 600.0,
 ) -> LinkProfile:
-    """Point-to-point, all-reduce, broadcast and all-gather speed between gloo processes of this
-    machine: the time at each of ``sizes`` (bytes), and latency + bytes / bandwidth fitted to them.
+    """Point-to-point, all-reduce, broadcast, all-gather and reduce-scatter speed between gloo
+    processes of this machine: the time at each of ``sizes`` (bytes), and latency + bytes /
+    bandwidth fitted to them.
 
     ``max(concurrent_ranks, max(ranks_list))`` processes take part: messages go between pairs of
     them, each collective of r ranks runs in as many disjoint groups of r as fit, all at once.
@@ -490,13 +492,10 @@ def measure_links(
         concurrent_ranks=concurrent_ranks,
         p2p_latency_s=latency,
         p2p_bytes_per_s=bandwidth,
-        **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in _COLLECTIVES},
+        **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in COLLECTIVES},
         measured_at=_now(),
         points=measured,
     )
-
-
-_COLLECTIVES = ("allreduce", "broadcast", "allgather")
 
 
 def non_decreasing(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -562,7 +561,7 @@ def _link_rank(
     for r in ranks_list:
         group = _block_group(rank, world, r, Role.MEASURE)
         members = dist.get_process_group_ranks(group) if group is not None else None
-        for kind in _COLLECTIVES:
+        for kind in COLLECTIVES:
             for n in sizes:
                 op = _collective(kind, n, r, group, members) if group is not None else _nothing
                 seconds = _series(op, _repeats(n, repeats))
@@ -596,6 +595,12 @@ def _collective(
         piece = torch.zeros(max(1, nbytes // 4 // ranks))
         pieces = [torch.empty_like(piece) for _ in range(ranks)]
         return lambda: dist.all_gather(pieces, piece, group=group)
+    if kind == "reducescatter":
+        # As a sharded optimizer's sync reduces a bucket (runtime.engine): the gradients copied
+        # into one flat buffer, padded to a multiple of the ranks; each keeps its slice of the sum.
+        flat = torch.zeros(max(1, nbytes // 4 // ranks) * ranks)
+        mine = torch.empty(flat.numel() // ranks)
+        return lambda: dist.reduce_scatter_single(mine, torch.cat([flat]), group=group)
     tensor = torch.zeros(nbytes // 4)
     if kind == "broadcast":
         return lambda: dist.broadcast(tensor, members[0], group=group)
@@ -692,7 +697,9 @@ def ensure_profiles(
     ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
     link = have.link(device_name, concurrent_ranks)
     if links and (
-        link is None or link.method < METHOD or any(r not in link.allreduce for r in ranks_list)
+        link is None
+        or link.method < METHOD
+        or any(r not in link.allreduce or r not in link.reducescatter for r in ranks_list)
     ):
         if progress:
             progress(

@@ -152,7 +152,8 @@ Fit = tuple[float, float]
 """(latency_s, bytes_per_s) of a collective or a message: time = latency + bytes / bandwidth."""
 Points = tuple[tuple[int, float], ...]
 """(bytes, seconds) as measured, by increasing size."""
-COMMUNICATIONS = ("p2p", "allreduce", "broadcast", "allgather")
+COMMUNICATIONS = ("p2p", "allreduce", "broadcast", "allgather", "reducescatter")
+COLLECTIVES = COMMUNICATIONS[1:]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,8 +176,11 @@ class LinkProfile:
     broadcast: dict[int, Fit]
     allgather: dict[int, Fit]
     measured_at: str
+    reducescatter: dict[int, Fit] = field(default_factory=dict)
+    """Empty in a file measured before the sharded optimizer's reduce-scatter was (method 2)."""
     points: dict[tuple[str, int], Points] = field(default_factory=dict)
-    """Measured (bytes, seconds) per (p2p|allreduce|broadcast|allgather, ranks); p2p has ranks 2."""
+    """Measured (bytes, seconds) per (p2p|allreduce|broadcast|allgather|reducescatter, ranks);
+    p2p has ranks 2."""
     method: int = METHOD
     """How it was measured (METHOD)."""
     peer: str | None = None
@@ -215,6 +219,11 @@ class LinkProfile:
     def allgather_time(self, nbytes: float, ranks: int) -> float | None:
         """All-gather whose gathered output is ``nbytes``."""
         return self._collective("allgather", nbytes, ranks)
+
+    def reducescatter_time(self, nbytes: float, ranks: int) -> float | None:
+        """Reduce-scatter of an ``nbytes`` tensor (the input, each rank keeping 1/ranks of the
+        sum) over ``ranks`` ranks (None: not measured)."""
+        return self._collective("reducescatter", nbytes, ranks)
 
     def _collective(self, kind: str, nbytes: float, ranks: int) -> float | None:
         if ranks <= 1:
@@ -388,7 +397,7 @@ def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
     data = dataclasses.asdict(profile)
     if profile.peer is None:  # a link inside a machine: its file as before the field existed
         del data["peer"]
-    for name in ("allreduce", "broadcast", "allgather"):
+    for name in COLLECTIVES:
         data[name] = {
             str(ranks): {"latency_s": fit[0], "bytes_per_s": fit[1]}
             for ranks, fit in sorted(getattr(profile, name).items())
@@ -553,13 +562,20 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
             "allreduce",
             "broadcast",
             "allgather",
+            "reducescatter",
             "measured_at",
             "points",
             "method",
             "peer",
         ),
     )
-    collectives = {name: _fits(fields, name) for name in ("allreduce", "broadcast", "allgather")}
+    # A file measured before the reduce-scatter was (method 2) has none: measured anew where
+    # profiles are ensured, and a sharded sync is priced from the all-reduce meanwhile.
+    collectives = {
+        name: _fits(fields, name)
+        for name in COLLECTIVES
+        if name != "reducescatter" or fields.has(name)
+    }
     return LinkProfile(
         device=fields.string("device"),
         concurrent_ranks=fields.positive_int("concurrent_ranks"),

@@ -6,10 +6,11 @@ rank of every replica of identical layouts) each keep 1/d of the optimizer state
 bucket (engine._sync_buckets) is one flat buffer of the rank's local gradients; rank i of the d
 owns its i-th slice (the buffer padded to a multiple of d): the fp32 master weights of the slice
 and their two Adam moments. AdamW is elementwise, so stepping slices of a flat buffer is stepping
-the parameters. After the step the d ranks all-gather the updated slices and write them into the
-weights the stage computes with. In bf16 the full fp32 masters are then dropped (their grads stay:
-they are the fp32 main gradients), so a parameter costs 2 (bf16 weight) + 4 (main grad) + 12 / d
-bytes; in fp32, 4 (weight) + 4 (grad) + 12 / d (master slice and moments).
+the parameters. After the step the d ranks all-gather the updated slices, in the dtype the stage
+computes in, and write them into its weights. In bf16 the full fp32 masters are then dropped
+(their grads stay: they are the fp32 main gradients), so a parameter costs 2 (bf16 weight) +
+4 (main grad) + 12 / d bytes; in fp32, 4 (weight) + 4 (grad) + 12 / d (master slice and
+moments).
 
 Both kinds read and write their state as full local tensors by full-model name (LocalState), so
 checkpoints hold the same keys whatever the sharding, and a sharded run resumes unsharded and
@@ -148,7 +149,11 @@ class ShardedAdamW:
             param.grad = None  # the main gradients, summed into the slices' already
         with torch.no_grad():
             for b, params in enumerate(self.buckets):
-                for (name, _), value in zip(params, self._gather(self.slices[b].detach(), b)):
+                # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32
+                # slice); the cast is elementwise, so it is the same as casting after the gather.
+                dtype = self.weights.model[params[0][0]].dtype
+                piece = self.slices[b].detach().to(dtype)
+                for (name, _), value in zip(params, self._gather(piece, b)):
                     self.weights.write(name, value)
 
     def gradients(self) -> dict[str, torch.Tensor]:
