@@ -288,9 +288,9 @@ def _neighbours(plan: Plan):
     """The plans one step from ``plan``: one layer moved (_layer_moves), or its optimizer
     unsharded (a sharded optimizer's all-gather of the updated weights follows its step, where
     an overlapped all-reduce may have hidden the whole sync; unsharded, it may not fit)."""
-    yield from _layer_moves(plan)
-    if plan.shard_optimizer:
+    if plan.shard_optimizer:  # first: one candidate, which a spent budget must not skip
         yield dataclasses.replace(plan, shard_optimizer=False)
+    yield from _layer_moves(plan)
 
 
 def _layer_moves(plan: Plan):

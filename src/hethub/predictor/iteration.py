@@ -380,10 +380,13 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
             pricing.plan_link,
             stage.tp,
             stage.layers,
-            plan,
+            plan.micro_batch,
             position,
             *pricing.holders,
             peers=sync.replicas[index],
+            sharded=plan.shard_optimizer and sync.replicas[index] > 1,
+            direct=plan.shard_optimizer or plan.overlap_grad_sync,
+            weight_bytes=state_bytes(plan.precision)[0],
         )
     )
     if measured is not None and measured.sync is not None:
@@ -808,15 +811,18 @@ def _profiled_state(
     link: LinkProfile | None,
     tp: int,
     layers: int,
-    plan: Plan,
+    micro_batch: int,
     position: StagePosition,
     holders: int,
     embed_holders: int,
     *,
     peers: int,
+    sharded: bool,
+    direct: bool,
+    weight_bytes: int,
 ) -> _MeasuredState:
     """A stage's gradient sync and optimizer step from the profiles; None for what they lack.
-    ``peers``: the replicas of the stage's identical layouts."""
+    The keywords: as profiled.grad_sync_time's."""
     sync = None
     if link is not None and link.device == group.accelerator.name:
         sync = profiled.grad_sync_time(
@@ -828,11 +834,11 @@ def _profiled_state(
             holders=holders,
             embed_holders=embed_holders,
             peers=peers,
-            sharded=plan.shard_optimizer and peers > 1,
-            direct=plan.shard_optimizer or plan.overlap_grad_sync,
-            weight_bytes=state_bytes(plan.precision)[0],
+            sharded=sharded,
+            direct=direct,
+            weight_bytes=weight_bytes,
         )
-    profile = profiles.layer_for(group.accelerator.name, model, tp, plan.micro_batch)
+    profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     optimizer = (
         None if profile is None else profiled.optimizer_time(profile, model, tp, layers, position)
     )

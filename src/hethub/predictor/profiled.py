@@ -223,30 +223,27 @@ def grad_sync_time(
     reduce, gather = [], []
     for ranks, tensors in by_holders.items():
         local = [elements // tp if over_tp else elements for elements, over_tp in tensors]
+        # the runtime cuts buckets by each tensor's full fp32 size, whatever the TP degree
+        bounds = bucket_bounds([elements * GRAD_BYTES for elements, _ in tensors])
         if direct and ranks == peers:
-            sizes = [elements * GRAD_BYTES for elements in local]
-            for start, stop in bucket_bounds(sizes):
-                bucket = sum(sizes[start:stop])
-                summed = link.reducescatter_time if sharded else link.allreduce_time
-                reduce.append(summed(bucket, ranks))
+            summed = link.reducescatter_time if sharded else link.allreduce_time
+            reduce += [summed(sum(local[start:stop]) * GRAD_BYTES, ranks) for start, stop in bounds]
         else:
-            sizes = [elements * GRAD_BYTES for elements, _ in tensors]
             if tp > 1:
                 reduce += [
                     link.allgather_time(elements * GRAD_BYTES, tp)
                     for elements, over_tp in tensors
                     if over_tp
                 ]
-            for start, stop in bucket_bounds(sizes):
-                bucket = sum(sizes[start:stop])
+            for start, stop in bounds:
+                bucket = sum(elements for elements, _ in tensors[start:stop]) * GRAD_BYTES
                 reduce.append(link.allreduce_time(bucket, ranks))
                 if tp > 1:
                     reduce.append(link.broadcast_time(bucket, tp))
         if sharded and peers > 1:
-            sizes = [elements * weight_bytes for elements in local]
             gather += [
-                link.allgather_time(sum(sizes[start:stop]), peers)
-                for start, stop in bucket_bounds(sizes)
+                link.allgather_time(sum(local[start:stop]) * weight_bytes, peers)
+                for start, stop in bounds
             ]
     if None in reduce or None in gather:
         return None

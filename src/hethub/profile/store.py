@@ -570,7 +570,7 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
         ),
     )
     # A file measured before the reduce-scatter was (method 2) has none: measured anew where
-    # profiles are ensured, and a sharded sync is priced from the all-reduce meanwhile.
+    # profiles are ensured; meanwhile a sharded stage's sync is priced by the analytic model.
     collectives = {
         name: _fits(fields, name)
         for name in COLLECTIVES

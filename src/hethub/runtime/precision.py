@@ -68,8 +68,9 @@ class MasterWeights:
         self.released = True
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """Set parameter ``name`` (its TP shard on this rank) to the fp32 ``value``: the weight
-        the stage computes with, and its master where one is kept."""
+        """Set parameter ``name`` (its TP shard on this rank) to ``value`` (fp32, or already in
+        the stage's dtype): the weight the stage computes with, and its master where one is
+        kept."""
         with torch.no_grad():
             self.model[name].copy_(value)
             if self.precision is Precision.BF16 and not self.released:
