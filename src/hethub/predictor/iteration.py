@@ -384,7 +384,7 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
             position,
             *pricing.holders,
             peers=sync.replicas[index],
-            sharded=plan.shard_optimizer and sync.replicas[index] > 1,
+            sharded=shards > 1,
             direct=plan.shard_optimizer or plan.overlap_grad_sync,
             weight_bytes=state_bytes(plan.precision)[0],
         )

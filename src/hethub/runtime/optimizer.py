@@ -151,8 +151,7 @@ class ShardedAdamW:
             for b, params in enumerate(self.buckets):
                 # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32
                 # slice); the cast is elementwise, so it is the same as casting after the gather.
-                dtype = self.weights.model[params[0][0]].dtype
-                piece = self.slices[b].detach().to(dtype)
+                piece = self.slices[b].detach().to(self.weights.compute_dtype)
                 for (name, _), value in zip(params, self._gather(piece, b)):
                     self.weights.write(name, value)
 
