@@ -6,7 +6,7 @@ machine.
 Usage: python benchmarks/precision_speed.py [--steps N] [--micro-batch B]
 What it checks: the rule by which the local default run (examples/clusters/local-hetero.yaml's
 plan) picks its precision, bf16 where torch has bf16 kernels for this CPU, else fp32
-(hethub.cli.jobs.planned_precision): the precision it picks should be the faster one here.
+(hethub.jobs.planned_precision): the precision it picks should be the faster one here.
 """
 
 from __future__ import annotations

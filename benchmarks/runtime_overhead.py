@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hethub.profile.spawn import free_port
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage
-from hethub.runtime.topology import build_topology
+from hethub.runtime.spawn import free_port
 from hethub.spec import parse_cluster, parse_model, parse_plan
+from hethub.spec.topology import build_topology
 
 MODEL = {
     "arch": "llama",

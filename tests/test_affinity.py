@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hethub.profile.spawn import run_ranks
 from hethub.runtime.affinity import cores_for
+from hethub.runtime.spawn import run_ranks
 
 
 def test_each_rank_gets_an_equal_contiguous_share_of_the_cores():
@@ -73,7 +73,7 @@ def test_profiling_ranks_die_with_the_process_that_started_them(tmp_path):
     # in a session of its own, would compute on, orphans taking the cores from the next run.
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); from test_affinity import _wait_forever; "
-        "from hethub.profile.spawn import run_ranks; "
+        "from hethub.runtime.spawn import run_ranks; "
         "run_ranks(_wait_forever, 1, sys.argv[2], timeout_s=60)"
     )
     log = tmp_path / "stderr.txt"  # and the killed starter's resource tracker's complaints

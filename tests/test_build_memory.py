@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import resource
 
-from hethub.profile.spawn import run_ranks
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.parameters import parameter_table
 
@@ -34,7 +34,7 @@ def _peak_growth(rank, world):
 
     from hethub.runtime.engine import Engine
     from hethub.runtime.model import Stage
-    from hethub.runtime.topology import build_topology
+    from hethub.spec.topology import build_topology
 
     spec, plan = parse_model(MODEL, "test", "m"), parse_plan(PLAN)
     cluster = parse_cluster(CLUSTER, "test")

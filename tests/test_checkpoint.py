@@ -19,7 +19,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hethub.errors import HethubError
-from hethub.profile.spawn import run_ranks
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_folders import (
     keep_latest,
@@ -29,9 +28,10 @@ from hethub.runtime.checkpoint_folders import (
 )
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard
-from hethub.runtime.topology import build_topology
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.parameters import parameter_table
+from hethub.spec.topology import build_topology
 
 SEED, STEPS, LR = 7, 4, 1e-2
 CLUSTER = parse_cluster(

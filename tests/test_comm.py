@@ -60,7 +60,7 @@ def _moves(rank, world):
 
 def test_each_path_counts_exactly_the_bytes_it_moved():
     from hethub.comm import BRIDGE, NATIVE
-    from hethub.profile.spawn import run_ranks
+    from hethub.runtime.spawn import run_ranks
 
     seen = run_ranks(_moves, 4, timeout_s=120, purpose="test")
     nothing = {NATIVE: 0, BRIDGE: 0}

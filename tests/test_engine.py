@@ -10,14 +10,14 @@ import torch
 
 from hethub.comm import BRIDGE
 from hethub.errors import HethubError
-from hethub.profile.spawn import run_ranks
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, shard
 from hethub.runtime.precision import MasterWeights
-from hethub.runtime.topology import build_topology
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
 from hethub.spec.parameters import parameter_table
+from hethub.spec.topology import build_topology
 
 SEED, STEPS, LR = 7, 3, 1e-2
 CLUSTER = parse_cluster(

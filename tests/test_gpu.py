@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hethub.profile.spawn import run_ranks
+from hethub.runtime.spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,8 +42,8 @@ def _rank(rank, world, precision):
 
     from hethub.comm import BRIDGE, local_device
     from hethub.runtime.engine import Engine
-    from hethub.runtime.topology import build_topology
     from hethub.spec import load_model, parse_cluster, parse_plan
+    from hethub.spec.topology import build_topology
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as on the CPU reference
     cluster = parse_cluster(CLUSTER, "gpu test")
@@ -78,7 +78,7 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
 
 
 def test_the_profiler_measures_the_gpu_in_bf16_and_fp32(tmp_path):
-    from hethub.profile.measure import ensure_profiles, measure_layers
+    from hethub.profiler.measure import ensure_profiles, measure_layers
     from hethub.spec import load_model
 
     gpt = load_model("tiny-gpt")  # runs in bf16 whatever the runtime's Llama rotary does

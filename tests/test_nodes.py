@@ -24,10 +24,10 @@ from torch.distributed import TCPStore
 import hethub
 from hethub.cli import main
 from hethub.errors import HethubError
-from hethub.profile.spawn import free_port
 from hethub.runtime.nodes import Claim, check_claim, node_of_host, node_ranks, plan_ranks
-from hethub.runtime.topology import build_topology
+from hethub.runtime.spawn import free_port
 from hethub.spec import parse_cluster, parse_plan
+from hethub.spec.topology import build_topology
 
 # Two vendors, run on this machine's CPU (no such GPU here): group a's node holds 2 devices, b's 1.
 # Group a's node is this machine by name, so that a node a:0 without --this-node finds itself.

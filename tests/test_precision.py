@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from hethub.cli import main
-from hethub.cli.jobs import NO_BF16_KERNELS
 from hethub.errors import HethubError
+from hethub.jobs import NO_BF16_KERNELS
 from hethub.predictor import predict
 from hethub.predictor.memory import GB, stage_params
 from hethub.predictor.stage import StagePosition
@@ -235,8 +235,8 @@ def test_the_first_run_profiles_plans_and_trains_in_bf16_only_where_the_cpu_has_
 
     import hethub.cli.train
     import hethub.runtime.precision
-    from hethub.cli.jobs import prepare
-    from hethub.profile import measure
+    from hethub.jobs import prepare
+    from hethub.profiler import measure
 
     measured = []
 

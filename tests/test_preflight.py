@@ -19,10 +19,10 @@ import yaml
 import hethub.cli.train
 import hethub.cli.validate
 import hethub.runtime.precision
-from hethub.cli import main, preflight
-from hethub.cli.jobs import prepare
+from hethub.cli import main
 from hethub.errors import HethubError
-from hethub.profile.measure import available_cores
+from hethub.jobs import preflight, prepare
+from hethub.profiler.measure import available_cores
 
 CPU = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
 A100 = {"groups": [{"name": "nv", "accelerator": "a100-40gb", "nodes": 1, "devices_per_node": 2}]}

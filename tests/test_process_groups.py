@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from hethub.profile.spawn import run_ranks
 from hethub.runtime.process_groups import (
     BRIDGE_BACKEND,
     Role,
@@ -10,8 +9,9 @@ from hethub.runtime.process_groups import (
     job_groups,
     vendor_parts,
 )
-from hethub.runtime.topology import build_topology, parameter_holders
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.topology import build_topology, parameter_holders
 
 CLUSTER = parse_cluster(
     {

@@ -17,7 +17,7 @@ from hethub.predictor import default_calibration, predict
 from hethub.predictor.iteration import stage_work
 from hethub.predictor.profiled import missing_profiles, param_tensors
 from hethub.predictor.stage import StagePosition
-from hethub.profile import (
+from hethub.profiles import (
     LayerKey,
     LayerProfile,
     LinkProfile,
@@ -27,7 +27,7 @@ from hethub.profile import (
     save_profile,
     select_for_run,
 )
-from hethub.profile.store import METHOD, local_concurrency, profile_path
+from hethub.profiles.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 from hethub.spec.plan import Recompute
@@ -247,7 +247,7 @@ def test_recomputation_takes_the_measured_checkpointed_times():
 
 
 def test_a_cached_profile_without_recomputed_times_is_measured_again(tmp_path, monkeypatch):
-    from hethub.profile import measure
+    from hethub.profiler import measure
 
     save_profile(tmp_path, layer_profile(key_of(concurrent_ranks=1)))  # an older file
     save_profile(
@@ -269,7 +269,7 @@ def test_a_cached_profile_without_recomputed_times_is_measured_again(tmp_path, m
 def test_a_profile_of_an_older_measuring_method_is_measured_again_and_noted_where_given(
     tmp_path, monkeypatch
 ):
-    from hethub.profile import measure
+    from hethub.profiler import measure
 
     current = layer_profile(
         key_of(concurrent_ranks=1, micro_batch=2),
@@ -426,7 +426,7 @@ def test_a_sharded_optimizers_all_gather_is_never_hidden_by_an_overlapped_sync()
 
 
 def test_a_link_profile_without_the_reduce_scatter_is_measured_again(tmp_path, monkeypatch):
-    from hethub.profile import measure
+    from hethub.profiler import measure
 
     older = dataclasses.replace(link_profile(1), reducescatter={})
     path = save_profile(tmp_path, older)
@@ -526,7 +526,7 @@ SMALL = parse_model(
 
 
 def test_measure_layers_times_the_runtimes_modules():
-    from hethub.profile.measure import measure_layers
+    from hethub.profiler.measure import measure_layers
 
     (profile,) = measure_layers(SMALL, "cpu", [1], [1], repeats=3)
     assert profile.key == LayerKey.of(
@@ -555,7 +555,7 @@ def test_measure_layers_times_the_runtimes_modules():
 
 
 def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
-    from hethub.profile.measure import WARMUP, _time_passes
+    from hethub.profiler.measure import WARMUP, _time_passes
 
     calls = itertools.count()
 
@@ -570,7 +570,7 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
 
 
 def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_size():
-    from hethub.profile.measure import fit_latency_bandwidth, non_decreasing
+    from hethub.profiler.measure import fit_latency_bandwidth, non_decreasing
 
     points = [(n, 2e-4 + n / 3e9) for n in (4096, 65536, 1 << 20, 16 << 20)]
     latency, bandwidth = fit_latency_bandwidth(points)
@@ -636,7 +636,7 @@ def test_the_profile_command_writes_what_load_profiles_reads(profiled, capsys):
 
 
 def test_profiling_again_measures_only_what_is_missing(profiled, monkeypatch, capsys):
-    from hethub.profile import measure
+    from hethub.profiler import measure
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured again")
@@ -781,7 +781,7 @@ def _runtime_runs_bf16(model) -> bool:
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt"])
 def test_a_bf16_profile_is_keyed_bf16_and_keeps_half_the_bytes(name, tmp_path):
-    from hethub.profile.measure import ensure_profiles, measure_layers
+    from hethub.profiler.measure import ensure_profiles, measure_layers
 
     model = load_model(name)
     if not _runtime_runs_bf16(model):
@@ -804,7 +804,7 @@ def test_a_bf16_profile_is_keyed_bf16_and_keeps_half_the_bytes(name, tmp_path):
 def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     import torch
 
-    from hethub.profile.measure import _optimizer_seconds_per_param
+    from hethub.profiler.measure import _optimizer_seconds_per_param
     from hethub.runtime.model import Stage
     from hethub.runtime.precision import MasterWeights
 
@@ -829,7 +829,7 @@ def test_a_gpu_is_measured_where_the_named_accelerator_is_and_refused_without_on
 ):
     import torch
 
-    from hethub.profile import measure
+    from hethub.profiler import measure
 
     assert measure.measuring_device("cpu").type == "cpu"
     assert measure.measuring_device("fast").type == "cpu"  # not in the catalog: a CPU label

@@ -18,7 +18,7 @@ import pytest
 from test_nodes import environment, run_agents
 
 from hethub.predictor.iteration import predict
-from hethub.profile.store import (
+from hethub.profiles.store import (
     LayerKey,
     LayerProfile,
     LinkProfile,
@@ -203,7 +203,7 @@ def _cluster_data() -> dict:
 def test_the_predictor_and_the_planner_import_no_torch():
     code = (
         "import sys; import hethub.predictor.iteration, hethub.planner.search, "
-        "hethub.profile.store; assert 'torch' not in sys.modules, 'torch imported'"
+        "hethub.profiles.store; assert 'torch' not in sys.modules, 'torch imported'"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=environment(), capture_output=True, text=True, check=False

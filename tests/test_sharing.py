@@ -17,7 +17,7 @@ from hethub.predictor import default_calibration, predict
 from hethub.predictor.profiled import core_sharing, missing_profiles
 from hethub.predictor.schedule import schedule_order, simulate
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
-from hethub.profile import empty_profiles
+from hethub.profiles import empty_profiles
 from hethub.spec import parse_cluster
 from hethub.spec.plan import Precision, Recompute
 from tests.test_profile import TINY, key_of, layer_profile, link_profile, plan_of

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hethub.profile.spawn import run_ranks
 from hethub.runtime.model import Stage, shard
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model
 from hethub.spec.parameters import parameter_table
 

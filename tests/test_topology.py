@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hethub.errors import SpecError
-from hethub.runtime.topology import build_topology, parameter_holders
 from hethub.spec import check_plan, parse_cluster, parse_model, parse_plan
 from hethub.spec.parameters import parameter_table
+from hethub.spec.topology import build_topology, parameter_holders
 
 CLUSTER = parse_cluster(
     {

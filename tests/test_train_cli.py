@@ -308,7 +308,7 @@ def _workers_of(folder: Path, run_dir: str) -> list[int]:
         if (
             not is_agent
             and cwd == str(folder.resolve())
-            and b"--worker-of" in command
+            and b"hethub.runtime.worker" in command
             and any(p.endswith(run_dir.encode()) for p in command)
         ):
             pids.append(int(entry.name))

@@ -7,6 +7,10 @@ import datetime
 import math
 import re
 
+from hethub.jobs.prepare import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
+from hethub.profiles.store import DEFAULT_PROFILES_DIR
+from hethub.runtime.rundir import DEFAULT_SETTINGS
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, its errors said in one line as hethub says its own: the usage is
@@ -93,3 +97,79 @@ def node(text: str) -> tuple[str, int]:
             f"this node among the group's, from 0 (e.g. gpu:0)"
         )
     return group, int(index)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what to train and where."""
+    parser.add_argument(
+        "--cluster",
+        help="cluster YAML file (default: examples/clusters/local-hetero.yaml, "
+        "two emulated kinds of device on this machine)",
+    )
+    parser.add_argument(
+        "--plan", help="plan YAML file (default: the planner's plan for the cluster)"
+    )
+    parser.add_argument(
+        "--model", help=f"model preset or YAML when planning (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        help=f"sequences per step when planning (default {DEFAULT_GLOBAL_BATCH})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        help=f"optimizer steps in total (default {DEFAULT_SETTINGS.steps}; on --resume, the run's)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        help=f"seed of the weights and the batches (default {DEFAULT_SETTINGS.seed})",
+    )
+    parser.add_argument(
+        "--lr",
+        type=positive_finite_float,
+        help=f"AdamW learning rate (default {DEFAULT_SETTINGS.lr:g})",
+    )
+    parser.add_argument(
+        "--data",
+        help="a text file, a folder of text files, or a .bin of uint16 tokens "
+        "(default: the standard library's pydoc texts)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        help="the run's directory (default runs/<plan or cluster name>, "
+        "with -2, -3, ... when taken)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        help="checkpoint every K steps and at the end "
+        f"(default {DEFAULT_SETTINGS.checkpoint_every})",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        help="complete checkpoints kept, the latest ones "
+        f"(default {DEFAULT_SETTINGS.keep_checkpoints}: a step back past a bad one, "
+        "and bounded disk)",
+    )
+    parser.add_argument(
+        "--profiles",
+        default=str(DEFAULT_PROFILES_DIR),
+        help="this machine's profiles, measured there when missing "
+        f"(default {DEFAULT_PROFILES_DIR})",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    parser.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        help=f"seconds a collective may wait for a peer (default {DEFAULT_SETTINGS.timeout_s:g})",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="launch even when the plan needs more memory or processes than this machine has "
+        "(the pre-flight check; refused without it)",
+    )

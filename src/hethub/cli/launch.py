@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Self
 
-from hethub.cli.jobs import Job, plan_devices
+from hethub.jobs import Job, plan_devices
 from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
 
 DEFAULT_MAX_RESTARTS = 3
@@ -42,9 +42,9 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
     run = job.run.path
     logs = run / "logs"
     logs.mkdir(exist_ok=True)
-    worker = ["-m", "hethub", "train", "--worker-of", str(run)]
+    worker = ["-m", "hethub.runtime.worker", str(run)]
     worker += ["--json"] if as_json else []
-    worker += ["--resume", str(run)] if job.resume_from is not None else []
+    worker += ["--resume"] if job.resume_from is not None else []
     # One thread per rank (the engine sets it too); saying so spares torchrun's warning banner.
     os.environ["OMP_NUM_THREADS"] = "1"
     # The workers leave reporting a stop to this process: one line, not one from each.
@@ -166,7 +166,7 @@ class AgentLog(logging.Handler):
 
     def _rank(self, rank: int) -> str:
         # hethub train starts every rank on this machine: the local rank is the plan's rank.
-        from hethub.runtime.topology import build_topology
+        from hethub.spec.topology import build_topology
 
         return build_topology(self.job.plan, self.job.cluster).ranks[rank].describe()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from hethub.cli.args import positive_int
-from hethub.cli.predict import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
+from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
 from hethub.report.terminal import progress_bar

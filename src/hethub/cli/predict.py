@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from hethub.cli.args import positive_int
+from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
-from hethub.predictor import Prediction, predict
-from hethub.predictor.profiled import missing_profiles
-from hethub.profile.store import Profiles, all_cpu, load_profiles, select_for_run
-from hethub.report.terminal import render_table
+from hethub.predictor import predict
 from hethub.report.text import plural
 from hethub.report.trace import write_trace
 from hethub.spec import (
@@ -26,16 +23,8 @@ from hethub.spec import (
     load_plan,
 )
 from hethub.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, uniform_plan
-from hethub.spec.schedules import Schedule
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages")
-PROFILES_HELP = (
-    "price with the measured profiles in DIR (hethub profile), under the run conditions of the "
-    "runtime: the plan's precision as dtype, 1 thread per rank, and as many ranks computing "
-    "at once as the {what} has devices when every group's accelerator is a CPU (a local run: "
-    "all ranks share this machine), else 1; "
-    "what DIR lacks is priced by the analytic model, with a note on stderr"
-)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,51 +108,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_profiles(directory: str | None, cluster: ClusterSpec, devices: int) -> Profiles | None:
-    """The profiles of ``directory`` (None: none given) selected for a runtime job of ``devices``
-    devices on ``cluster`` (hethub.profile.select_for_run); predict() and search() look them up
-    under each plan's precision."""
-    if directory is None:
-        return None
-    return select_for_run(load_profiles(directory), cluster, devices)
-
-
-def note_missing(
-    plan: Plan, cluster: ClusterSpec, model: ModelSpec, profiles: Profiles | None, command: str
-) -> int:
-    """One line on stderr per piece of the plan the profiles lack (priced by the analytic model);
-    how many. No profiles: none noted, the whole plan is analytic (priced_by says so)."""
-    notes = missing_profiles(plan, cluster, model, profiles) if profiles is not None else []
-    for note in notes:
-        print(f"hethub {command}: note: {note}", file=sys.stderr)
-    return len(notes)
-
-
-def priced_by(cluster: ClusterSpec, profiles: Profiles | None, missing: int) -> str:
-    """What the figures rest on, and how far they may be from the hardware, in one line."""
-    if profiles is not None:
-        where = f"measured profiles in {profiles.source}"
-        if missing:
-            return (
-                f"{where}, but {plural(missing, 'missing profile')} priced by the analytic "
-                f"model (the notes on stderr)"
-            )
-        return where
-    if all_cpu(cluster):
-        # A CPU's GEMM efficiency, launch cost and core sharing are nowhere in the catalog: on a
-        # 2-core machine a local-llama plan measured at 0.47 s a step was 0.07 s analytic (0.46 s
-        # from this machine's profiles).
-        return (
-            "the analytic model, not calibrated for this machine: it can be several times off; "
-            "measure it with hethub profile --model M and add --profiles runs/profiles"
-        )
-    return (
-        "the analytic model, from the catalog's public figures: under 8% mean error on 1,481 "
-        "measured A100 iterations (benchmarks/predictor_accuracy.py); other accelerators are "
-        "not checked against measurements"
-    )
-
-
 def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, ModelSpec, str]:
     """The plan from --plan or the shorthand flags, checked against the cluster and the model."""
     given = [
@@ -235,88 +179,3 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
     )
     check_plan(plan, cluster, model, "command line")
     return plan, model, "command line"
-
-
-def schedule_text(plan: Plan) -> str:
-    """The schedule, its chunks per stage where it interleaves, and the sync's options."""
-    text = str(plan.schedule)
-    chunks = sorted({p.virtual_stages for p in plan.pipelines})
-    if plan.schedule == Schedule.INTERLEAVED_1F1B:
-        text += f" (virtual stages {'/'.join(map(str, chunks))})"
-    if plan.shard_optimizer:
-        text += ", sharded optimizer"
-    if plan.overlap_grad_sync:
-        text += ", overlapped grad sync"
-    return text
-
-
-def describe(
-    prediction: Prediction,
-    plan: Plan,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    source: str,
-    basis: str,
-) -> str:
-    """A readable summary: one row per stage, then the step as a whole."""
-    header = [
-        "pipeline",
-        "stage",
-        "group",
-        "accelerator",
-        "tp",
-        "layers",
-        "micro-batches",
-        "fwd ms",
-        "bwd ms",
-        "compute s",
-        "grad sync ms",
-        "memory GB",
-    ]
-    rows = []
-    for s in prediction.stages:
-        layout = plan.pipelines[s.pipeline]
-        capacity = cluster.group(s.group).accelerator.memory_gb
-        flag = "" if s.memory.total_gb <= capacity else "  OVER"
-        rows.append(
-            [
-                f"{s.pipeline} (x{layout.count})",
-                str(s.position),
-                s.group,
-                s.accelerator,
-                str(s.tp),
-                "+".join(map(str, layout.stages[s.position].chunks)),
-                str(layout.micro_batches),
-                f"{s.forward_s * 1e3:.2f}",
-                f"{s.backward_s * 1e3:.2f}",
-                f"{s.compute_s:.3f}",
-                f"{s.grad_sync_s * 1e3:.1f}",
-                f"{s.memory.total_gb:.1f} / {capacity:g}{flag}",
-            ]
-        )
-    p = prediction
-    params = model.parameter_count()
-    size = (
-        f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-    )  # local models are millions
-    lines = [
-        (
-            f"model {model.name} ({size} parameters), plan {source}: "
-            f"global batch {plan.global_batch} x {model.seq_len} tokens, "
-            f"{plan.precision}, micro-batch {plan.micro_batch}, "
-            f"recompute {plan.recompute}, {schedule_text(plan)}, "
-            f"{plural(p.devices, 'device')}"
-        ),
-        "",
-        render_table(header, rows),
-        "",
-        f"iteration time       {p.iteration_time_s:.4f} s",
-        f"throughput           {p.tokens_per_s:,.0f} tokens/s",
-        f"model TFLOP/s/device {p.model_tflops_per_device:.1f}",
-        f"pipeline bubble      {100 * p.bubble_fraction:.1f}%",
-        f"peak memory          {p.peak_memory_gb:.1f} GB per device",
-        "fits in memory       "
-        + ("yes" if p.fits else "NO: a stage needs more memory than its device has"),
-        f"priced by            {basis}",
-    ]
-    return "\n".join(lines)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from hethub.cli.args import node, positive_int, timeout_seconds
 from hethub.errors import HethubError
-from hethub.profile.store import (
+from hethub.profiles.store import (
+    DEFAULT_PROFILES_DIR,
     LayerProfile,
     LinkProfile,
     Profiles,
@@ -25,7 +26,6 @@ from hethub.report.text import plural
 from hethub.spec import load_cluster, load_model
 from hethub.spec import plan as plan_spec
 
-DEFAULT_OUT = "runs/profiles"
 DEFAULT_CLUSTER_TIMEOUT_S = 600.0
 """--timeout with --cluster: every wait of the distributed profiler, the longest of which is a
 node waiting for the slowest kind's measurement."""
@@ -87,7 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "fewer is quicker and noisier",
     )
     parser.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"profile directory (default {DEFAULT_OUT})"
+        "--out",
+        default=str(DEFAULT_PROFILES_DIR),
+        help=f"profile directory (default {DEFAULT_PROFILES_DIR})",
     )
     parser.add_argument(
         "--again", action="store_true", help="measure anew what the directory holds already"
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, source="--model")
     tps, micro, threads, concurrency = _measuring_options(args)
     device = _device(args.device)
-    from hethub.profile.measure import (  # torch: only to measure
+    from hethub.profiler.measure import (  # torch: only to measure
         LINK_REPEATS,
         REPEATS,
         check_layer_request,
@@ -232,7 +234,7 @@ def _measuring_options(args: argparse.Namespace) -> tuple[list[int], ...]:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
-    """The distributed profiler (hethub.profile.cluster), in one process of the user's torchrun."""
+    """The distributed profiler (hethub.profiler.cluster), in one process of the user's torchrun."""
     timeout = args.timeout or DEFAULT_CLUSTER_TIMEOUT_S
     try:
         if "LOCAL_RANK" not in os.environ:
@@ -260,7 +262,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
         tell_the_others(error, args.this_node, timeout)
         raise
-    from hethub.profile.cluster import Request, profile_cluster, summary  # torch: to measure
+    from hethub.profiler.cluster import Request, profile_cluster, summary  # torch: to measure
 
     request = Request(
         tps=tuple(tps),

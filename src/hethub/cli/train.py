@@ -9,11 +9,12 @@ import os
 import statistics
 import sys
 
-from hethub.cli.args import node, non_negative_int
-from hethub.cli.jobs import DEFAULT_SETTINGS, Job, add_job_arguments, plan_devices, prepare
+from hethub.cli.args import add_job_arguments, node, non_negative_int
 from hethub.cli.launch import DEFAULT_MAX_RESTARTS, launch
 from hethub.errors import HethubError
+from hethub.jobs import Job, plan_devices, prepare
 from hethub.report.text import plural
+from hethub.runtime.rundir import DEFAULT_SETTINGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,15 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"latest checkpoint (default {DEFAULT_MAX_RESTARTS}; under your own torchrun, give "
         "torchrun --max-restarts)",
     )
-    parser.add_argument(
-        "--worker-of", help=argparse.SUPPRESS
-    )  # set by hethub train for its workers
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.worker_of:
-        return _worker(args)
     if (
         "LOCAL_RANK" in os.environ
     ):  # started by the user's torchrun: every rank prepares, rank 0 writes
@@ -76,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
             tell_the_others(error, args.this_node, args.timeout or DEFAULT_SETTINGS.timeout_s)
             raise
         _take_place(args.this_node, job)
-        return _train(
+        from hethub.runtime.worker import run_job  # torch
+
+        return run_job(
             job.run,
             job.settings,
             job.cluster,
@@ -158,49 +156,6 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
 def _take_place(node, job: Job) -> None:
     """Under the user's torchrun: RANK becomes this process's plan rank, from its node."""
     from hethub.runtime.nodes import take_place
-    from hethub.runtime.topology import build_topology
+    from hethub.spec.topology import build_topology
 
     take_place(node, job.cluster, build_topology(job.plan, job.cluster), job.settings.timeout_s)
-
-
-def _worker(args: argparse.Namespace) -> int:
-    """One of the workers hethub train started: everything comes from the prepared run directory."""
-    from hethub.runtime.rundir import RunDir
-    from hethub.spec import load_cluster, load_model, load_plan
-
-    run = RunDir(args.worker_of)
-    plan = load_plan(run.plan)
-    model = load_model(plan.model, relative_to=run.path, source=str(run.plan))
-    code = _train(
-        run,
-        run.read_settings(),
-        load_cluster(run.cluster),
-        plan,
-        model,
-        resume=bool(args.resume),
-        as_json=args.json,
-    )
-    # Everything is written, closed and synced (checkpoints, metrics, trace, plot): the worker
-    # skips the interpreter's teardown of torch, 1-2 s for which the agent waits at every end.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _train(run, settings, cluster, plan, model, *, resume: bool, as_json: bool) -> int:
-    from hethub.runtime.data import builtin_corpus, load_tokens
-    from hethub.runtime.topology import build_topology
-    from hethub.runtime.worker import train
-
-    corpus = load_tokens(settings.data) if settings.data else builtin_corpus()
-    return train(
-        run,
-        settings,
-        cluster,
-        plan,
-        model,
-        build_topology(plan, cluster),
-        corpus,
-        resume=resume,
-        as_json=as_json,
-    )

@@ -13,9 +13,10 @@ import statistics
 import sys
 
 from hethub.cli.args import positive_int, seed, timeout_seconds
-from hethub.cli.jobs import Job, prepare
 from hethub.cli.launch import launch
 from hethub.errors import HethubError
+from hethub.jobs import Job, prepare
+from hethub.profiles.store import DEFAULT_PROFILES_DIR
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_cluster
@@ -44,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", help="where the run is written (default runs/<plan name>)")
     parser.add_argument(
         "--profiles",
-        default="runs/profiles",
-        help="this machine's profiles (default runs/profiles)",
+        default=str(DEFAULT_PROFILES_DIR),
+        help=f"this machine's profiles (default {DEFAULT_PROFILES_DIR})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument(

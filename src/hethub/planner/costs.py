@@ -10,7 +10,7 @@ from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
 from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
-from hethub.profile.store import Profiles
+from hethub.profiles.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec

@@ -34,7 +34,7 @@ from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
 from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.stage import StagePosition
-from hethub.profile.store import Profiles
+from hethub.profiles.store import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import (

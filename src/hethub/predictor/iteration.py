@@ -43,7 +43,7 @@ from hethub.predictor.schedule import (
 )
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
-from hethub.profile.store import LinkProfile, Profiles
+from hethub.profiles.store import LinkProfile, Profiles
 from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec

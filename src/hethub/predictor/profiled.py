@@ -1,4 +1,4 @@
-"""Pricing from measured profiles (hethub.profile): what the runtime does, with this machine's
+"""Pricing from measured profiles (hethub.profiles): what the runtime does, with this machine's
 numbers in place of the analytic model's.
 
 Compute: a stage's forward is its layers' measured forwards plus the embedding (first stage) and
@@ -32,7 +32,7 @@ from hethub.predictor.memory import (
 )
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
-from hethub.profile.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
+from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.buckets import bucket_bounds
 from hethub.spec.cluster import ClusterSpec

@@ -35,13 +35,14 @@ from hethub.runtime.process_groups import (
     create_job_groups,
     vendor_parts,
 )
-from hethub.runtime.topology import Topology, parameter_holders
+from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Recompute
 from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
+from hethub.spec.topology import Topology, parameter_holders
 
 
 class Engine:
@@ -56,7 +57,7 @@ class Engine:
         groups: ProcessGroups,
         *,
         seed: int,
-        lr: float = 1e-3,
+        lr: float = DEFAULT_SETTINGS.lr,
         weight_decay: float = 0.0,
         device: torch.device | None = None,
         speed: float | None = None,

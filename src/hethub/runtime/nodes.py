@@ -2,7 +2,7 @@
 
 torchrun's c10d rendezvous numbers the nodes in the order of their descriptors (host address,
 then agent pid), and each node's processes after them: not by the cluster file's groups. A
-plan's ranks are laid out group by group, node by node (hethub.runtime.topology), so a node of
+plan's ranks are laid out group by group, node by node (hethub.spec.topology), so a node of
 group ``b`` that happens to sort first would run group ``a``'s stages. Instead, each process
 says which node it is (``--this-node GROUP:INDEX``, or its host name in the group's ``hosts``), the
 processes tell each other through torchrun's own TCPStore before the process group exists, and
@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 
 from hethub.errors import HethubError
 from hethub.report.text import plural
-from hethub.runtime.topology import Topology
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import suggestion
+from hethub.spec.topology import Topology
 
 Node = tuple[str, int]
 """(group name, index of the node inside its group, from 0)."""

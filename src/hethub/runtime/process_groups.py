@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm import device_backend
-from hethub.runtime.topology import Topology, parameter_holders
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
+from hethub.spec.topology import Topology, parameter_holders
 
 BRIDGE_BACKEND = "gloo"  # every machine has it; it moves host memory between any two ranks
 

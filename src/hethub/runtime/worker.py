@@ -2,12 +2,13 @@
 checkpoints, and (on rank 0) the run's records: metrics.jsonl, trace.json and loss.png.
 
 It reads the plan and the cluster from the run directory that `hethub train` prepared; it never
-plans. Rank 0 alone writes files and prints: one JSON object per step on stdout with --json,
-progress on stderr.
+plans: torchrun starts it as `python -m hethub.runtime.worker RUN_DIR [--json] [--resume]`. Rank 0
+alone writes files and prints: one JSON object per step on stdout with --json, progress on stderr.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -29,7 +30,7 @@ from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_folders import latest_checkpoint, remove_debris
-from hethub.runtime.data import global_batch
+from hethub.runtime.data import builtin_corpus, global_batch, load_tokens
 from hethub.runtime.engine import Engine
 from hethub.runtime.rundir import RunDir, RunSettings
 from hethub.runtime.supervision import (
@@ -40,10 +41,11 @@ from hethub.runtime.supervision import (
     init_process_group,
 )
 from hethub.runtime.timeline import stage_times
-from hethub.runtime.topology import Topology
+from hethub.spec import load_cluster, load_model, load_plan
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
+from hethub.spec.topology import Topology, build_topology
 
 
 def train(
@@ -377,3 +379,56 @@ def _tensorboard(run: RunDir):
     except ImportError:  # optional: metrics.jsonl has every figure anyway
         return None
     return SummaryWriter(str(run.path / "tensorboard"))
+
+
+def run_job(
+    run: RunDir,
+    settings: RunSettings,
+    cluster: ClusterSpec,
+    plan: Plan,
+    model: ModelSpec,
+    *,
+    resume: bool,
+    as_json: bool,
+) -> int:
+    """This process's part of the job: its corpus and topology, then train()."""
+    corpus = load_tokens(settings.data) if settings.data else builtin_corpus()
+    topology = build_topology(plan, cluster)
+    return train(
+        run, settings, cluster, plan, model, topology, corpus, resume=resume, as_json=as_json
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A worker that `hethub train` started: everything comes from the prepared run directory.
+    Bad input is one line on stderr and exit status 2, as the CLI says it."""
+    parser = argparse.ArgumentParser(prog="python -m hethub.runtime.worker")
+    parser.add_argument("run_dir", help="the run directory hethub train prepared")
+    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    parser.add_argument("--resume", action="store_true", help="continue from its last checkpoint")
+    args = parser.parse_args(argv)
+    run = RunDir(args.run_dir)
+    try:
+        plan = load_plan(run.plan)
+        model = load_model(plan.model, relative_to=run.path, source=str(run.plan))
+        code = run_job(
+            run,
+            run.read_settings(),
+            load_cluster(run.cluster),
+            plan,
+            model,
+            resume=args.resume,
+            as_json=args.json,
+        )
+    except HethubError as error:
+        print(f"hethub train: error: {error}", file=sys.stderr, flush=True)
+        code = 2
+    # Everything is written, closed and synced (checkpoints, metrics, trace, plot): the worker
+    # skips the interpreter's teardown of torch, 1-2 s for which the agent waits at every end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,7 @@
 Before any process starts: the inputs are checked (flags, cluster, plan, model, data, the folders
 the job writes), a plan is made when none is given (the planner, on this machine's profiles), the
 prediction is made (from this machine's profiles when every group runs on this machine's CPU,
-else the analytic model), a job launched here passes the pre-flight check (hethub.cli.preflight:
+else the analytic model), a job launched here passes the pre-flight check (hethub.jobs.preflight:
 this machine's memory and cores), and the run directory is written. Then torchrun starts one
 worker per device of the plan, and each worker reads the plan from the run directory
 (hethub.runtime.worker), never from the planner.
@@ -22,14 +22,19 @@ from pathlib import Path
 
 import yaml
 
-from hethub.cli import preflight
-from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_seconds
 from hethub.errors import HethubError
+from hethub.jobs import preflight
 from hethub.predictor import Prediction, predict
-from hethub.profile.store import Profiles, all_cpu, load_profiles, local_concurrency, select_for_run
+from hethub.profiles.store import (
+    Profiles,
+    all_cpu,
+    load_profiles,
+    local_concurrency,
+    select_for_run,
+)
 from hethub.report.text import plural
 from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
-from hethub.runtime.rundir import RunDir, RunSettings, new_run_dir
+from hethub.runtime.rundir import DEFAULT_SETTINGS, RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
     ModelSpec,
@@ -46,79 +51,11 @@ DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
 DEFAULT_PRECISION = Precision.BF16
 """The plans' default; a plan made here for this machine's CPU may differ (planned_precision)."""
-DEFAULT_STEPS = 90  # the loss down by ~50%: 1.3 min on an AVX-512 EPYC, 9 on a busy AVX2 one
 
 
 def builtin_cluster() -> Path:
     """The two-kind local cluster `hethub train` uses when given no cluster (also in examples/)."""
     return Path(str(resources.files("hethub.data").joinpath("clusters", "local-hetero.yaml")))
-
-
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that say what to train and where."""
-    parser.add_argument(
-        "--cluster",
-        help="cluster YAML file (default: examples/clusters/local-hetero.yaml, "
-        "two emulated kinds of device on this machine)",
-    )
-    parser.add_argument(
-        "--plan", help="plan YAML file (default: the planner's plan for the cluster)"
-    )
-    parser.add_argument(
-        "--model", help=f"model preset or YAML when planning (default {DEFAULT_MODEL})"
-    )
-    parser.add_argument(
-        "--global-batch",
-        type=positive_int,
-        help=f"sequences per step when planning (default {DEFAULT_GLOBAL_BATCH})",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        help=f"optimizer steps in total (default {DEFAULT_STEPS}; on --resume, the run's)",
-    )
-    parser.add_argument("--seed", type=seed, help="seed of the weights and the batches (default 0)")
-    parser.add_argument(
-        "--lr", type=positive_finite_float, help="AdamW learning rate (default 3e-3)"
-    )
-    parser.add_argument(
-        "--data",
-        help="a text file, a folder of text files, or a .bin of uint16 tokens "
-        "(default: the standard library's pydoc texts)",
-    )
-    parser.add_argument(
-        "--run-dir",
-        help="the run's directory (default runs/<plan or cluster name>, "
-        "with -2, -3, ... when taken)",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=positive_int,
-        help="checkpoint every K steps and at the end (default 20)",
-    )
-    parser.add_argument(
-        "--keep-checkpoints",
-        type=positive_int,
-        help="complete checkpoints kept, the latest ones (default 3: a step back past a bad "
-        "one, and bounded disk)",
-    )
-    parser.add_argument(
-        "--profiles",
-        default="runs/profiles",
-        help="this machine's profiles, measured there when missing (default runs/profiles)",
-    )
-    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
-    parser.add_argument(
-        "--timeout",
-        type=timeout_seconds,
-        help="seconds a collective may wait for a peer (default 120)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="launch even when the plan needs more memory or processes than this machine has "
-        "(the pre-flight check; refused without it)",
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,18 +78,6 @@ class Job:
         return self.cluster.emulated
 
 
-DEFAULT_SETTINGS = RunSettings(
-    seed=0,
-    lr=3e-3,
-    data=None,
-    steps=DEFAULT_STEPS,
-    checkpoint_every=20,
-    timeout_s=120.0,
-    keep_checkpoints=3,
-)
-"""A new run's settings where no flag is given."""
-
-
 def prepare(
     args: argparse.Namespace,
     *,
@@ -165,7 +90,7 @@ def prepare(
     ``measure``: profile this machine for what the profiles lack (never under torchrun).
     ``local_launch``: every process of the job will start on this machine (hethub train or
     validate outside torchrun; False under torchrun): the pre-flight check refuses a job this
-    machine cannot hold (hethub.cli.preflight), or with --force warns."""
+    machine cannot hold (hethub.jobs.preflight), or with --force warns."""
     if args.resume:
         return _prepare_resume(args, measure, write, local_launch, say)
     cluster_path = Path(args.cluster) if args.cluster else builtin_cluster()
@@ -484,7 +409,7 @@ def _profiles(
     if measure:
         from hethub.planner.candidates import tp_degrees
         from hethub.planner.search import MICRO_BATCH_SIZES
-        from hethub.profile.measure import (
+        from hethub.profiler.measure import (
             available_cores,
             ensure_profiles,
         )  # torch: only when measuring

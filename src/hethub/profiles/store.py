@@ -28,8 +28,11 @@ from hethub.spec.model import ARCHS, ModelSpec
 
 FORMAT = 1
 """Version of the file format; a file of another version is refused."""
+DEFAULT_PROFILES_DIR = Path("runs/profiles")
+"""Where the commands keep this machine's profiles unless told (--profiles, --out)."""
+
 METHOD = 2
-"""Version of how the numbers are measured (hethub.profile.measure); a file of an older method
+"""Version of how the numbers are measured (hethub.profiler.measure); a file of an older method
 reads, but is measured anew where hethub measures (it would price a run differently) and noted
 where given. 1: files without the field (trimmed means, 4 chained layers, unbound ranks); 2: plain
 means, 8 chained layers, the all-reduce as the bucketed gradient sync runs it, each measuring

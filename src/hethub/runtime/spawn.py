@@ -166,7 +166,7 @@ _PRELOADED = (
     "torch._dynamo",
     "hethub.runtime.engine",
     "hethub.runtime.checkpoint",
-    "hethub.profile.measure",
+    "hethub.profiler.measure",
 )
 
 

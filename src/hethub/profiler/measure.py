@@ -34,8 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import local_device
 from hethub.errors import HethubError
-from hethub.profile.spawn import run_ranks
-from hethub.profile.store import (
+from hethub.profiles.store import (
     COLLECTIVES,
     METHOD,
     LayerKey,
@@ -50,6 +49,7 @@ from hethub.report.text import plural
 from hethub.runtime.model import Stage
 from hethub.runtime.precision import COMPUTE_DTYPE, MasterWeights
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
+from hethub.runtime.spawn import run_ranks
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 

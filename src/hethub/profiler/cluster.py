@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from hethub.comm import local_device
 from hethub.errors import HethubError
-from hethub.profile.measure import (
+from hethub.profiler.measure import (
     LINK_REPEATS,
     LINK_SIZES,
     REPEATS,
@@ -55,12 +55,12 @@ from hethub.profile.measure import (
     measure_links,
     non_decreasing,
 )
-from hethub.profile.store import LayerProfile, LinkProfile, load_profiles, node_pair, save_profile
+from hethub.profiles.store import LayerProfile, LinkProfile, load_profiles, node_pair, save_profile
 from hethub.runtime.nodes import Node, node_name, node_ranks, take_place
-from hethub.runtime.topology import Topology, build_topology
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec
+from hethub.spec.topology import Topology, build_topology
 
 COMMAND = "hethub profile"
 
