@@ -36,6 +36,7 @@ from hethub.comm import local_device
 from hethub.errors import HethubError
 from hethub.profiles.store import (
     COLLECTIVES,
+    MEASURED_TIMES,
     METHOD,
     LayerKey,
     LayerProfile,
@@ -242,7 +243,7 @@ def measure_layers(
             profiles.append(
                 LayerProfile(
                     key=key,
-                    **{name: mean[name] for name in _TIMES},
+                    **{name: mean[name] for name in MEASURED_TIMES},
                     layer_activation_bytes=int(mean["layer_activation_bytes"]),
                     layer_param_bytes=int(mean["layer_param_bytes"]),
                     measured_at=stamp,
@@ -263,19 +264,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-_TIMES = (
-    "layer_forward_s",
-    "layer_backward_s",
-    "embed_forward_s",
-    "embed_backward_s",
-    "head_forward_s",
-    "head_backward_s",
-    "optimizer_s_per_param",
-    "layer_recompute_forward_s",
-    "layer_recompute_backward_s",
-)
 
 
 def _in_this_process(fn: Callable, threads: int, *args):

@@ -151,6 +151,20 @@ class LayerProfile:
     """How it was measured (METHOD)."""
 
 
+MEASURED_TIMES = tuple(
+    f.name for f in dataclasses.fields(LayerProfile) if f.name.endswith(("_s", "_s_per_param"))
+)
+"""The seconds a layer profile holds, read off its fields: what the profiler measures and a
+profile file must hold."""
+_OPTIONAL_TIMES = tuple(
+    f.name
+    for f in dataclasses.fields(LayerProfile)
+    if f.name in MEASURED_TIMES and f.default is not dataclasses.MISSING
+)
+"""The times a file written before they were measured lacks (the recomputed layer's)."""
+_LAYER_TIMES = tuple(name for name in MEASURED_TIMES if name not in _OPTIONAL_TIMES)
+
+
 Fit = tuple[float, float]
 """(latency_s, bytes_per_s) of a collective or a message: time = latency + bytes / bandwidth."""
 Points = tuple[tuple[int, float], ...]
@@ -488,19 +502,6 @@ def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
     return _parse_link(data, source)
 
 
-_LAYER_TIMES = (
-    "layer_forward_s",
-    "layer_backward_s",
-    "embed_forward_s",
-    "embed_backward_s",
-    "head_forward_s",
-    "head_backward_s",
-    "optimizer_s_per_param",
-)
-_RECOMPUTE_TIMES = ("layer_recompute_forward_s", "layer_recompute_backward_s")
-"""Optional: files written before they were measured lack them."""
-
-
 def _parse_layer(data: dict, source: str) -> LayerProfile:
     fields = Fields(
         data,
@@ -510,7 +511,7 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
             "kind",
             "key",
             *_LAYER_TIMES,
-            *_RECOMPUTE_TIMES,
+            *_OPTIONAL_TIMES,
             "layer_activation_bytes",
             "layer_param_bytes",
             "measured_at",
@@ -547,7 +548,7 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
         measured_at=fields.string("measured_at"),
         cores=fields.positive_int("cores") if fields.has("cores") else None,
         method=_method(fields),
-        **{name: _finite_positive(fields, name) for name in _RECOMPUTE_TIMES if fields.has(name)},
+        **{name: _finite_positive(fields, name) for name in _OPTIONAL_TIMES if fields.has(name)},
     )
 
 
