@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hethub.errors import SpecError
 from hethub.spec import check_plan, parse_cluster, parse_model, parse_plan
-from hethub.spec.parameters import parameter_table
+from hethub.spec.buckets import MAIN_GRAD_BYTES, rank_buckets
+from hethub.spec.parameters import parameter_table, stage_parameters
 from hethub.spec.topology import build_topology, parameter_holders
 
 CLUSTER = parse_cluster(
@@ -72,9 +76,9 @@ def test_hetero_plan_ranks_by_group_then_device():
     assert {r.micro_batches for r in topo.ranks if r.replica == 2} == {2}
 
 
-@settings(max_examples=100, deadline=None)
-@given(data=st.data())
-def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(data):
+def random_plan(data):
+    """A plan of 1-3 layouts of 1-3 stages over the 8 layers, each stage on either group with TP
+    1, 2 or 4 (not necessarily one the cluster can hold: check_plan decides)."""
     pipelines = []
     for _ in range(data.draw(st.integers(1, 3))):
         stages = data.draw(st.integers(1, 3))
@@ -98,6 +102,14 @@ def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(
     plan = parse_plan(
         {"model": "m", "global_batch": sum(p["count"] for p in pipelines), "pipelines": pipelines}
     )
+    shard_optimizer = data.draw(st.booleans())
+    return dataclasses.replace(plan, shard_optimizer=shard_optimizer)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(data):
+    plan = random_plan(data)
     try:
         check_plan(plan, CLUSTER, MODEL)
     except SpecError:
@@ -115,3 +127,47 @@ def test_every_rank_once_tp_inside_a_node_and_every_layer_held_by_every_replica(
         # one holding stage per replica (tiny llama ties nothing), each named by its leader
         assert len({topo.ranks[k].replica for k in leaders}) == len(leaders) == replicas, name
         assert all(topo.ranks[k].tp_rank == 0 for k in leaders)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), cap=st.sampled_from([1 << 10, 1 << 14, 25 << 20]))
+def test_sync_buckets_cover_each_rank_s_shared_parameters_once_and_match_among_holders(data, cap):
+    """spec.buckets.rank_buckets, the one bucket layout the runtime syncs and the predictor
+    prices: every parameter a rank holds with another stage is in exactly one of its buckets,
+    a bucket is over the cap only when it is one tensor, and the ranks of a holder set run
+    that set's buckets in the same order with the same names (else their collectives would
+    pair the wrong buffers)."""
+    plan = random_plan(data)
+    try:
+        check_plan(plan, CLUSTER, MODEL)
+    except SpecError:
+        return
+    topo = build_topology(plan, CLUSTER)
+    holders = parameter_holders(topo, MODEL)
+    table = parameter_table(MODEL)
+    per_set: dict[tuple[int, ...], set[tuple[tuple[str, ...], ...]]] = {}
+    for me in topo.ranks:
+        buckets = rank_buckets(
+            topo, MODEL, me.rank, peers_have_a_group=plan.shard_optimizer, cap=cap
+        )
+        held = {
+            name
+            for c in me.chunks
+            for name in stage_parameters(
+                MODEL, c.first_layer, c.layers, is_first=c.is_first, is_last=c.is_last
+            )
+        }
+        named = [name for b in buckets for name in b.names]
+        assert sorted(named) == sorted(n for n in held if len(holders[n]) > 1)
+        for b in buckets:
+            assert all(holders[name] == b.holders for name in b.names)
+            full = sum(math.prod(table[name].shape) * MAIN_GRAD_BYTES for name in b.names)
+            assert full <= cap or len(b.names) == 1
+            if b.direct:  # summed among exactly the peers' stages
+                assert len(b.holders) == len(topo.data_parallel_peers(me.rank))
+        for leaders in {b.holders for b in buckets}:
+            per_set.setdefault(leaders, set()).add(
+                tuple(b.names for b in buckets if b.holders == leaders)
+            )
+    for leaders, layouts in per_set.items():
+        assert len(layouts) == 1, leaders

@@ -36,13 +36,13 @@ from hethub.runtime.process_groups import (
     vendor_parts,
 )
 from hethub.runtime.rundir import DEFAULT_SETTINGS
-from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
+from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Recompute
 from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
-from hethub.spec.topology import Topology, parameter_holders
+from hethub.spec.topology import Topology
 
 
 class Engine:
@@ -319,33 +319,20 @@ class Engine:
         return buffer
 
     def _sync_buckets(self, groups: ProcessGroups) -> list[Bucket]:
-        """The gradient sync's buckets, fixed for the engine's life (its parameters are updated in
-        place): parameters held by the same leaders (topology.parameter_holders) in buckets of
-        spec.buckets, in full-model name order. Buckets go in the order of their first name on
-        every rank, so that the collectives of different groups interleave the same way
-        everywhere."""
-        tp = len(self.my_tp_ranks)
-        holders = parameter_holders(self.topology, self.spec)
-        held: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, param in self.weights.named:
-            if len(holders[name]) > 1:
-                held.setdefault(holders[name], []).append((name, param))
-        # The leaders of this rank's data-parallel peers: a bucket held by exactly them is summed
-        # among the peers directly, each TP rank its own shards, in one collective.
-        peer_leaders = {
-            self.topology.stage_ranks(self.topology.ranks[q].replica, self.me.stage)[0]
-            for q in self.peers
-        }
+        """The gradient sync's buckets (spec.buckets.rank_buckets, which the predictor prices
+        too), fixed for the engine's life: its parameters are updated in place."""
         buckets = []
-        for leaders, params in held.items():
-            direct = self.peer_group is not None and set(leaders) == peer_leaders
+        for bucket in rank_buckets(
+            self.topology,
+            self.spec,
+            self.rank,
+            peers_have_a_group=self.peer_group is not None,
+            cap=self.bucket_bytes,
+        ):
             # Only the leaders reduce; the other TP ranks take part in gather and broadcast.
-            sync = self._grad_sync(leaders, groups) if self.rank == self.leader else None
-            full_bytes = [param.nbytes * (tp if self._split(name) else 1) for name, param in params]
-            buckets += [
-                Bucket(params[start:stop], sync, direct)
-                for start, stop in bucket_bounds(full_bytes, self.bucket_bytes)
-            ]
+            sync = self._grad_sync(bucket.holders, groups) if self.rank == self.leader else None
+            params = [(name, self.weights.by_name[name]) for name in bucket.names]
+            buckets.append(Bucket(params, sync, bucket.direct))
         return buckets
 
     def _grad_sync(self, leaders: tuple[int, ...], groups: ProcessGroups) -> GradSync:
