@@ -1,6 +1,6 @@
 """torch as the user installed it: the supported range (one line where it is not met, before any
-torch code runs), `hethub --version` naming torch's build, and the range written once in spirit:
-pyproject.toml, the run-time check and CI's pin agree."""
+torch code runs), `hethub --version` naming torch's build, and one range in the three places that
+state it: pyproject.toml, the run-time check and CI's pin."""
 
 from __future__ import annotations
 
