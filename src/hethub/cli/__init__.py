@@ -2,14 +2,43 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from hethub import __version__
 from hethub.cli import catalog, plan, predict, profile, train, validate
 from hethub.cli.args import ArgumentParser
 from hethub.errors import HethubError
+from hethub.runtime.torch_support import installed_torch, require_supported_torch
 
 COMMANDS = (train, validate, plan, predict, profile, catalog)
+NEED_TORCH = {"train", "validate", "profile"}
+"""The commands that run torch (their workers too: they start as `hethub train`); an unsupported
+torch stops them in one line before any torch code runs. plan, predict and catalog never load it."""
+
+
+class VersionAction(argparse.Action):
+    """--version: hethub's version and the installed torch's, with the accelerator it is built
+    for. torch is imported only when asked, not by every command that builds the parser."""
+
+    def __init__(self, option_strings: list[str], dest: str, **_: object) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="print hethub's version, torch's and the accelerator torch is built for",
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"hethub {__version__} ({installed_torch()})")
+        parser.exit()
 
 
 def build_parser() -> ArgumentParser:
@@ -17,7 +46,7 @@ def build_parser() -> ArgumentParser:
         prog="hethub",
         description="Train large language models on clusters that mix accelerator kinds.",
     )
-    parser.add_argument("--version", action="version", version=f"hethub {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -31,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse's: a bad flag (said in one line), --help or --version
         return exit_.code
     try:
+        if args.command in NEED_TORCH:
+            require_supported_torch()
         return args.run(args)
     except HethubError as error:
         print(f"hethub {args.command}: error: {error}", file=sys.stderr)
