@@ -246,8 +246,8 @@ def environment() -> dict[str, str]:
 
 
 def node_command(port: int, node: str | None, processes: int, run_dir: str) -> list[str]:
-    """What the user runs on one node (README, "Long runs on a cluster"); without a node, the
-    node is the one the cluster's hosts name this machine."""
+    """What the user runs on one node (docs/clusters.md, "Long runs on a cluster"); without a
+    node, the node is the one the cluster's hosts name this machine."""
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
         *("--nproc-per-node", str(processes), "--rdzv-backend", "c10d"),

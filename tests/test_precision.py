@@ -230,7 +230,8 @@ def test_the_first_run_profiles_plans_and_trains_in_bf16_only_where_the_cpu_has_
     tmp_path, monkeypatch, bf16_kernels, precision
 ):
     # Without them (an AVX2 CPU) a bf16 matmul runs torch's reference loop, and `hethub train`
-    # in bf16 profiled for 9.5 min and then stepped 6x slower than fp32 (README, "Precision").
+    # in bf16 profiled for 9.5 min and then stepped 6x slower than fp32 (docs/runtime.md,
+    # "Precision").
     import argparse
 
     import hethub.cli.train

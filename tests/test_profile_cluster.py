@@ -49,7 +49,7 @@ TIMEOUT_S = 240  # 2 agents, 3 workers and their measuring processes on a shared
 
 
 def node_command(port: int, node: str, processes: int, out: str) -> list[str]:
-    """What the user runs on one node (README, "Distributed profiling")."""
+    """What the user runs on one node (docs/clusters.md, "Distributed profiling")."""
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
         *("--nproc-per-node", str(processes), "--rdzv-backend", "c10d"),

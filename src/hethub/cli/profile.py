@@ -240,7 +240,8 @@ def _run_cluster(args: argparse.Namespace) -> int:
         if "LOCAL_RANK" not in os.environ:
             raise HethubError(
                 "--cluster: only under torchrun, one torchrun per node of the cluster with "
-                "--nproc-per-node its devices (README, Distributed profiling); on one machine, "
+                "--nproc-per-node its devices (docs/clusters.md, Distributed profiling); on one "
+                "machine, "
                 "hethub profile --device NAME"
             )
         if not args.cluster:

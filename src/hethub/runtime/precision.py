@@ -106,7 +106,8 @@ def cpu_has_bf16_kernels() -> bool:
     """Whether torch multiplies bf16 matrices on this machine's CPU with kernels made for them:
     oneDNN's, which torch uses where the CPU has AVX-512 or AMX (x86) or the BF16 extension
     (Arm). Without them every bf16 matmul runs torch's reference loop, converting element by
-    element, several times slower than fp32 (README, "Precision", for this machine's figures)."""
+    element, several times slower than fp32 (docs/runtime.md, "Precision", for this machine's
+    figures)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch built without oneDNN

@@ -41,6 +41,7 @@ from hethub.runtime.supervision import (
     init_process_group,
 )
 from hethub.runtime.timeline import stage_times
+from hethub.runtime.torch_support import require_supported_torch
 from hethub.spec import load_cluster, load_model, load_plan
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     try:
+        require_supported_torch()
         plan = load_plan(run.plan)
         model = load_model(plan.model, relative_to=run.path, source=str(run.plan))
         code = run_job(
