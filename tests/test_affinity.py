@@ -1,5 +1,6 @@
 """Ranks bound to their own cores when they have one each, as profiled and as run."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,6 +66,41 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def _listening_sockets(port: int) -> set[str]:
+    """The kernel's names (socket:[inode]) of the sockets listening on TCP ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state, inode = (line.split()[i] for i in (1, 3, 9))
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(f"socket:[{inode}]")
+    return found
+
+
+def _rendezvous_holder(rank: int, world: int, caller: int) -> tuple[int, bool]:
+    """The port this rank met the others at, and whether ``caller`` holds its listening socket."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    held = set()
+    for fd in Path(f"/proc/{caller}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed since listed (another rank's connection)
+            held.add(os.readlink(fd))
+    return store.port, bool(_listening_sockets(store.port) & held)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_ranks_meet_at_a_port_their_caller_has_held_since_before_they_started():
+    # A port picked free, released, and bound again by rank 0 once started could be taken by
+    # another process in between (a user's test_affinity failed so). Held by run_ranks' caller,
+    # which gave it to the ranks, it was bound before they started and is never free meanwhile.
+    ((port, held), other) = run_ranks(_rendezvous_holder, 2, os.getpid(), timeout_s=60)
+    assert held and other == (port, True)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
