@@ -29,6 +29,7 @@ def _my_cores(rank: int, world: int) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux and 2 cores to bind 2 ranks apart",
@@ -46,6 +47,7 @@ def _session(rank: int, world: int) -> bool:
     return os.getsid(0) == os.getpid()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "setsid"), reason="sessions are POSIX")
 def test_profiling_ranks_run_each_in_a_session_of_its_own_as_torchrun_starts_workers():
     assert run_ranks(_session, 2, timeout_s=60) == [True, True]
@@ -94,6 +96,7 @@ def _rendezvous_holder(rank: int, world: int, caller: int) -> tuple[int, bool]:
     return store.port, bool(_listening_sockets(store.port) & held)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 def test_ranks_meet_at_a_port_their_caller_has_held_since_before_they_started():
     # A port picked free, released, and bound again by rank 0 once started could be taken by
@@ -103,6 +106,7 @@ def test_ranks_meet_at_a_port_their_caller_has_held_since_before_they_started():
     assert held and other == (port, True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_profiling_ranks_die_with_the_process_that_started_them(tmp_path):
     # A SIGKILLed hethub train, profile or validate runs no code: its measuring processes, each

@@ -266,11 +266,13 @@ PLANS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in PLANS if name != "4 replicas, 2 per vendor"])
 def test_layout_matches_the_single_process_reference(name):
     check_against_reference(name, BUCKET_BYTES)
 
 
+@pytest.mark.slow
 def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_rank():
     # Exact like every layout; and each step the bridge carries what one exchange between the
     # two vendors needs: their two first ranks each send the gradients once (2 G in all), where a
@@ -293,11 +295,13 @@ BF16_LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BF16_LAYOUTS)
 def test_bf16_layout_matches_the_single_process_bf16_reference(name):
     check_against_reference(name, BUCKET_BYTES, "bf16")
 
 
+@pytest.mark.slow
 def test_gradients_synced_in_many_small_buckets_match_the_reference_too():
     # The layouts above fit each sync group in one bucket; a small cap splits every group into
     # many, some of a single tensor over the cap, across TP, replicas and the tied embedding.
@@ -419,6 +423,7 @@ def _dies_or_trains(rank, world, preset, plan_dict):
     return "trained", clock.perf_counter() - started, ""
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_within_the_timeout_instead_of_hanging():
     import time as clock
 

@@ -62,6 +62,7 @@ def _rank(rank, world, precision):
     return losses, grads, engine.comm.bytes[BRIDGE]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
     # As tests/test_engine.py compares a layout: the first step's gradients and the losses of
@@ -92,6 +93,7 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
             torch.testing.assert_close(grad, ref_grads[name], msg=name)
 
 
+@pytest.mark.slow
 def test_the_profiler_measures_the_gpu_in_bf16_and_fp32(tmp_path):
     from hethub.profile.measure import ensure_profiles, measure_layers
     from hethub.spec import load_model

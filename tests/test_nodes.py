@@ -311,6 +311,7 @@ def placed(stderr: str) -> tuple[list[int], list[int]]:
     return tuple([int(r) for r in group.split(", ")] for group in found.groups())
 
 
+@pytest.mark.slow
 def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(files):
     one = subprocess.run(
         [sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan",
@@ -339,6 +340,7 @@ def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(f
         assert losses(done["a:0"][1]) == reference and losses(done["b:0"][1]) == []
 
 
+@pytest.mark.slow
 def test_a_launch_that_does_not_fit_the_plan_is_refused_on_every_node(files):
     # Both agents say they are a:0, the second with 1 process: the world is 3 as the plan's, so
     # only the exchange finds it; the node with 2 learns it from the other's refusal.

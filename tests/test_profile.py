@@ -526,6 +526,7 @@ SMALL = parse_model(
 )
 
 
+@pytest.mark.slow
 def test_measure_layers_times_the_runtimes_modules():
     from hethub.profile.measure import measure_layers
 
@@ -623,6 +624,7 @@ def profiled(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_profile_command_writes_what_load_profiles_reads(profiled, capsys):
     profiles = load_profiles(profiled)
     assert len(profiles.layers) == 4 and len(profiles.links) == 1
@@ -644,6 +646,7 @@ def test_the_profile_command_writes_what_load_profiles_reads(profiled, capsys):
     assert all(profile_path(profiled, p).is_file() for p in profiles.layers.values())
 
 
+@pytest.mark.slow
 def test_profiling_again_measures_only_what_is_missing(profiled, monkeypatch, capsys):
     from hethub.profile import measure
 
@@ -671,6 +674,7 @@ def test_profiling_again_measures_only_what_is_missing(profiled, monkeypatch, ca
     assert "kept" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_predict_with_profiles_uses_them(profiled, tmp_path, capsys):
     cluster = tmp_path / "cpu1.yaml"
     cluster.write_text(
@@ -788,6 +792,7 @@ def _runtime_runs_bf16(model) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt"])
 def test_a_bf16_profile_is_keyed_bf16_and_keeps_half_the_bytes(name, tmp_path):
     from hethub.profile.measure import ensure_profiles, measure_layers

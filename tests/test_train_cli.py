@@ -128,6 +128,7 @@ def whole_run(tmp_path_factory):
     return folder, done
 
 
+@pytest.mark.slow
 def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_plan(
     files, whole_run
 ):
@@ -224,6 +225,7 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     ).read_text()
 
 
+@pytest.mark.slow
 def test_a_bf16_run_trains_in_bf16_and_resumes_bit_for_bit(files):
     (files / "plan.yaml").write_text(PLAN.replace("precision: fp32", "precision: bf16"))
     common = ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--seed", "3", "--lr", "1e-3"]
@@ -319,6 +321,7 @@ def _workers_of(folder: Path, run_dir: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_run_keeps_its_latest_checkpoints_and_clears_crash_debris_on_resume(files, whole_run):
     # The whole run: 4 steps, --checkpoint-every 1 --keep-checkpoints 2.
     folder, done = whole_run
