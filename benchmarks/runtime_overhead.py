@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import time
 
 import torch
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage
-from hethub.runtime.spawn import free_port
+from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster, parse_model, parse_plan
 from hethub.spec.topology import build_topology
 
@@ -41,6 +40,7 @@ MICRO_BATCH, MICRO_BATCHES = 2, 8
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
 CHUNKS = 2  # interleaved: model chunks per rank (virtual_stages)
 RANKS = 2
+TIMEOUT_S = 600  # a collective's wait, and the rendezvous store's
 
 
 def plan(schedule: str) -> dict:
@@ -136,11 +136,10 @@ def torch_runner(spec, schedule_name, chunks):
 
 
 def _entry(rank, port, comparison, steps, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=600)
-    )
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS, timeout=timeout)
     spec = parse_model(MODEL, "bench", "bench")
     schedule, torch_schedule, chunks = COMPARISONS[comparison]
     runners = {
@@ -164,9 +163,10 @@ def pipeline_seconds(comparison, steps):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
-        port = free_port()
+        store = rendezvous_store(TIMEOUT_S)  # bound now, held until the ranks are done
         procs = [
-            ctx.Process(target=_entry, args=(r, port, comparison, steps, out)) for r in range(RANKS)
+            ctx.Process(target=_entry, args=(r, store.port, comparison, steps, out))
+            for r in range(RANKS)
         ]
         for p in procs:
             p.start()

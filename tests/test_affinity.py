@@ -1,5 +1,6 @@
 """Ranks bound to their own cores when they have one each, as profiled and as run."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ def _my_cores(rank: int, world: int) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux and 2 cores to bind 2 ranks apart",
@@ -45,6 +47,7 @@ def _session(rank: int, world: int) -> bool:
     return os.getsid(0) == os.getpid()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "setsid"), reason="sessions are POSIX")
 def test_profiling_ranks_run_each_in_a_session_of_its_own_as_torchrun_starts_workers():
     assert run_ranks(_session, 2, timeout_s=60) == [True, True]
@@ -67,6 +70,43 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _listening_sockets(port: int) -> set[str]:
+    """The kernel's names (socket:[inode]) of the sockets listening on TCP ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state, inode = (line.split()[i] for i in (1, 3, 9))
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(f"socket:[{inode}]")
+    return found
+
+
+def _rendezvous_holder(rank: int, world: int, caller: int) -> tuple[int, bool]:
+    """The port this rank met the others at, and whether ``caller`` holds its listening socket."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    held = set()
+    for fd in Path(f"/proc/{caller}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed since listed (another rank's connection)
+            held.add(os.readlink(fd))
+    return store.port, bool(_listening_sockets(store.port) & held)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_ranks_meet_at_a_port_their_caller_has_held_since_before_they_started():
+    # A port picked free, released, and bound again by rank 0 once started could be taken by
+    # another process in between (a user's test_affinity failed so). Held by run_ranks' caller,
+    # which gave it to the ranks, it was bound before they started and is never free meanwhile.
+    ((port, held), other) = run_ranks(_rendezvous_holder, 2, os.getpid(), timeout_s=60)
+    assert held and other == (port, True)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_profiling_ranks_die_with_the_process_that_started_them(tmp_path):
     # A SIGKILLed hethub train, profile or validate runs no code: its measuring processes, each

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import resource
 
+import pytest
+
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.parameters import parameter_table
@@ -50,6 +52,7 @@ def _peak_growth(rank, world):
     return (after - before) * 1024, held
 
 
+@pytest.mark.slow
 def test_a_pipeline_rank_peaks_well_under_half_of_the_whole_model():
     spec = parse_model(MODEL, "test", "m")
     whole = 4 * sum(_count(p.shape) for p in parameter_table(spec).values())  # fp32 bytes

@@ -272,6 +272,7 @@ def jobs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_resume_under_the_same_plan_is_bit_for_bit(jobs):
     plain = jobs["plain"]
     for uninterrupted, saving, resumed in zip(plain, jobs["first"], jobs["again"], strict=True):
@@ -303,6 +304,7 @@ def assert_holds_shards(ranks, saved, when, step, preset="tiny-llama"):
             assert counter.dtype == torch.float32 and counter.shape == () and counter.item() == step
 
 
+@pytest.mark.slow
 def test_resume_under_another_plan_matches_the_uninterrupted_run(jobs):
     assert_holds_shards(jobs["other"], jobs["saved2"], "loaded", 2)
     for rank in jobs["other"]:
@@ -314,6 +316,7 @@ def test_resume_under_another_plan_matches_the_uninterrupted_run(jobs):
     assert_holds_shards(jobs["other"], jobs["other4"], "final", 4)
 
 
+@pytest.mark.slow
 def test_replicated_tensors_are_written_once(jobs):
     """DCP's planner keeps one copy of a key every TP rank offered: one chunk, one copy in bytes."""
     path = step_dir(jobs["root"], 2)
@@ -326,6 +329,7 @@ def test_replicated_tensors_are_written_once(jobs):
     assert one_copy <= written < 1.1 * one_copy
 
 
+@pytest.mark.slow
 def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
     root = jobs["root"]
     assert jobs["latest"] == step_dir(root, 4)
@@ -363,6 +367,7 @@ def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000003"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_on_every_rank(jobs):
     path = step_dir(jobs["root"], 2)
     message = (
@@ -372,6 +377,7 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(jobs):
     assert {rank["errors"][3] for rank in jobs["again"]} == {message}
 
 
+@pytest.mark.slow
 def test_gpt_tied_head_round_trips(jobs):
     first, saved = jobs["gpt_first"], jobs["gpt_saved2"]
     # The embedding (stage 0) and the head copy (stage 1, both TP ranks) were the same full
@@ -481,6 +487,7 @@ def sharded_jobs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_a_sharded_interleaved_run_resumes_under_plain_1f1b_and_back(sharded_jobs):
     # the plain plan loaded the sharded run's full tensors, and trains on as it did
     assert_holds_shards(sharded_jobs["plain"], sharded_jobs["saved2"], "loaded", 2)

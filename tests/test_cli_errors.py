@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from hethub.cli import main
+from hethub.predictor import predict
+from hethub.spec import load_model, parse_cluster, parse_plan
 
 ONE_GROUP = {
     "groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8}]
@@ -559,7 +561,11 @@ def test_json_output_keys(tmp_path, capsys) -> None:
     ):
         assert key in result, key
     assert result["fits"] is True
-    assert result["iteration_time_s"] > 0 and result["tokens_per_s"] > 0
+    # What the predictor computes, to the bit, and figures that hold together: 8 sequences of 64
+    # tokens a step; each stage computes 8 micro-batches, its memory is the sum of its parts.
+    plan, cluster = parse_plan(tiny_plan()), parse_cluster(TWO_GROUPS)
+    assert result == predict(plan, cluster, load_model("tiny-gpt")).to_json()
+    assert result["tokens_per_s"] == pytest.approx(8 * 64 / result["iteration_time_s"], rel=1e-12)
     assert len(result["stages"]) == 2
     for stage, layers in zip(result["stages"], (5, 3)):
         for key in ("group", "accelerator", "tp", "layers", "compute_s", "memory_gb"):
@@ -570,7 +576,11 @@ def test_json_output_keys(tmp_path, capsys) -> None:
             2,
             layers,
         )
-        assert stage["compute_s"] > 0 and stage["memory_gb"] > 0
+        per_micro_batch = stage["forward_s"] + stage["backward_s"]
+        assert stage["compute_s"] == pytest.approx(8 * per_micro_batch, rel=1e-12)
+        assert stage["memory_gb"] == pytest.approx(
+            sum(stage["memory_breakdown_gb"].values()), rel=1e-12
+        )
 
 
 def test_analytic_figures_say_how_far_they_may_be_from_the_hardware(tmp_path, capsys) -> None:

@@ -58,6 +58,7 @@ def _moves(rank, world):
     return seen
 
 
+@pytest.mark.slow
 def test_each_path_counts_exactly_the_bytes_it_moved():
     from hethub.comm import BRIDGE, NATIVE
     from hethub.runtime.spawn import run_ranks

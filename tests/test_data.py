@@ -61,6 +61,7 @@ def test_data_shorter_than_a_batch_or_beyond_the_vocabulary_is_refused():
         check_tokens(torch.full((100,), 300), "x", 256, 16, 2)
 
 
+@pytest.mark.slow
 def test_train_refuses_bad_data_before_starting_any_process(tmp_path):
     (tmp_path / "c.yaml").write_text("groups: [{name: g, accelerator: cpu, devices_per_node: 2}]\n")
     (tmp_path / "p.yaml").write_text(

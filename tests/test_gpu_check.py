@@ -25,6 +25,7 @@ def load_script():
     return module
 
 
+@pytest.mark.slow
 def test_the_cpu_half_runs_every_phase_and_prints_the_summary(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--cpu", "--work", str(tmp_path)],

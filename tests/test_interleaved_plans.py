@@ -90,12 +90,21 @@ def test_flags_must_be_booleans() -> None:
 
 
 def test_replicas_may_differ_in_virtual_stages() -> None:
+    plain = {"count": 1, "stages": [{"group": "nv", "tp": 8, "layers": 16}] * 2}
     data = plan_data(global_batch=24)
-    data["pipelines"].append({"count": 1, "stages": [{"group": "nv", "tp": 8, "layers": 16}] * 2})
+    data["pipelines"].append(plain)
     plan = parse_plan(data, "plan.yaml")
     assert [p.virtual_stages for p in plan.pipelines] == [2, 1]
     prediction = predict(plan, CLUSTER, MODEL)
-    assert prediction.iteration_time_s > 0
+    # Each layout runs its own schedule on its 8 micro-batches a replica, as it would alone...
+    interleaved_alone = predict(parse_plan(plan_data(), "alone"), CLUSTER, MODEL)
+    plain_alone = predict(parse_plan(plan_data(global_batch=8, pipelines=[plain])), CLUSTER, MODEL)
+    alone = interleaved_alone.pipeline_time_s + plain_alone.pipeline_time_s
+    assert prediction.pipeline_time_s == pytest.approx(alone, rel=1e-12)
+    # ... the interleaved one with the smaller bubble (the same stages, half-size chunks)
+    assert prediction.pipeline_time_s[0] < prediction.pipeline_time_s[1]
+    # and the step waits for the slower layout before the gradient sync across both
+    assert prediction.iteration_time_s > max(prediction.pipeline_time_s)
 
 
 def uniform(v: int = 1, **options):

@@ -19,9 +19,10 @@ import pytest
 import torch
 from test_train_cli import CLUSTER, PLAN, _workers_of, hethub
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc").is_dir(), reason="finds the workers through /proc (Linux)"
-)
+pytestmark = [
+    pytest.mark.slow,  # every test runs hethub train's processes
+    pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc"),
+]
 
 STEPS, EVERY = 20, 2
 COMMON = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--seed", "5", "--lr", "1e-3"]

@@ -6,7 +6,6 @@ plan is refused with one line on both nodes."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -15,17 +14,15 @@ import signal
 import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from torch.distributed import TCPStore
 
 import hethub
 from hethub.cli import main
 from hethub.errors import HethubError
 from hethub.runtime.nodes import Claim, check_claim, node_of_host, node_ranks, plan_ranks
-from hethub.runtime.spawn import free_port
+from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster, parse_plan
 from hethub.spec.topology import build_topology
 
@@ -259,51 +256,37 @@ def node_command(port: int, node: str | None, processes: int, run_dir: str) -> l
     ]
 
 
-@contextlib.contextmanager
-def rendezvous_host(port: int, timeout_s: float):
-    """Host the agents' c10d rendezvous store at 127.0.0.1:``port`` for the test, as a cluster's
-    rendezvous host would: both agents then join it as clients. Otherwise the agent that hosts
-    it may exit right after the exit barrier, before the other agent's own rendezvous shutdown,
-    which then fails ("The connection to the C10d store has failed") and exits 1 although its
-    workers succeeded: a race of torchrun's, seen once in the profile test's two agents."""
-    store = TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    try:
-        yield store
-    finally:
-        del store  # the server stops with its last reference
-
-
 def run_agents(folder: Path, commands_at, timeout_s: float) -> list[tuple[int, str, str]]:
     """Start one torchrun agent per command of ``commands_at(port)`` (their rendezvous port), in
     this order, around a rendezvous store of the test's own; per agent, in the same order: its
     exit status, stdout and stderr. Every agent and its workers are killed however it ends."""
-    port, agents = free_port(), []
-    with rendezvous_host(port, timeout_s):  # neither agent's exit takes it from the other
-        try:
-            for command in commands_at(port):
-                agents.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=folder,
-                        env=environment(),
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        start_new_session=True,  # its workers with it: all killed together below
-                    )
+    # The test hosts the agents' c10d rendezvous store, as a cluster's rendezvous host would:
+    # both agents join it as clients. Otherwise the agent that hosts it may exit right after the
+    # exit barrier, before the other agent's own rendezvous shutdown, which then fails ("The
+    # connection to the C10d store has failed") and exits 1 although its workers succeeded: a
+    # race of torchrun's, seen once in the profile test's two agents. Bound to a port the kernel
+    # picks and held until the agents are gone, no other process can take it before they meet.
+    store, agents = rendezvous_store(timeout_s), []
+    try:
+        for command in commands_at(store.port):
+            agents.append(
+                subprocess.Popen(
+                    command,
+                    cwd=folder,
+                    env=environment(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,  # its workers with it: all killed together below
                 )
-            return [(agent.wait(timeout_s), *agent.communicate()) for agent in agents]
-        finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                agent.communicate()
+            )
+        return [(agent.wait(timeout_s), *agent.communicate()) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.communicate()
+        del store  # its server stops with its last reference, once no agent is left
 
 
 def two_nodes(folder: Path, nodes: list[tuple[str | None, int]], run_dir: str) -> list[tuple]:
@@ -328,6 +311,7 @@ def placed(stderr: str) -> tuple[list[int], list[int]]:
     return tuple([int(r) for r in group.split(", ")] for group in found.groups())
 
 
+@pytest.mark.slow
 def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(files):
     one = subprocess.run(
         [sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan",
@@ -356,6 +340,7 @@ def test_unlike_nodes_in_either_order_train_the_single_node_losses_bit_for_bit(f
         assert losses(done["a:0"][1]) == reference and losses(done["b:0"][1]) == []
 
 
+@pytest.mark.slow
 def test_a_launch_that_does_not_fit_the_plan_is_refused_on_every_node(files):
     # Both agents say they are a:0, the second with 1 process: the world is 3 as the plan's, so
     # only the exchange finds it; the node with 2 learns it from the other's refusal.

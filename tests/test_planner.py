@@ -93,6 +93,7 @@ def test_batch_split_finishes_the_slowest_replica_as_early_as_possible(data):
     assert got == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_planner_matches_exhaustive_enumeration_on_a_tiny_two_kind_cluster():
     _, best, _ = exhaustive_best(TWO_KINDS, SMALL, 8, "small")
     found = search(TWO_KINDS, SMALL, 8, model_ref="small")

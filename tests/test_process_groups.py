@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hethub.runtime.process_groups import (
     BRIDGE_BACKEND,
     Role,
@@ -130,6 +132,7 @@ def _create(rank, world):
     return mine
 
 
+@pytest.mark.slow
 def test_every_rank_creates_the_listed_groups_and_holds_its_own():
     got = run_ranks(_create, 5, timeout_s=120, purpose="test")
     assert got[4] == {

@@ -77,6 +77,7 @@ def folder(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_write_one_folder_that_predict_prices_both_groups_with(folder):
     done = two_nodes(folder, "profiles")
     for node, (code, _, err) in done.items():
@@ -101,6 +102,7 @@ def test_two_torchrun_nodes_write_one_folder_that_predict_prices_both_groups_wit
     assert "missing profile" not in predicted.stdout and "note:" not in predicted.stderr
 
 
+@pytest.mark.slow
 def test_an_out_folder_rank_0_cannot_write_is_one_line_on_every_node(folder):
     (folder / "taken").write_text("a file, not a folder")
     done = two_nodes(folder, "taken/profiles")

@@ -29,6 +29,7 @@ def _tp_rank(rank, world, preset):
     return _loss_and_grads(load_model(preset), dist.new_group(list(range(world))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
 def test_tp2_matches_the_single_process_reference(preset):
     spec = load_model(preset)

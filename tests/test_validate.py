@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 CLUSTER = "groups: [{name: cpu, accelerator: cpu, nodes: 1, devices_per_node: 2}]\n"
 PLAN = """model: tiny-llama
 global_batch: 4
@@ -26,6 +28,7 @@ def hethub(cwd, *args):
     )
 
 
+@pytest.mark.slow
 def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     (tmp_path / "two-stages.yaml").write_text(PLAN)

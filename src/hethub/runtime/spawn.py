@@ -1,6 +1,6 @@
 """Run a function on N gloo ranks in fresh local processes (forked from a server that has
-imported torch once): a free port, every wait bounded, the processes cleaned up whatever
-happens. The measuring half of the profiler needs real process
+imported torch once): they meet at a store this process holds, every wait bounded, the
+processes cleaned up whatever happens. The measuring half of the profiler needs real process
 groups (TP collectives, point-to-point and all-reduce between processes), and so do the
 multi-process tests, which use this too: started as torchrun starts a run's workers."""
 
@@ -10,7 +10,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -24,17 +23,26 @@ DEFAULT_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 120.0  # a fresh process imports torch before its first collective
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(timeout_s: float):
+    """A TCPStore served by this process on 127.0.0.1, bound to a port the kernel picks (its
+    ``port``), for ranks to meet at as clients. Bound before any rank starts and held until the
+    caller drops it, the port is never free for another process to take in between, as one
+    picked free, released and bound again later by rank 0 was: a user's run failed so."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _entry(
     rank: int,
     world: int,
-    port: int,
+    store_port: int,
     threads: int,
     timeout_s: float,
     fn: Callable,
@@ -55,11 +63,6 @@ def _entry(
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # Started by a worker of the user's torchrun (hethub profile --cluster), it inherits the
-    # agent's flag, with which init_process_group would meet at the agent's store on MASTER_PORT
-    # instead of serving its own there, and wait for it until its timeout.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     # Each in a session of its own, as torchrun starts a run's workers: where the kernel groups
     # the processes of a session for CPU fairness (autogroup), ranks sharing a core are
     # scheduled as separate groups, which made a 4-rank TP run here 1.5x slower than the same
@@ -69,9 +72,11 @@ def _entry(
     torch.set_num_threads(threads)
     bind_rank(rank, world)  # as the runtime binds a run's ranks
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        # At run_ranks' store, named outright: not at MASTER_ADDR and MASTER_PORT, which under
+        # the user's torchrun (hethub profile --cluster) name the agent's store.
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Pickled here, by value: torch's queue would pass a tensor as a handle to this
         # process's shared memory, which is gone once the process has exited.
         results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
@@ -98,15 +103,9 @@ def run_ranks(
     ``purpose``; a failed rank's traceback goes to stderr); every process is gone on return."""
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(r, world, port, threads, timeout_s, fn, args, results, purpose, os.getpid()),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
+    store = rendezvous_store(timeout_s)  # held until every rank is gone (the finally below)
+    shared = (world, store.port, threads, timeout_s, fn, args, results, purpose, os.getpid())
+    procs = [ctx.Process(target=_entry, args=(r, *shared), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s + STARTUP_TIMEOUT_S
@@ -141,6 +140,7 @@ def run_ranks(
                 p.kill()
                 p.join()
         results.close()
+        del store  # its server stops with its last reference
     return [pickle.loads(out[r][1]) for r in range(world)]
 
 
