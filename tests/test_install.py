@@ -88,7 +88,6 @@ def test_version_says_so_when_torch_is_not_installed():
 
 TORCH_COMMANDS = [
     ["train"],
-    ["train", "--worker-of", "runs/r"],  # a worker, as hethub train starts it
     ["validate", "--cluster", "c.yaml", "--plan", "p.yaml"],
     ["profile", "--model", "tiny-llama"],
 ]
@@ -102,6 +101,20 @@ def test_the_torch_commands_refuse_an_unsupported_torch_in_one_line(args, capsys
     err = capsys.readouterr().err
     assert err.startswith(f"hethub {args[0]}: error: torch 2.12.0+cpu is installed, ")
     assert err.count("\n") == 1
+
+
+def test_a_worker_refuses_an_unsupported_torch_in_one_line(tmp_path):
+    """A worker, as hethub train's torchrun starts it (python -m hethub.runtime.worker RUN)."""
+    code = (
+        "import torch; torch.__version__ = '2.12.0+cpu'; "
+        f"from hethub.runtime.worker import main; main([{str(tmp_path)!r}])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("hethub train: error: torch 2.12.0+cpu is installed, ")
+    assert out.stderr.count("\n") == 1
 
 
 def test_the_torch_commands_refuse_a_missing_torch_in_one_line(capsys, monkeypatch):
