@@ -30,7 +30,7 @@ from hethub.profiles import (
 from hethub.profiles.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
-from hethub.spec.plan import Recompute
+from hethub.spec.plan import Precision, Recompute
 
 TINY = load_model("tiny-llama")
 CPU2 = parse_cluster(
@@ -477,7 +477,15 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     assert [s.forward_s for s in with_profiles.stages] == [s.forward_s for s in without.stages]
     assert without == predict(plan, CPU2, TINY, profiles=None)
     analytic = stage_work(
-        TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, Recompute.NONE, StagePosition.of(0, 2)
+        TINY,
+        CPU2.groups[0],
+        default_calibration(),
+        1,
+        4,
+        1,
+        Recompute.NONE,
+        StagePosition.of(0, 2),
+        Precision.FP32,  # the plan's
     )
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))

@@ -35,10 +35,10 @@ class Setting:
     calibration: Calibration
     micro_batch: int
     recompute: Recompute
+    precision: Precision
     schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
-    precision: Precision = Precision.BF16
 
 
 @functools.lru_cache(maxsize=65536)

@@ -18,7 +18,6 @@ from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import (
-    element_bytes,
     embedding_cost,
     head_cost,
     layer_cost,
@@ -26,12 +25,10 @@ from hethub.predictor.compute import (
     missing_fp32,
 )
 from hethub.predictor.memory import (
-    GRAD_BYTES,
     StageMemory,
     in_flight_micro_batches,
     stage_memory_at,
     stage_params,
-    state_bytes,
 )
 from hethub.predictor.schedule import (
     BACKWARD,
@@ -50,11 +47,6 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision, Recompute
 
-# Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
-# weight (8) and both moments (16), write the bf16 weight (2).
-OPTIMIZER_BYTES_MOVED = 30
-# fp32: read the gradient (4), read and write the weight (8) and both moments (16).
-FP32_OPTIMIZER_BYTES_MOVED = 28
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
 
 
@@ -386,7 +378,7 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
             peers=sync.replicas[index],
             sharded=shards > 1,
             direct=plan.shard_optimizer or plan.overlap_grad_sync,
-            weight_bytes=state_bytes(plan.precision)[0],
+            weight_bytes=plan.precision.weight_bytes,
         )
     )
     if measured is not None and measured.sync is not None:
@@ -394,7 +386,7 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         reduce, gather = measured.sync.reduce_s, measured.sync.gather_s
     elif sync.classes > 1:  # a layer's gradient is the mean over every layout's replicas
         reduce += comm.ring_allreduce_time(
-            state.params * GRAD_BYTES / sync.fewest,
+            state.params * plan.precision.main_grad_bytes / sync.fewest,
             sync.classes,
             sync.cross_bw[group.name],
             pricing.cal,
@@ -456,12 +448,12 @@ def _assemble_step(
         busy += devices * s.compute_s
         span += devices * run.time_s
     devices = sum(p.count * p.devices for p in plan.pipelines)
-    # With a link profile, the runtime's way: it all-reduces the loss over every rank, and only
-    # then does any rank step its optimizer.
+    # With a link profile, the runtime's way: it all-reduces the loss (one fp32 float) over every
+    # rank, and only then does any rank step its optimizer.
     loss_sync = (
         None
         if pricing.plan_link is None
-        else pricing.plan_link.allreduce_time(LOSS_REPORT_BYTES, devices)
+        else pricing.plan_link.allreduce_time(plan.precision.loss_bytes, devices)
     )
     if loss_sync is not None:
         iteration = synced + loss_sync + stepped
@@ -584,7 +576,7 @@ def _layout_costs(
                 )
             )
             if measured is None:  # analytic: the gradient takes as long as the activation
-                activation_bytes = b * model.seq_len * model.hidden * element_bytes(precision)
+                activation_bytes = b * model.seq_len * model.hidden * precision.element_bytes
                 one_way = _send_time(
                     activation_bytes / stage.tp, blocks, s, nxt, groups, cluster, cal
                 )
@@ -707,11 +699,7 @@ REDUCE_SCATTER_SHARE = 0.5
 def all_gather_share(precision: Precision) -> float:
     """A sharded optimizer's all-gather of the updated weights (in the training dtype) over the
     all-reduce of the fp32 gradients it replaces: half the steps, of weight-sized elements."""
-    weight_bytes, grad_bytes, _ = state_bytes(precision)
-    return weight_bytes / (2 * grad_bytes)
-
-
-LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
+    return precision.weight_bytes / (2 * precision.main_grad_bytes)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -725,7 +713,7 @@ def stage_cost(
     micro_batch: int,
     recompute: Recompute,
     position: StagePosition,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> StageTimes:
     """One micro-batch through a stage: measured where ``profiles`` hold the layer's key, else
     analytic (stage_work); divided by the group's emulated speed. ``profiles`` are looked up
@@ -758,7 +746,7 @@ def stage_memory_for(
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
     optimizer_shards: int = 1,
 ) -> StageMemory:
     """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
@@ -892,12 +880,12 @@ def stage_work(
     micro_batch: int,
     recompute: Recompute,
     position: StagePosition,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> StageTimes:
     """One micro-batch through a stage, from the analytic model."""
     acc = group.accelerator
     tp_allreduce = comm.group_allreduce_time(
-        micro_batch * model.seq_len * model.hidden * element_bytes(precision), tp, group, cal
+        micro_batch * model.seq_len * model.hidden * precision.element_bytes, tp, group, cal
     )
     layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce, precision)
     forward, backward = layers * layer.forward_s, layers * layer.backward_s
@@ -906,7 +894,9 @@ def stage_work(
         forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
     if position.last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
         head = head_cost(model, acc, cal, tp, micro_batch, precision)
-        loss_sync = 3 * comm.group_allreduce_time(micro_batch * model.seq_len * 4, tp, group, cal)
+        loss_sync = 3 * comm.group_allreduce_time(
+            micro_batch * model.seq_len * precision.loss_bytes, tp, group, cal
+        )
         forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
     return StageTimes(forward, backward)
 
@@ -920,7 +910,7 @@ def stage_state(
     layers: int,
     position: StagePosition,
     replicas: int,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> _StageState:
     """A stage's parameters per device, gradient all-reduce among its layout's replicas (fp32
     gradients in either precision) and optimizer step, from the analytic model."""
@@ -928,10 +918,13 @@ def stage_state(
     replicas_per_node = max(
         1, group.devices_per_node // tp
     )  # stage-major: a stage's replicas share nodes
-    sync = comm.group_allreduce_time(params * GRAD_BYTES, replicas, group, cal, replicas_per_node)
-    moved = OPTIMIZER_BYTES_MOVED if precision == Precision.BF16 else FP32_OPTIMIZER_BYTES_MOVED
+    sync = comm.group_allreduce_time(
+        params * precision.main_grad_bytes, replicas, group, cal, replicas_per_node
+    )
     optimizer = max(
-        params * moved / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
+        params
+        * precision.optimizer_bytes_moved
+        / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
         OPTIMIZER_OPS * cal.launch_us * 1e-6,
     )
     return _StageState(params, sync, optimizer)

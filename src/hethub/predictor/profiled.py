@@ -21,20 +21,12 @@ import functools
 import statistics
 from typing import NamedTuple
 
-from hethub.predictor.memory import (
-    GB,
-    GRAD_BYTES,
-    StageMemory,
-    activation_bytes,
-    optimizer_bytes_per_parameter,
-    stage_params,
-    state_bytes,
-)
+from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
-from hethub.spec.buckets import bucket_bounds
+from hethub.spec.buckets import MAIN_GRAD_BYTES, bucket_bounds
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -224,19 +216,21 @@ def grad_sync_time(
     for ranks, tensors in by_holders.items():
         local = [elements // tp if over_tp else elements for elements, over_tp in tensors]
         # the runtime cuts buckets by each tensor's full fp32 size, whatever the TP degree
-        bounds = bucket_bounds([elements * GRAD_BYTES for elements, _ in tensors])
+        bounds = bucket_bounds([elements * MAIN_GRAD_BYTES for elements, _ in tensors])
         if direct and ranks == peers:
             summed = link.reducescatter_time if sharded else link.allreduce_time
-            reduce += [summed(sum(local[start:stop]) * GRAD_BYTES, ranks) for start, stop in bounds]
+            reduce += [
+                summed(sum(local[start:stop]) * MAIN_GRAD_BYTES, ranks) for start, stop in bounds
+            ]
         else:
             if tp > 1:
                 reduce += [
-                    link.allgather_time(elements * GRAD_BYTES, tp)
+                    link.allgather_time(elements * MAIN_GRAD_BYTES, tp)
                     for elements, over_tp in tensors
                     if over_tp
                 ]
             for start, stop in bounds:
-                bucket = sum(elements for elements, _ in tensors[start:stop]) * GRAD_BYTES
+                bucket = sum(elements for elements, _ in tensors[start:stop]) * MAIN_GRAD_BYTES
                 reduce.append(link.allreduce_time(bucket, ranks))
                 if tp > 1:
                     reduce.append(link.broadcast_time(bucket, tp))
@@ -290,12 +284,12 @@ def profiled_memory(
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
+        precision=precision,
     )
-    weight, grad, _ = state_bytes(precision)
     return StageMemory(
-        params * weight / GB,
-        params * grad / GB,
-        params * optimizer_bytes_per_parameter(precision, optimizer_shards) / GB,
+        params * precision.weight_bytes / GB,
+        params * precision.main_grad_bytes / GB,
+        params * precision.optimizer_bytes(optimizer_shards) / GB,
         activations / GB,
     )
 
