@@ -14,6 +14,7 @@ from hethub.predictor import default_calibration, predict
 from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import chrome_trace
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.parameters import parameter_count
 
 MODEL = load_model("llama-7b")
 
@@ -65,7 +66,7 @@ def test_model_tflops_count_six_flops_per_parameter_and_token_plus_attention():
     result = predict(plan_of(), cluster_of(), MODEL)
     tokens = 16 * 4096
     dense = (
-        6 * (MODEL.parameter_count() - MODEL.vocab * MODEL.hidden) * tokens
+        6 * (parameter_count(MODEL) - MODEL.vocab * MODEL.hidden) * tokens
     )  # the lookup does no FLOPs
     attention = 3 * MODEL.layers * 4 * 4096 * MODEL.hidden * tokens
     assert (

@@ -9,6 +9,7 @@ import pytest
 from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.spec import lookup, parse_cluster, parse_model
+from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule
 
@@ -212,7 +213,7 @@ def test_stage_memory_by_hand():
         schedule=Schedule.ONE_F_ONE_B,
         precision=BF16,
     )
-    params = (2 * GPT.layer_params() + GPT.embedding_params()) / t
+    params = (2 * parameter_counts(GPT).layer + parameter_counts(GPT).embedding) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
     assert mem.weights_gb + mem.grads_gb + mem.optimizer_gb == pytest.approx(params * 18 / 1e9)
     assert mem.activations_gb == pytest.approx(

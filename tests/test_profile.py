@@ -30,6 +30,7 @@ from hethub.profiles import (
 from hethub.profiles.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
+from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 
 TINY = load_model("tiny-llama")
@@ -220,7 +221,7 @@ def test_stage_times_come_from_the_profile():
     assert first.backward_s == pytest.approx(5 * lp.layer_backward_s + lp.embed_backward_s)
     assert last.forward_s == pytest.approx(3 * lp.layer_forward_s + lp.head_forward_s)
     assert last.backward_s == pytest.approx(3 * lp.layer_backward_s + lp.head_backward_s)
-    params = 5 * TINY.layer_params() + TINY.embedding_params()
+    params = 5 * parameter_counts(TINY).layer + parameter_counts(TINY).embedding
     assert first.optimizer_s == pytest.approx(params * lp.optimizer_s_per_param)
     recomputed = predict(
         plan_of([("cpu", 5), ("cpu", 3)], recompute="full"), CPU2, TINY, profiles=profiles
@@ -556,7 +557,7 @@ def test_measure_layers_times_the_runtimes_modules():
     # Under recomputation the backward runs the forward again.
     assert profile.layer_recompute_backward_s > profile.layer_backward_s
     assert profile.layer_recompute_forward_s > 0
-    assert profile.layer_param_bytes == SMALL.layer_params() * 4
+    assert profile.layer_param_bytes == parameter_counts(SMALL).layer * 4
     # At least the layer's input, its attention output and its MLP's three hidden activations, fp32.
     tokens = SMALL.seq_len
     assert profile.layer_activation_bytes >= 4 * tokens * (2 * SMALL.hidden + 3 * SMALL.ffn_hidden)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import stage_parameter_count
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import FORWARD, Schedule, chunk_sequence
 
@@ -45,17 +46,8 @@ class StageMemory:
 
 @functools.lru_cache(maxsize=65536)
 def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
-    """Parameters of a stage (all TP ranks together)."""
-    params = layers * model.layer_params()
-    if position.first:
-        params += model.embedding_params()
-    if position.last:
-        params += model.head_params()
-        if model.arch == "gpt" and not position.alone:
-            params += (
-                model.vocab * model.hidden
-            )  # the tied head keeps its own copy of the embedding
-    return params
+    """Parameters of a stage (all TP ranks together), as spec.parameters lays them out."""
+    return stage_parameter_count(model, layers, is_first=position.first, is_last=position.last)
 
 
 def layer_activation_bytes(
