@@ -46,6 +46,7 @@ from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision, Recompute
+from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
 
@@ -224,7 +225,7 @@ def predict(
         model=model,
         cal=cal,
         profiles=profiles,
-        sync=_sync_classes(runs, cluster, cal),
+        sync=_sync_classes(plan, runs, cluster, cal),
         holders=profiled.holders(plan, model) if profiles is not None else (0, 0),
         plan_link=_plan_link(plan, cluster, profiles) if profiles is not None else None,
     )
@@ -253,7 +254,8 @@ def check_precision(
 
 @dataclass(frozen=True, slots=True)
 class _SyncClasses:
-    """Who syncs gradients with whom.
+    """Who syncs gradients with whom, per layout, read off spec.topology (layout_classes,
+    data_parallel_degrees: what Topology.data_parallel_peers gives each rank).
 
     Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
     one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
@@ -264,11 +266,11 @@ class _SyncClasses:
     """
 
     classes: int
-    """Distinct tuples of stages among the layouts."""
+    """Layout classes (layouts of distinct stages)."""
     peers: list[list[int]]
-    """Per layout: the indices of the layouts with its stages (itself included)."""
+    """Per layout: the indices of the layouts of its class (itself included)."""
     replicas: list[int]
-    """Per layout: the replicas of it and its peers, which all-reduce natively together."""
+    """Per layout: its ranks' data-parallel peers, which all-reduce natively together."""
     slowest_s: float
     """The longest pipeline time: where a sync across unlike layouts starts."""
     fewest: int
@@ -278,19 +280,18 @@ class _SyncClasses:
     than one class)."""
 
 
-def _sync_classes(runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration) -> _SyncClasses:
-    members: dict[tuple, list[int]] = {}
-    peers = []  # per layout, its class's list, which the later layouts of the class join
-    for index, run in enumerate(runs):
-        peers.append(members.setdefault(run.pipeline.stages, []))
-        peers[-1].append(index)
-    leaders = {runs[indices[0]].groups[0] for indices in members.values()}
+def _sync_classes(
+    plan: Plan, runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration
+) -> _SyncClasses:
+    classes = layout_classes(plan)
+    replicas = data_parallel_degrees(plan)
+    leaders = {runs[k].groups[0] for k in set(classes)}
     return _SyncClasses(
-        classes=len(members),
-        peers=peers,
-        replicas=[sum(runs[i].pipeline.count for i in indices) for indices in peers],
+        classes=len(set(classes)),
+        peers=[[i for i, k in enumerate(classes) if k == mine] for mine in classes],
+        replicas=list(replicas),
         slowest_s=max(run.time_s for run in runs),
-        fewest=min(sum(runs[i].pipeline.count for i in indices) for indices in members.values()),
+        fewest=min(replicas),
         cross_bw=(
             {
                 group.name: min(
@@ -298,7 +299,7 @@ def _sync_classes(runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration
                 )
                 for group in {g for run in runs for g in run.groups}
             }
-            if len(members) > 1
+            if len(set(classes)) > 1
             else {}
         ),
     )
