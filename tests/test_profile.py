@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from hethub.errors import HethubError
 from hethub.planner import search
 from hethub.predictor import default_calibration, predict
 from hethub.predictor.iteration import stage_work
-from hethub.predictor.profiled import missing_profiles, param_tensors
+from hethub.predictor.profiled import missing_profiles
 from hethub.predictor.stage import StagePosition
 from hethub.profiles import (
     LayerKey,
@@ -30,7 +31,7 @@ from hethub.profiles import (
 from hethub.profiles.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
-from hethub.spec.parameters import parameter_counts
+from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameters
 from hethub.spec.plan import Precision, Recompute
 
 TINY = load_model("tiny-llama")
@@ -344,9 +345,10 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         }
     )
     (stage,) = predict(dp, CPU2, TINY, profiles=profiles_of(lp, link)).stages
-    tensors = param_tensors(TINY, 8, StagePosition.of(0, 1))
+    table = parameter_table(TINY)
+    tensors = [table[n] for n in stage_parameters(TINY, 0, 8, is_first=True, is_last=True)]
     assert len(tensors) == 8 * 9 + 3
-    total = sum(n * 4 for _, n, _ in tensors)
+    total = sum(math.prod(t.shape) * 4 for t in tensors)
     assert total < BUCKET_BYTES  # one bucket, one all-reduce, as the runtime does
     assert stage.grad_sync_s == pytest.approx(link.allreduce_time(total, 2))
     tp2 = parse_plan(
@@ -363,7 +365,9 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
     (stage,) = predict(
         tp2, cpu4, TINY, profiles=profiles_of(layer_profile(key_of(tp=2)), link)
     ).stages
-    gathers = sum(link.allgather_time(n * 4, 2) for _, n, sharded in tensors if sharded)
+    gathers = sum(
+        link.allgather_time(math.prod(t.shape) * 4, 2) for t in tensors if t.tp_dim is not None
+    )
     assert stage.grad_sync_s == pytest.approx(
         gathers + link.allreduce_time(total, 2) + link.broadcast_time(total, 2)
     )
@@ -375,8 +379,9 @@ def test_a_sharded_sync_is_priced_with_the_measured_reduce_scatter_and_all_gathe
     # overlapped sync all-reduces the bucket directly. gloo's reduce-scatter is slower than its
     # all-reduce here (54 ms against 27 ms for 29 MB), so half an all-reduce misprices it.
     link = link_profile()
-    tensors = param_tensors(TINY, 8, StagePosition.of(0, 1))
-    grads = sum(n * 4 for _, n, _ in tensors)
+    table = parameter_table(TINY)
+    names = stage_parameters(TINY, 0, 8, is_first=True, is_last=True)
+    grads = sum(math.prod(table[n].shape) * 4 for n in names)
 
     def stage_of(precision, **fields):
         plan = parse_plan(

@@ -42,6 +42,7 @@ from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
 from hethub.profiles.store import LinkProfile, Profiles
 from hethub.report.timeline import TimelineEvent
+from hethub.spec.buckets import SyncBucket
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
@@ -226,7 +227,6 @@ def predict(
         cal=cal,
         profiles=profiles,
         sync=_sync_classes(plan, runs, cluster, cal),
-        holders=profiled.holders(plan, model) if profiles is not None else (0, 0),
         plan_link=_plan_link(plan, cluster, profiles) if profiles is not None else None,
     )
     stages = [
@@ -315,8 +315,6 @@ class _StepPricing:
     cal: Calibration
     profiles: Profiles | None
     sync: _SyncClasses
-    holders: tuple[int, int]
-    """(stages holding each layer, stages holding the embedding), for the profiled sync."""
     plan_link: LinkProfile | None
     """The link profile that prices the whole plan's collectives, if one does."""
 
@@ -375,10 +373,11 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
             stage.layers,
             plan.micro_batch,
             position,
-            *pricing.holders,
+            profiled.stage_buckets(plan, pricing.cluster, model, index, s)
+            if pricing.plan_link is not None
+            else (),
             peers=sync.replicas[index],
             sharded=shards > 1,
-            direct=plan.shard_optimizer or plan.overlap_grad_sync,
             weight_bytes=plan.precision.weight_bytes,
         )
     )
@@ -802,31 +801,21 @@ def _profiled_state(
     layers: int,
     micro_batch: int,
     position: StagePosition,
-    holders: int,
-    embed_holders: int,
+    buckets: tuple[SyncBucket, ...],
     *,
     peers: int,
     sharded: bool,
-    direct: bool,
     weight_bytes: int,
 ) -> _MeasuredState:
-    """A stage's gradient sync and optimizer step from the profiles; None for what they lack.
-    The keywords: as profiled.grad_sync_time's."""
+    """A stage's gradient sync of ``buckets`` (its leader's, profiled.stage_buckets) and its
+    optimizer step from the profiles; None for what they lack. The keywords: as
+    profiled.sync_collectives'."""
     sync = None
     if link is not None and link.device == group.accelerator.name:
-        sync = profiled.grad_sync_time(
-            link,
-            model,
-            tp=tp,
-            layers=layers,
-            position=position,
-            holders=holders,
-            embed_holders=embed_holders,
-            peers=peers,
-            sharded=sharded,
-            direct=direct,
-            weight_bytes=weight_bytes,
+        collectives = profiled.sync_collectives(
+            model, buckets, tp=tp, peers=peers, sharded=sharded, weight_bytes=weight_bytes
         )
+        sync = profiled.grad_sync_time(link, collectives)
     profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
     optimizer = (
         None if profile is None else profiled.optimizer_time(profile, model, tp, layers, position)
