@@ -7,12 +7,17 @@ import pytest
 
 from hethub.errors import SpecError
 from hethub.predictor import predict
-from hethub.predictor.memory import in_flight_micro_batches, peak_in_flight, stage_memory_at
+from hethub.predictor.memory import stage_memory_at
 from hethub.predictor.stage import MIDDLE, StagePosition
 from hethub.spec import load_model, parse_cluster
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, parse_plan, uniform_plan
-from hethub.spec.schedules import FORWARD, chunk_sequence
+from hethub.spec.schedules import (
+    FORWARD,
+    chunk_sequence,
+    in_flight_micro_batches,
+    peak_in_flight,
+)
 
 CLUSTER = parse_cluster(
     {"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 8, "devices_per_node": 8}]}

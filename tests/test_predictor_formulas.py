@@ -11,7 +11,7 @@ from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.spec import lookup, parse_cluster, parse_model
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
 
 BF16 = Precision.BF16
 
@@ -248,6 +248,6 @@ def test_stage_memory_by_hand():
 
 
 def test_in_flight_micro_batches():
-    assert [memory.in_flight_micro_batches("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
-    assert memory.in_flight_micro_batches("1f1b", 0, 4, 2) == 2
-    assert memory.in_flight_micro_batches("gpipe", 3, 4, 8) == 8
+    assert [in_flight_micro_batches("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches("1f1b", 0, 4, 2) == 2
+    assert in_flight_micro_batches("gpipe", 3, 4, 8) == 8

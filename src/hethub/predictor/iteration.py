@@ -24,12 +24,7 @@ from hethub.predictor.compute import (
     layer_gemms,
     missing_fp32,
 )
-from hethub.predictor.memory import (
-    StageMemory,
-    in_flight_micro_batches,
-    stage_memory_at,
-    stage_params,
-)
+from hethub.predictor.memory import StageMemory, stage_memory_at, stage_params
 from hethub.predictor.schedule import (
     BACKWARD,
     FORWARD,
@@ -47,6 +42,7 @@ from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision, Recompute
+from hethub.spec.schedules import in_flight_micro_batches
 from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy

@@ -20,7 +20,7 @@ from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameter_count
 from hethub.spec.plan import Precision, Recompute
-from hethub.spec.schedules import FORWARD, Schedule, chunk_sequence
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
 
 GB = 1e9
 
@@ -70,38 +70,6 @@ def layer_activation_bytes(
     replicated = 4 * tokens * h
     sharded = tokens * (h + 2 * model.kv_hidden + h + 3 * f) / tp
     return (replicated + sharded) * element
-
-
-@functools.lru_cache(maxsize=65536)
-def in_flight_micro_batches(
-    schedule: Schedule,
-    position: int,
-    stages: int,
-    micro_batches: int,
-    chunks: tuple[int, ...] = (1,),
-) -> float:
-    """Micro-batches of the whole stage's activations it holds at its peak, read from the
-    schedule's order (spec.schedules): 1F1B keeps stages - position, GPipe every micro-batch.
-    ``chunks``: the stage's layers per chunk; under interleaving a forward of chunk c holds its
-    layers' activations until its backward, so the peak of the chunks' layers in flight, over
-    the stage's layers, is fractional where the chunks differ or are not all in flight."""
-    if len(chunks) == 1:  # peak_in_flight's walk in closed form: a planner asks this a lot
-        if schedule == Schedule.GPIPE:
-            return micro_batches
-        return min(stages - position, micro_batches)
-    return peak_in_flight(schedule, position, stages, micro_batches, chunks)
-
-
-def peak_in_flight(
-    schedule: Schedule, position: int, stages: int, micro_batches: int, chunks: tuple[int, ...]
-) -> float:
-    """in_flight_micro_batches by walking the stage's order."""
-    held = peak = 0
-    for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
-        held += chunks[c] if kind == FORWARD else -chunks[c]
-        peak = max(peak, held)
-    whole, layers = divmod(peak, sum(chunks))
-    return whole if not layers else peak / sum(chunks)
 
 
 def stage_memory(
