@@ -15,7 +15,7 @@ from hethub.cli import main
 from hethub.errors import HethubError
 from hethub.planner import search
 from hethub.predictor import default_calibration, predict
-from hethub.predictor.iteration import stage_work
+from hethub.predictor.pricing import AnalyticPricing, StageShape
 from hethub.predictor.profiled import missing_profiles
 from hethub.predictor.stage import StagePosition
 from hethub.profiles import (
@@ -482,16 +482,17 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     without = predict(plan, CPU2, TINY)
     assert [s.forward_s for s in with_profiles.stages] == [s.forward_s for s in without.stages]
     assert without == predict(plan, CPU2, TINY, profiles=None)
-    analytic = stage_work(
-        TINY,
+    analytic = AnalyticPricing(default_calibration()).work(
         CPU2.groups[0],
-        default_calibration(),
-        1,
-        4,
-        1,
-        Recompute.NONE,
-        StagePosition.of(0, 2),
-        Precision.FP32,  # the plan's
+        StageShape(
+            model=TINY,
+            layers=4,
+            tp=1,
+            position=StagePosition.of(0, 2),
+            micro_batch=1,
+            recompute=Recompute.NONE,
+            precision=Precision.FP32,  # the plan's
+        ),
     )
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))

@@ -7,8 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
-from hethub.predictor.memory import stage_memory_at
+from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profiles.store import Profiles
 from hethub.spec.cluster import DeviceGroup
@@ -40,6 +39,24 @@ class Setting:
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
 
+    @property
+    def pricing(self) -> Pricing:
+        """Where its costs come from: its profiles where they hold them, else the analytic
+        model."""
+        return pricing_for(self.calibration, self.profiles)
+
+    def shape(self, tp: int, layers: int, position: StagePosition) -> StageShape:
+        """A stage of ``layers`` layers on ``tp`` devices at ``position``, under this setting."""
+        return StageShape(
+            model=self.model,
+            layers=layers,
+            tp=tp,
+            position=position,
+            micro_batch=self.micro_batch,
+            recompute=self.recompute,
+            precision=self.precision,
+        )
+
 
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
@@ -59,18 +76,7 @@ def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosit
 def _work(
     setting: Setting, group: DeviceGroup, tp: int, layers: int, position: StagePosition
 ) -> StageTimes:
-    model, cal, b, recompute, precision = (
-        setting.model,
-        setting.calibration,
-        setting.micro_batch,
-        setting.recompute,
-        setting.precision,
-    )
-    if setting.profiles is None and group.speed is None:
-        return stage_work(model, group, cal, tp, layers, b, recompute, position, precision)
-    return stage_cost(
-        model, group, cal, setting.profiles, tp, layers, b, recompute, position, precision
-    )
+    return setting.pricing.work(group, setting.shape(tp, layers, position))
 
 
 def layer_cap(
@@ -108,31 +114,9 @@ def _layer_cap(
     shards: int,
 ) -> int:
     def gb(layers: int) -> float:
-        if setting.profiles is None:
-            return stage_memory_at(
-                setting.model,
-                layers,
-                tp,
-                position,
-                in_flight,
-                setting.micro_batch,
-                setting.recompute,
-                setting.precision,
-                shards,
-            ).total_gb
-        return stage_memory_for(
-            setting.model,
-            group,
-            profiles=setting.profiles,
-            layers=layers,
-            tp=tp,
-            position=position,
-            in_flight=in_flight,
-            micro_batch=setting.micro_batch,
-            recompute=setting.recompute,
-            precision=setting.precision,
-            optimizer_shards=shards,
-        ).total_gb
+        shape = setting.shape(tp, layers, position)
+        memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
+        return memory.total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
-from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.buckets import MAIN_GRAD_BYTES, SyncBucket, rank_buckets
@@ -211,16 +211,6 @@ def sync_collectives(
                 Collective(CollectiveKind.ALL_GATHER, local * weight_bytes, peers, after_step=True)
             )
     return done
-
-
-class SyncTimes(NamedTuple):
-    """A stage's gradient sync on one rank, in the two parts the step puts apart."""
-
-    reduce_s: float
-    """The gradients' sum (all-reduce, or a sharded optimizer's reduce-scatter): before the
-    optimizer step, and what an overlapped sync can hide behind the backwards."""
-    gather_s: float
-    """A sharded optimizer's all-gather of the updated weights: after its step."""
 
 
 def grad_sync_time(link: LinkProfile, collectives: list[Collective]) -> SyncTimes | None:
