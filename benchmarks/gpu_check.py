@@ -457,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def sum_params(setup: Setup) -> int:
     from hethub.spec.model import parse_model
+    from hethub.spec.parameters import parameter_count
 
-    return parse_model(dict(setup.model), "gpu check", setup.model["name"]).parameter_count()
+    return parameter_count(parse_model(dict(setup.model), "gpu check", setup.model["name"]))
 
 
 if __name__ == "__main__":

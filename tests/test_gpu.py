@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hethub.runtime.spawn import run_ranks
+from hethub.spec.parameters import parameter_counts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -104,6 +105,6 @@ def test_the_profiler_measures_the_gpu_in_bf16_and_fp32(tmp_path):
     for profile in profiles.layers.values():
         assert profile.key.device == "h100" and profile.key.dtype == "bf16"
         assert profile.layer_forward_s > 0 and profile.optimizer_s_per_param > 0
-        assert profile.layer_param_bytes == gpt.layer_params() * 2
+        assert profile.layer_param_bytes == parameter_counts(gpt).layer * 2
     (fp32,) = measure_layers(load_model("tiny-llama"), "h100", [1], [1], repeats=3)
     assert fp32.key.dtype == "fp32" and fp32.layer_backward_s > 0

@@ -7,11 +7,17 @@ import pytest
 
 from hethub.errors import SpecError
 from hethub.predictor import predict
-from hethub.predictor.memory import in_flight_micro_batches, peak_in_flight, stage_memory_at
+from hethub.predictor.memory import stage_memory_at
 from hethub.predictor.stage import MIDDLE, StagePosition
 from hethub.spec import load_model, parse_cluster
-from hethub.spec.plan import parse_plan, uniform_plan
-from hethub.spec.schedules import FORWARD, chunk_sequence
+from hethub.spec.parameters import parameter_counts
+from hethub.spec.plan import Precision, parse_plan, uniform_plan
+from hethub.spec.schedules import (
+    FORWARD,
+    chunk_sequence,
+    in_flight_micro_batches,
+    peak_in_flight,
+)
 
 CLUSTER = parse_cluster(
     {"groups": [{"name": "nv", "accelerator": "a100-80gb", "nodes": 8, "devices_per_node": 8}]}
@@ -171,10 +177,10 @@ def test_in_flight_memory_is_read_from_the_order() -> None:
 
 def test_a_sharded_optimizer_keeps_six_plus_twelve_over_d_bytes_per_parameter() -> None:
     position = StagePosition.of(1, 3)
-    whole = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", "bf16")
+    whole = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", Precision.BF16)
     for d in (2, 4, 8):
-        sharded = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", "bf16", d)
-        params = 4 * MODEL.layer_params()
+        sharded = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", Precision.BF16, d)
+        params = 4 * parameter_counts(MODEL).layer
         assert sharded.weights_gb + sharded.grads_gb == pytest.approx(6 * params / 1e9)
         assert sharded.optimizer_gb == pytest.approx(12 * params / d / 1e9)
         assert sharded.optimizer_gb == pytest.approx(whole.optimizer_gb / d)
@@ -223,7 +229,7 @@ def test_one_chunk_in_flight_closed_form_matches_the_walk() -> None:
 def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_either_precision() -> None:
     # The runtime's ShardedAdamW keeps an fp32 slice of the weights and the two moments: 12/d.
     model = load_model("tiny-llama")
-    for precision in ("bf16", "fp32"):
+    for precision in Precision:
         alone = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 1)
         shared = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 4)
         params = alone.weights_gb / (2 if precision == "bf16" else 4)

@@ -14,10 +14,8 @@ from hypothesis import strategies as st
 
 from hethub.cli import main
 from hethub.planner import search, upper_bound
-from hethub.planner.costs import interleaved_in_flight
 from hethub.planner.partition import chunk_split, partition_chunks, partition_layers, pipeline_cost
 from hethub.planner.split import ReplicaTiming, split_micro_batches
-from hethub.predictor.memory import peak_in_flight
 from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, parse_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -387,18 +385,6 @@ def test_chunk_split_makes_the_slowest_chunk_as_fast_as_it_can_be():
         )
         assert sum(split) == layers and min(split) >= 1
         assert max(n + e for n, e in zip(split, extra)) == best
-
-
-def test_the_planners_interleaved_memory_is_the_orders_on_whole_groups_and_never_more():
-    for p in range(2, 7):
-        for v in (2, 4):
-            for m in range(1, 3 * p + 1):
-                for s in range(p):
-                    exact = peak_in_flight("interleaved-1f1b", s, p, m, (1,) * v)
-                    estimate = interleaved_in_flight(s, p, m, v)
-                    assert estimate <= exact + 1e-12
-                    if m % p == 0:
-                        assert estimate == pytest.approx(exact)
 
 
 def test_planned_data_parallel_replicas_shard_and_overlap():

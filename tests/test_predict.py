@@ -14,6 +14,7 @@ from hethub.predictor import default_calibration, predict
 from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import chrome_trace
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.parameters import parameter_count
 
 MODEL = load_model("llama-7b")
 
@@ -67,7 +68,7 @@ def test_model_tflops_count_six_flops_per_parameter_and_token_plus_attention():
     # Six a token for each weight of a matrix product: not the embedding's (a lookup) nor the
     # RMSNorms' (two a layer and the final one), which do no matrix product.
     norms = (2 * MODEL.layers + 1) * MODEL.hidden
-    dense = 6 * (MODEL.parameter_count() - MODEL.vocab * MODEL.hidden - norms) * tokens
+    dense = 6 * (parameter_count(MODEL) - MODEL.vocab * MODEL.hidden - norms) * tokens
     attention = 3 * MODEL.layers * 4 * 4096 * MODEL.hidden * tokens
     assert (
         result.model_tflops_per_device * result.iteration_time_s * result.devices * 1e12

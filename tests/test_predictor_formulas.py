@@ -9,8 +9,11 @@ import pytest
 from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.spec import lookup, parse_cluster, parse_model
-from hethub.spec.plan import Recompute
-from hethub.spec.schedules import Schedule
+from hethub.spec.parameters import parameter_counts
+from hethub.spec.plan import Precision, Recompute
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
+
+BF16 = Precision.BF16
 
 CAL = Calibration(
     matmul_efficiency=0.5,
@@ -56,8 +59,12 @@ def test_calibration_comes_from_the_catalog_and_is_physical():
 
 def test_gemm_time_efficiency_rises_with_the_narrowest_dimension():
     # 1 TFLOP on 312 TFLOP/s at 0.5 x 64/(64+64) = 0.25 efficiency, plus the 10 us ramp.
-    assert compute.gemm_time(1e12, 64, A100, CAL) == pytest.approx(1e12 / (312e12 * 0.25) + 10e-6)
-    assert compute.gemm_time(1e12, 4096, A100, CAL) < compute.gemm_time(1e12, 64, A100, CAL)
+    assert compute.gemm_time(1e12, 64, A100, CAL, BF16) == pytest.approx(
+        1e12 / (312e12 * 0.25) + 10e-6
+    )
+    assert compute.gemm_time(1e12, 4096, A100, CAL, BF16) < compute.gemm_time(
+        1e12, 64, A100, CAL, BF16
+    )
 
 
 def test_memory_time_is_bytes_over_effective_bandwidth():
@@ -105,7 +112,7 @@ def test_gpt_layer_memory_traffic_by_hand():
         + 6 * tokens * h
         + 8 * tokens * h
     )
-    assert compute.layer_memory_bytes(GPT, t, b) == pytest.approx(2 * elements)
+    assert compute.layer_memory_bytes(GPT, t, b, BF16) == pytest.approx(2 * elements)
 
 
 def test_layer_takes_the_larger_of_host_and_device_time():
@@ -113,14 +120,16 @@ def test_layer_takes_the_larger_of_host_and_device_time():
         {"arch": "gpt", "hidden": 64, "layers": 1, "heads": 4, "vocab": 100, "seq_len": 16}, "", "t"
     )
     slow_host = dataclasses.replace(CAL, launch_us=1000)
-    cost = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.NONE, 0.0)
+    cost = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.NONE, 0.0, BF16)
     assert cost.forward_s == pytest.approx(compute.FORWARD_OPS["gpt"] * 1000e-6)  # launch-bound
     assert cost.backward_s == pytest.approx(2 * cost.forward_s)
-    recomputed = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.FULL, 0.0)
+    recomputed = compute.layer_cost(tiny, A100, slow_host, 1, 1, Recompute.FULL, 0.0, BF16)
     assert recomputed.backward_s == pytest.approx(cost.backward_s + cost.forward_s)
-    big = compute.layer_cost(GPT, A100, CAL, 1, 8, Recompute.NONE, 0.0)  # device-bound
-    device = sum(compute.gemm_time(f, d, A100, CAL) for f, d in compute.layer_gemms(GPT, 1, 8))
-    device += compute.memory_time(compute.layer_memory_bytes(GPT, 1, 8), A100, CAL)
+    big = compute.layer_cost(GPT, A100, CAL, 1, 8, Recompute.NONE, 0.0, BF16)  # device-bound
+    device = sum(
+        compute.gemm_time(f, d, A100, CAL, BF16) for f, d in compute.layer_gemms(GPT, 1, 8)
+    )
+    device += compute.memory_time(compute.layer_memory_bytes(GPT, 1, 8, BF16), A100, CAL)
     assert big.forward_s == pytest.approx(device)
     assert big.backward_s == pytest.approx(2 * device)
 
@@ -191,7 +200,7 @@ def test_stage_memory_by_hand():
     # Korthikanti et al.: s b h (10 + 24/t + 5 a s / (h t)) bytes per layer.
     b, s, h, a, t = 2, 512, 1024, 16, 2
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    assert memory.layer_activation_bytes(GPT, t, b) == pytest.approx(per_layer)
+    assert memory.layer_activation_bytes(GPT, t, b, BF16) == pytest.approx(per_layer)
     mem = memory.stage_memory(
         GPT,
         layers=2,
@@ -202,8 +211,9 @@ def test_stage_memory_by_hand():
         micro_batch=b,
         recompute=Recompute.NONE,
         schedule=Schedule.ONE_F_ONE_B,
+        precision=BF16,
     )
-    params = (2 * GPT.layer_params() + GPT.embedding_params()) / t
+    params = (2 * parameter_counts(GPT).layer + parameter_counts(GPT).embedding) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
     assert mem.weights_gb + mem.grads_gb + mem.optimizer_gb == pytest.approx(params * 18 / 1e9)
     assert mem.activations_gb == pytest.approx(
@@ -219,6 +229,7 @@ def test_stage_memory_by_hand():
         micro_batch=b,
         recompute=Recompute.FULL,
         schedule=Schedule.ONE_F_ONE_B,
+        precision=BF16,
     )
     assert recomputed.activations_gb == pytest.approx((2 * 2 * s * b * h * 2 + per_layer) / 1e9)
     gpipe = memory.stage_memory(
@@ -231,11 +242,12 @@ def test_stage_memory_by_hand():
         micro_batch=b,
         recompute=Recompute.NONE,
         schedule=Schedule.GPIPE,
+        precision=BF16,
     )
     assert gpipe.activations_gb == pytest.approx(8 * 2 * per_layer / 1e9)
 
 
 def test_in_flight_micro_batches():
-    assert [memory.in_flight_micro_batches("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
-    assert memory.in_flight_micro_batches("1f1b", 0, 4, 2) == 2
-    assert memory.in_flight_micro_batches("gpipe", 3, 4, 8) == 8
+    assert [in_flight_micro_batches("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches("1f1b", 0, 4, 2) == 2
+    assert in_flight_micro_batches("gpipe", 3, 4, 8) == 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import statistics
 import time
 
@@ -15,8 +16,8 @@ from hethub.cli import main
 from hethub.errors import HethubError
 from hethub.planner import search
 from hethub.predictor import default_calibration, predict
-from hethub.predictor.iteration import stage_work
-from hethub.predictor.profiled import missing_profiles, param_tensors
+from hethub.predictor.pricing import AnalyticPricing, StageShape
+from hethub.predictor.profiled import missing_profiles
 from hethub.predictor.stage import StagePosition
 from hethub.profiles import (
     LayerKey,
@@ -31,7 +32,8 @@ from hethub.profiles import (
 from hethub.profiles.store import METHOD, local_concurrency, profile_path
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
-from hethub.spec.plan import Recompute
+from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameters
+from hethub.spec.plan import Precision, Recompute
 
 TINY = load_model("tiny-llama")
 CPU2 = parse_cluster(
@@ -221,7 +223,7 @@ def test_stage_times_come_from_the_profile():
     assert first.backward_s == pytest.approx(5 * lp.layer_backward_s + lp.embed_backward_s)
     assert last.forward_s == pytest.approx(3 * lp.layer_forward_s + lp.head_forward_s)
     assert last.backward_s == pytest.approx(3 * lp.layer_backward_s + lp.head_backward_s)
-    params = 5 * TINY.layer_params() + TINY.embedding_params()
+    params = 5 * parameter_counts(TINY).layer + parameter_counts(TINY).embedding
     assert first.optimizer_s == pytest.approx(params * lp.optimizer_s_per_param)
     recomputed = predict(
         plan_of([("cpu", 5), ("cpu", 3)], recompute="full"), CPU2, TINY, profiles=profiles
@@ -344,9 +346,10 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
         }
     )
     (stage,) = predict(dp, CPU2, TINY, profiles=profiles_of(lp, link)).stages
-    tensors = param_tensors(TINY, 8, StagePosition.of(0, 1))
+    table = parameter_table(TINY)
+    tensors = [table[n] for n in stage_parameters(TINY, 0, 8, is_first=True, is_last=True)]
     assert len(tensors) == 8 * 9 + 3
-    total = sum(n * 4 for _, n, _ in tensors)
+    total = sum(math.prod(t.shape) * 4 for t in tensors)
     assert total < BUCKET_BYTES  # one bucket, one all-reduce, as the runtime does
     assert stage.grad_sync_s == pytest.approx(link.allreduce_time(total, 2))
     tp2 = parse_plan(
@@ -363,7 +366,9 @@ def test_sends_and_gradient_sync_are_priced_with_the_link_profile():
     (stage,) = predict(
         tp2, cpu4, TINY, profiles=profiles_of(layer_profile(key_of(tp=2)), link)
     ).stages
-    gathers = sum(link.allgather_time(n * 4, 2) for _, n, sharded in tensors if sharded)
+    gathers = sum(
+        link.allgather_time(math.prod(t.shape) * 4, 2) for t in tensors if t.tp_dim is not None
+    )
     assert stage.grad_sync_s == pytest.approx(
         gathers + link.allreduce_time(total, 2) + link.broadcast_time(total, 2)
     )
@@ -375,8 +380,9 @@ def test_a_sharded_sync_is_priced_with_the_measured_reduce_scatter_and_all_gathe
     # overlapped sync all-reduces the bucket directly. gloo's reduce-scatter is slower than its
     # all-reduce here (54 ms against 27 ms for 29 MB), so half an all-reduce misprices it.
     link = link_profile()
-    tensors = param_tensors(TINY, 8, StagePosition.of(0, 1))
-    grads = sum(n * 4 for _, n, _ in tensors)
+    table = parameter_table(TINY)
+    names = stage_parameters(TINY, 0, 8, is_first=True, is_last=True)
+    grads = sum(math.prod(table[n].shape) * 4 for n in names)
 
     def stage_of(precision, **fields):
         plan = parse_plan(
@@ -477,8 +483,17 @@ def test_without_a_matching_profile_the_analytic_model_prices_it():
     without = predict(plan, CPU2, TINY)
     assert [s.forward_s for s in with_profiles.stages] == [s.forward_s for s in without.stages]
     assert without == predict(plan, CPU2, TINY, profiles=None)
-    analytic = stage_work(
-        TINY, CPU2.groups[0], default_calibration(), 1, 4, 1, Recompute.NONE, StagePosition.of(0, 2)
+    analytic = AnalyticPricing(default_calibration()).work(
+        CPU2.groups[0],
+        StageShape(
+            model=TINY,
+            layers=4,
+            tp=1,
+            position=StagePosition.of(0, 2),
+            micro_batch=1,
+            recompute=Recompute.NONE,
+            precision=Precision.FP32,  # the plan's
+        ),
     )
     assert without.stages[0].forward_s == analytic[0]
     notes = missing_profiles(plan, CPU2, TINY, profiles_of(other))
@@ -558,7 +573,7 @@ def test_measure_layers_times_the_runtimes_modules():
     # Under recomputation the backward runs the forward again.
     assert median("layer_recompute_backward_s") > median("layer_backward_s")
     assert profile.layer_recompute_forward_s > 0
-    assert profile.layer_param_bytes == SMALL.layer_params() * 4
+    assert profile.layer_param_bytes == parameter_counts(SMALL).layer * 4
     # At least the layer's input, its attention output and its MLP's three hidden activations, fp32.
     tokens = SMALL.seq_len
     assert profile.layer_activation_bytes >= 4 * tokens * (2 * SMALL.hidden + 3 * SMALL.ffn_hidden)

@@ -20,6 +20,7 @@ from hethub.spec import (
     preset_names,
 )
 from hethub.spec.model import llama_ffn_hidden
+from hethub.spec.parameters import parameter_count, parameter_counts
 from hethub.spec.plan import PipelineLayout, Precision, StageSpec, uniform_layers
 
 # --------------------------------------------------------------------------------------------
@@ -38,7 +39,7 @@ from hethub.spec.plan import PipelineLayout, Precision, StageSpec, uniform_layer
 def test_llama_preset_parameter_counts(name: str, expected: float, tolerance: float) -> None:
     model = load_model(name)
     assert model.arch == "llama"
-    assert model.parameter_count() == pytest.approx(expected, rel=tolerance)
+    assert parameter_count(model) == pytest.approx(expected, rel=tolerance)
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "llama-13b", "llama-70b", "llama-140b"])
@@ -76,10 +77,10 @@ def test_gpt_parameter_count_by_hand() -> None:
     embeddings = vocab * h + seq * h  # tokens + learned positions (head is tied)
     per_layer = 12 * h * h + 13 * h  # qkv+out 4h^2+4h, mlp 8h^2+5h, two layernorms 4h
     final_layernorm = 2 * h
-    assert model.layer_params() == per_layer
-    assert model.parameter_count() == embeddings + layers * per_layer + final_layernorm
+    assert parameter_counts(model).layer == per_layer
+    assert parameter_count(model) == embeddings + layers * per_layer + final_layernorm
     # The same thing with the numbers in: 96000 + 12288 + 3 * (110592 + 1248) + 192
-    assert model.parameter_count() == 96000 + 12288 + 3 * (110592 + 1248) + 192
+    assert parameter_count(model) == 96000 + 12288 + 3 * (110592 + 1248) + 192
 
 
 def test_llama_parameter_count_by_hand_with_gqa() -> None:
@@ -107,10 +108,10 @@ def test_llama_parameter_count_by_hand_with_gqa() -> None:
     embedding = vocab * h  # no learned positions (rotary)
     head = h + vocab * h  # final RMSNorm + untied output head
     assert model.kv_hidden == kv
-    assert model.layer_params() == per_layer
-    assert model.parameter_count() == embedding + layers * per_layer + head
+    assert parameter_counts(model).layer == per_layer
+    assert parameter_count(model) == embedding + layers * per_layer + head
     # With the numbers in: 64000 + 2 * (40960 + 135168 + 256) + 128 + 64000
-    assert model.parameter_count() == 64000 + 2 * (40960 + 135168 + 256) + 128 + 64000
+    assert parameter_count(model) == 64000 + 2 * (40960 + 135168 + 256) + 128 + 64000
 
 
 def test_llama_ffn_rule() -> None:

@@ -18,6 +18,7 @@ from hethub.profiles.store import (
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, Plan
+from hethub.spec.parameters import parameter_count
 from hethub.spec.schedules import Schedule
 
 PROFILES_HELP = (
@@ -132,7 +133,7 @@ def describe(
             ]
         )
     p = prediction
-    params = model.parameter_count()
+    params = parameter_count(model)
     size = (
         f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     )  # local models are millions

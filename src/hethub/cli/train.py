@@ -15,6 +15,7 @@ from hethub.errors import HethubError
 from hethub.jobs import Job, plan_devices, prepare
 from hethub.report.text import plural
 from hethub.runtime.rundir import DEFAULT_SETTINGS
+from hethub.spec.parameters import parameter_count
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +107,7 @@ def _announce(job: Job, args: argparse.Namespace) -> None:
     start = f"from step {job.resume_from} " if job.resume_from is not None else ""
     lines = [
         (
-            f"{job.model.name} ({job.model.parameter_count() / 1e6:.1f}M parameters), "
+            f"{job.model.name} ({parameter_count(job.model) / 1e6:.1f}M parameters), "
             f"{plural(plan_devices(job.plan), 'rank')}, {plural(job.settings.steps, 'step')} "
             f"{start}into {job.run.path}"
         ),

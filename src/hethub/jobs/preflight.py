@@ -26,6 +26,7 @@ from hethub.predictor import Prediction
 from hethub.predictor.memory import GB, state_bytes
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, Plan
+from hethub.spec.parameters import parameter_count
 from hethub.spec.plan import Precision
 
 RANKS_PER_CORE = 4
@@ -88,11 +89,11 @@ def unplanned_excesses(
     and the model's weights, gradients and optimizer states held once at least."""
     found = [_processes_excess(cluster.devices, "profiling the cluster starts", machine)]
     per_parameter = sum(state_bytes(precision))
-    need_gb = model.parameter_count() * per_parameter / GB
+    need_gb = parameter_count(model) * per_parameter / GB
     if need_gb > machine.memory_gb:
         found.append(
             f"training {model.name} in {precision} needs at least {need_gb:,.1f} GB "
-            f"({model.parameter_count():,} parameters x {per_parameter} bytes of weights, "
+            f"({parameter_count(model):,} parameters x {per_parameter} bytes of weights, "
             f"gradients and optimizer states), this machine has {machine.memory_gb:,.1f} GB "
             f"{machine.memory_source}"
         )

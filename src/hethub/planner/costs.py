@@ -7,15 +7,14 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.iteration import stage_cost, stage_memory_for, stage_work
-from hethub.predictor.memory import in_flight_micro_batches, stage_memory_at
+from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profiles.store import Profiles
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, in_flight_micro_batches, megatron_in_flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +34,28 @@ class Setting:
     calibration: Calibration
     micro_batch: int
     recompute: Recompute
+    precision: Precision
     schedule: Schedule = Schedule.ONE_F_ONE_B
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
-    precision: Precision = Precision.BF16
+
+    @property
+    def pricing(self) -> Pricing:
+        """Where its costs come from: its profiles where they hold them, else the analytic
+        model."""
+        return pricing_for(self.calibration, self.profiles)
+
+    def shape(self, tp: int, layers: int, position: StagePosition) -> StageShape:
+        """A stage of ``layers`` layers on ``tp`` devices at ``position``, under this setting."""
+        return StageShape(
+            model=self.model,
+            layers=layers,
+            tp=tp,
+            position=position,
+            micro_batch=self.micro_batch,
+            recompute=self.recompute,
+            precision=self.precision,
+        )
 
 
 @functools.lru_cache(maxsize=65536)
@@ -59,18 +76,7 @@ def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosit
 def _work(
     setting: Setting, group: DeviceGroup, tp: int, layers: int, position: StagePosition
 ) -> StageTimes:
-    model, cal, b, recompute, precision = (
-        setting.model,
-        setting.calibration,
-        setting.micro_batch,
-        setting.recompute,
-        setting.precision,
-    )
-    if setting.profiles is None and group.speed is None:
-        return stage_work(model, group, cal, tp, layers, b, recompute, position, precision)
-    return stage_cost(
-        model, group, cal, setting.profiles, tp, layers, b, recompute, position, precision
-    )
+    return setting.pricing.work(group, setting.shape(tp, layers, position))
 
 
 def layer_cap(
@@ -89,19 +95,13 @@ def layer_cap(
     if chunks == 1:
         in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
     else:
-        in_flight = interleaved_in_flight(position, stages, micro_batches, chunks)
+        # Interleaved: Megatron-LM's warm-up, the schedule's own where the micro-batches fill
+        # whole groups of stages and less only where the last group is short. Walking that
+        # order (in_flight_micro_batches) costs the paper scenario's search 50% more (building
+        # its orders: 2.7 s CPU), for a draft whose micro-batches are nominal anyway (the split
+        # comes after); the prediction of a candidate checks its memory on the exact order.
+        in_flight = megatron_in_flight(position, stages, micro_batches, chunks)
     return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight, shards)
-
-
-def interleaved_in_flight(position: int, stages: int, micro_batches: int, chunks: int) -> float:
-    """Micro-batches of a stage's activations in flight at its peak under interleaved 1F1B with
-    equal chunks, from Megatron-LM's warm-up of 2 (p - s - 1) + (v - 1) p chunk forwards: exactly
-    the schedule's (in_flight_micro_batches) when the micro-batches fill whole groups of p, and
-    never more otherwise (spec.schedules lengthens a warm-up only where a short last group would
-    deadlock). Building that order costs a planner's inner loop too much; the prediction of a
-    candidate checks its memory with the exact order."""
-    warmup = 2 * (stages - position - 1) + (chunks - 1) * stages
-    return min(warmup + 1, micro_batches * chunks) / chunks
 
 
 @functools.lru_cache(maxsize=65536)
@@ -114,31 +114,9 @@ def _layer_cap(
     shards: int,
 ) -> int:
     def gb(layers: int) -> float:
-        if setting.profiles is None:
-            return stage_memory_at(
-                setting.model,
-                layers,
-                tp,
-                position,
-                in_flight,
-                setting.micro_batch,
-                setting.recompute,
-                setting.precision,
-                shards,
-            ).total_gb
-        return stage_memory_for(
-            setting.model,
-            group,
-            profiles=setting.profiles,
-            layers=layers,
-            tp=tp,
-            position=position,
-            in_flight=in_flight,
-            micro_batch=setting.micro_batch,
-            recompute=setting.recompute,
-            precision=setting.precision,
-            optimizer_shards=shards,
-        ).total_gb
+        shape = setting.shape(tp, layers, position)
+        memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
+        return memory.total_gb
 
     fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed

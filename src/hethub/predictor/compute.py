@@ -18,15 +18,6 @@ from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
-BYTES_PER_ELEMENT = 2  # bf16 activations and weights (see element_bytes for a plan's precision)
-LOSS_BYTES_PER_ELEMENT = 4  # the cross-entropy works on fp32 logits, in either precision
-
-
-def element_bytes(precision: Precision) -> int:
-    """Bytes of one activation element under ``precision``: what activations, memory-bound
-    operators' traffic, tensor-parallel all-reduces and pipeline sends move."""
-    return BYTES_PER_ELEMENT if precision == Precision.BF16 else 4
-
 
 def peak_tflops(accelerator: AcceleratorSpec, precision: Precision) -> float:
     """Dense TFLOP/s the device's GEMMs run at under ``precision``."""
@@ -71,7 +62,7 @@ def gemm_time(
     narrowest: int,
     accelerator: AcceleratorSpec,
     cal: Calibration,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> float:
     """One GEMM whose smallest dimension is ``narrowest``.
 
@@ -102,9 +93,7 @@ def layer_gemms(model: ModelSpec, tp: int, micro_batch: int) -> list[tuple[float
     ]
 
 
-def layer_memory_bytes(
-    model: ModelSpec, tp: int, micro_batch: int, precision: Precision = Precision.BF16
-) -> float:
+def layer_memory_bytes(model: ModelSpec, tp: int, micro_batch: int, precision: Precision) -> float:
     """Bytes the memory-bound operators of one layer's forward move on one device.
 
     gpt materialises the attention scores (Megatron-LM's fused softmax and dropout); llama uses a
@@ -129,7 +118,7 @@ def layer_memory_bytes(
             + 3 * tokens * h * 2  # two residual adds
             + 3 * tokens * f / tp  # SiLU(gate) * up
         )
-    return elements * element_bytes(precision)
+    return elements * precision.element_bytes
 
 
 @functools.lru_cache(maxsize=65536)
@@ -141,7 +130,7 @@ def layer_cost(
     micro_batch: int,
     recompute: Recompute,
     tp_allreduce_s: float,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices.
 
@@ -172,11 +161,11 @@ def embedding_cost(
     cal: Calibration,
     tp: int,
     micro_batch: int,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> WorkCost:
     """Token (and position) embedding lookup on the first stage; its backward scatters gradients."""
     tokens = micro_batch * model.seq_len
-    element = element_bytes(precision)
+    element = precision.element_bytes
     bytes_moved = 2 * tokens * model.hidden * element * (2 if model.arch == "gpt" else 1)
     device = memory_time(bytes_moved, accelerator, cal)
     host = 3 * cal.launch_us * 1e-6
@@ -190,14 +179,14 @@ def head_cost(
     cal: Calibration,
     tp: int,
     micro_batch: int,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> WorkCost:
     """Final norm, vocabulary-parallel output GEMM and cross-entropy on the last stage."""
     tokens = micro_batch * model.seq_len
     flops = 2 * tokens * model.hidden * model.vocab / tp
-    norm_bytes = 2 * tokens * model.hidden * element_bytes(precision)
+    norm_bytes = 2 * tokens * model.hidden * precision.element_bytes
     # Cross-entropy: cast, max, exp-sum and gradient passes over the fp32 logit shard.
-    loss_bytes = 4 * tokens * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+    loss_bytes = 4 * tokens * model.vocab / tp * precision.loss_bytes
     narrowest = min(tokens, model.hidden, model.vocab // tp)
     gemm = gemm_time(flops, narrowest, accelerator, cal, precision)
     device = gemm + memory_time(norm_bytes + loss_bytes, accelerator, cal)

@@ -3,36 +3,23 @@
 A step: every pipeline layout runs its schedule (simulated event by event); then each stage
 all-reduces its gradients with the stages that hold the same layers (natively inside a group,
 over the host-staged bridge across vendors), steps the optimizer, and the step ends when the
-last device is done.
+last device is done. What each piece costs is predictor.pricing's answer; what the step says,
+predictor.results'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
-from hethub.predictor.compute import (
-    element_bytes,
-    embedding_cost,
-    head_cost,
-    layer_cost,
-    layer_gemms,
-    missing_fp32,
-)
-from hethub.predictor.memory import (
-    GRAD_BYTES,
-    StageMemory,
-    in_flight_micro_batches,
-    stage_memory_at,
-    stage_params,
-    state_bytes,
-)
+from hethub.predictor.compute import layer_gemms, missing_fp32
+from hethub.predictor.memory import stage_params
+from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
+from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.schedule import (
     BACKWARD,
     FORWARD,
@@ -42,114 +29,15 @@ from hethub.predictor.schedule import (
     stage_end_times,
 )
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
-from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
-from hethub.profiles.store import LinkProfile, Profiles
+from hethub.predictor.stage import StagePosition
+from hethub.profiles.store import Profiles
 from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
-from hethub.spec.plan import PipelineLayout, Plan, Precision, Recompute
-
-# Adam on fp32 master weights, per parameter: read the gradient (4), read and write the master
-# weight (8) and both moments (16), write the bf16 weight (2).
-OPTIMIZER_BYTES_MOVED = 30
-# fp32: read the gradient (4), read and write the weight (8) and both moments (16).
-FP32_OPTIMIZER_BYTES_MOVED = 28
-OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
-
-
-@dataclass(frozen=True, slots=True)
-class StagePrediction:
-    """One stage of one pipeline layout (the same for each of its ``count`` replicas)."""
-
-    pipeline: int
-    position: int
-    group: str
-    accelerator: str
-    tp: int
-    layers: int
-    chunks: tuple[int, ...]
-    """Layers per chunk (one chunk unless the pipeline interleaves)."""
-    forward_s: float
-    """One micro-batch forward through all its chunks, TP communication included."""
-    backward_s: float
-    """One micro-batch backward, recomputation and TP communication included."""
-    compute_s: float
-    """All micro-batches of the step: forward plus backward."""
-    send_s: float
-    """One activation send to the next stage (0 for the last stage)."""
-    grad_sync_s: float
-    """The gradients' sum and, with a sharded optimizer, the updated weights' all-gather."""
-    param_gather_s: float
-    """Of ``grad_sync_s``, a sharded optimizer's all-gather: it follows the optimizer step."""
-    optimizer_s: float
-    end_s: float
-    """When the stage finishes its last backward."""
-    memory: StageMemory
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    iteration_time_s: float
-    tokens_per_s: float
-    model_tflops_per_device: float
-    peak_memory_gb: float
-    fits: bool
-    devices: int
-    bubble_fraction: float
-    """Device-weighted share of the pipeline time that stages sit idle."""
-    pipeline_time_s: tuple[float, ...]
-    """Per pipeline layout: from the first forward to the last backward."""
-    stages: tuple[StagePrediction, ...]
-    precision: Precision = Precision.BF16
-    """The plan's precision, which the step was priced in."""
-    schedule: str = "1f1b"
-    shard_optimizer: bool = False
-    overlap_grad_sync: bool = False
-    timeline: list[TimelineEvent] | None = field(default=None, compare=False)
-    """With predict(..., timeline=True): every simulated operation and communication."""
-
-    def to_json(self) -> dict:
-        """The object ``hethub predict --json`` prints."""
-        return {
-            "precision": self.precision.value,
-            "schedule": self.schedule,
-            "shard_optimizer": self.shard_optimizer,
-            "overlap_grad_sync": self.overlap_grad_sync,
-            "iteration_time_s": self.iteration_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "model_tflops_per_device": self.model_tflops_per_device,
-            "peak_memory_gb": self.peak_memory_gb,
-            "fits": self.fits,
-            "devices": self.devices,
-            "bubble_fraction": self.bubble_fraction,
-            "pipeline_time_s": list(self.pipeline_time_s),
-            "stages": [
-                {
-                    "pipeline": s.pipeline,
-                    "stage": s.position,
-                    "group": s.group,
-                    "accelerator": s.accelerator,
-                    "tp": s.tp,
-                    "layers": s.layers,
-                    "chunks": list(s.chunks),
-                    "forward_s": s.forward_s,
-                    "backward_s": s.backward_s,
-                    "compute_s": s.compute_s,
-                    "send_s": s.send_s,
-                    "grad_sync_s": s.grad_sync_s,
-                    "optimizer_s": s.optimizer_s,
-                    "memory_gb": s.memory.total_gb,
-                    "memory_breakdown_gb": {
-                        "weights": s.memory.weights_gb,
-                        "grads": s.memory.grads_gb,
-                        "optimizer": s.memory.optimizer_gb,
-                        "activations": s.memory.activations_gb,
-                    },
-                }
-                for s in self.stages
-            ],
-        }
+from hethub.spec.plan import PipelineLayout, Plan, Precision
+from hethub.spec.schedules import in_flight_micro_batches
+from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,31 +105,29 @@ def predict(
     )
     if profiles is not None:
         profiles = profiled.for_precision(profiles, plan.precision)
+    pricing = pricing_for(cal, profiles)
     costs = [
-        _layout_costs(pipeline, blocks, plan, cluster, model, cal, profiles)
+        _layout_costs(pipeline, blocks, plan, cluster, model, pricing)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
     ]
-    sharing = None if profiles is None else profiled.core_sharing(plan, cluster, model, profiles)
+    sharing = pricing.core_sharing(plan, cluster, model)
     if sharing is not None:  # more ranks than cores: every layout's ranks share them, together
         runs, orders = _simulate_shared(plan, costs, sharing)
     else:
         runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
-    pricing = _StepPricing(
+    step = _Step(
         plan=plan,
         cluster=cluster,
         model=model,
-        cal=cal,
-        profiles=profiles,
-        sync=_sync_classes(runs, cluster, cal),
-        holders=profiled.holders(plan, model) if profiles is not None else (0, 0),
-        plan_link=_plan_link(plan, cluster, profiles) if profiles is not None else None,
+        pricing=pricing,
+        sync=_sync_classes(plan, runs, cluster, cal),
     )
     stages = [
-        _price_stage(pricing, runs, index, s)
+        _price_stage(step, runs, index, s)
         for index, run in enumerate(runs)
         for s in range(len(run.groups))
     ]
-    return _assemble_step(pricing, runs, stages, _timeline(runs, orders) if timeline else None)
+    return _assemble_step(step, runs, stages, _timeline(runs, orders) if timeline else None)
 
 
 def check_precision(
@@ -261,7 +147,8 @@ def check_precision(
 
 @dataclass(frozen=True, slots=True)
 class _SyncClasses:
-    """Who syncs gradients with whom.
+    """Who syncs gradients with whom, per layout, read off spec.topology (layout_classes,
+    data_parallel_degrees: what Topology.data_parallel_peers gives each rank).
 
     Replicas with the same stages hold the same parameter shards: they all-reduce natively, as
     one data-parallel group, whatever their micro-batch counts. Unlike layouts then exchange
@@ -272,11 +159,11 @@ class _SyncClasses:
     """
 
     classes: int
-    """Distinct tuples of stages among the layouts."""
+    """Layout classes (layouts of distinct stages)."""
     peers: list[list[int]]
-    """Per layout: the indices of the layouts with its stages (itself included)."""
+    """Per layout: the indices of the layouts of its class (itself included)."""
     replicas: list[int]
-    """Per layout: the replicas of it and its peers, which all-reduce natively together."""
+    """Per layout: its ranks' data-parallel peers, which all-reduce natively together."""
     slowest_s: float
     """The longest pipeline time: where a sync across unlike layouts starts."""
     fewest: int
@@ -286,19 +173,18 @@ class _SyncClasses:
     than one class)."""
 
 
-def _sync_classes(runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration) -> _SyncClasses:
-    members: dict[tuple, list[int]] = {}
-    peers = []  # per layout, its class's list, which the later layouts of the class join
-    for index, run in enumerate(runs):
-        peers.append(members.setdefault(run.pipeline.stages, []))
-        peers[-1].append(index)
-    leaders = {runs[indices[0]].groups[0] for indices in members.values()}
+def _sync_classes(
+    plan: Plan, runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration
+) -> _SyncClasses:
+    classes = layout_classes(plan)
+    replicas = data_parallel_degrees(plan)
+    leaders = {runs[k].groups[0] for k in set(classes)}
     return _SyncClasses(
-        classes=len(members),
-        peers=peers,
-        replicas=[sum(runs[i].pipeline.count for i in indices) for indices in peers],
+        classes=len(set(classes)),
+        peers=[[i for i, k in enumerate(classes) if k == mine] for mine in classes],
+        replicas=list(replicas),
         slowest_s=max(run.time_s for run in runs),
-        fewest=min(sum(runs[i].pipeline.count for i in indices) for indices in members.values()),
+        fewest=min(replicas),
         cross_bw=(
             {
                 group.name: min(
@@ -306,26 +192,21 @@ def _sync_classes(runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration
                 )
                 for group in {g for run in runs for g in run.groups}
             }
-            if len(members) > 1
+            if len(set(classes)) > 1
             else {}
         ),
     )
 
 
 @dataclass(frozen=True, slots=True)
-class _StepPricing:
+class _Step:
     """What pricing every stage's part of the step needs, the same for all of them."""
 
     plan: Plan
     cluster: ClusterSpec
     model: ModelSpec
-    cal: Calibration
-    profiles: Profiles | None
+    pricing: Pricing
     sync: _SyncClasses
-    holders: tuple[int, int]
-    """(stages holding each layer, stages holding the embedding), for the profiled sync."""
-    plan_link: LinkProfile | None
-    """The link profile that prices the whole plan's collectives, if one does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,14 +217,13 @@ class _PricedStage:
     the last backward of them all."""
 
 
-def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
+def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
     """Stage ``s`` of layout ``index``: its simulated compute, its gradient sync and optimizer
     step, and its memory."""
-    plan, model, profiles, sync = pricing.plan, pricing.model, pricing.profiles, pricing.sync
+    plan, sync = step.plan, step.sync
     run = runs[index]
     stage, group = run.pipeline.stages[s], run.groups[s]
     p, m = len(run.groups), run.pipeline.micro_batches
-    position = StagePosition.of(s, p)
     peers = sync.peers[index]
     if sync.classes > 1:
         start = sync.slowest_s
@@ -351,70 +231,34 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
         start = max(runs[i].stage_end_s[s] for i in peers)
     else:
         start = run.stage_end_s[s]
-    state = stage_state(
-        model,
-        group,
-        pricing.cal,
-        stage.tp,
-        stage.layers,
-        position,
-        sync.replicas[index],
-        plan.precision,
-    )
-    shards = sync.replicas[index] if plan.shard_optimizer else 1
-    reduce, gather, optimizer = state.grad_sync_s, 0.0, state.optimizer_s
-    if shards > 1:
-        # Identical layouts alone reduce-scatter their buckets; with unlike layouts the sum goes
-        # through the bridge whole, and each rank keeps its slice. Either way the peers then
-        # all-gather the updated weights.
-        gather = reduce * all_gather_share(plan.precision)
-        if sync.classes == 1:
-            reduce *= REDUCE_SCATTER_SHARE
-    measured = (
-        None
-        if profiles is None
-        else _profiled_state(
-            model,
-            group,
-            profiles,
-            pricing.plan_link,
-            stage.tp,
-            stage.layers,
-            plan.micro_batch,
-            position,
-            *pricing.holders,
-            peers=sync.replicas[index],
-            sharded=shards > 1,
-            direct=plan.shard_optimizer or plan.overlap_grad_sync,
-            weight_bytes=state_bytes(plan.precision)[0],
-        )
-    )
-    if measured is not None and measured.sync is not None:
-        # over every holder of each tensor, whatever its layout
-        reduce, gather = measured.sync.reduce_s, measured.sync.gather_s
-    elif sync.classes > 1:  # a layer's gradient is the mean over every layout's replicas
-        reduce += comm.ring_allreduce_time(
-            state.params * GRAD_BYTES / sync.fewest,
-            sync.classes,
-            sync.cross_bw[group.name],
-            pricing.cal,
-        )
-    if measured is not None and measured.optimizer_s is not None:
-        optimizer = measured.optimizer_s
-    optimizer /= shards
-    if plan.overlap_grad_sync and sync.classes == 1:
-        start = _overlapped_sync_end(model, runs, peers, s, reduce) - reduce
-    memory = stage_memory_for(
-        model,
-        group,
-        profiles=profiles,
+    shape = StageShape(
+        model=step.model,
         layers=stage.layers,
         tp=stage.tp,
-        position=position,
-        in_flight=in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks),
+        position=StagePosition.of(s, p),
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
+    )
+    with_peers = SyncPeers(
+        plan=plan,
+        cluster=step.cluster,
+        pipeline=index,
+        stage=s,
+        replicas=sync.replicas[index],
+        classes=sync.classes,
+        fewest=sync.fewest,
+        cross_bw=sync.cross_bw.get(group.name, 0.0),
+    )
+    reduce, gather = step.pricing.sync(group, shape, with_peers)
+    shards = sync.replicas[index] if plan.shard_optimizer else 1
+    optimizer = step.pricing.optimizer_s(group, shape) / shards
+    if plan.overlap_grad_sync and sync.classes == 1:
+        start = _overlapped_sync_end(step.model, runs, peers, s, reduce) - reduce
+    memory = step.pricing.memory(
+        group,
+        shape,
+        in_flight=in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks),
         optimizer_shards=shards,
     )
     prediction = StagePrediction(
@@ -439,13 +283,13 @@ def _price_stage(pricing: _StepPricing, runs: list[_LayoutRun], index: int, s: i
 
 
 def _assemble_step(
-    pricing: _StepPricing,
+    step: _Step,
     runs: list[_LayoutRun],
     priced: list[_PricedStage],
     schedule_events: list[TimelineEvent] | None,
 ) -> Prediction:
     """The step from its priced stages: it ends when the last optimizer step does."""
-    plan, cluster, model = pricing.plan, pricing.cluster, pricing.model
+    plan, cluster, model = step.plan, step.cluster, step.model
     iteration = busy = span = synced = stepped = 0.0
     for stage in priced:
         s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
@@ -456,16 +300,12 @@ def _assemble_step(
         busy += devices * s.compute_s
         span += devices * run.time_s
     devices = sum(p.count * p.devices for p in plan.pipelines)
-    # With a link profile, the runtime's way: it all-reduces the loss over every rank, and only
-    # then does any rank step its optimizer.
-    loss_sync = (
-        None
-        if pricing.plan_link is None
-        else pricing.plan_link.allreduce_time(LOSS_REPORT_BYTES, devices)
-    )
+    # Where the pricing has it (a link profile), the runtime's way: it all-reduces the loss over
+    # every rank, and only then does any rank step its optimizer.
+    loss_sync = step.pricing.loss_sync_s(plan, cluster)
     if loss_sync is not None:
         iteration = synced + loss_sync + stepped
-    iteration += pricing.cal.step_overhead_ms * 1e-3
+    iteration += step.pricing.calibration.step_overhead_ms * 1e-3
     stages = [stage.prediction for stage in priced]
     return Prediction(
         iteration_time_s=iteration,
@@ -536,19 +376,13 @@ def _layout_costs(
     plan: Plan,
     cluster: ClusterSpec,
     model: ModelSpec,
-    cal: Calibration,
-    profiles: Profiles | None,
+    pricing: Pricing,
 ) -> _LayoutCosts:
     """Per-chunk costs of one layout (per stage, without interleaving): forward, backward and
     the sends over each boundary between the model's chunks. Chunk g is stage g mod p's chunk
     g div p; the first holds the embedding, the last the head; under interleaving, the boundary
     after each round of chunks wraps from the last stage to the first."""
-    p, b, recompute, precision = (
-        len(pipeline.stages),
-        plan.micro_batch,
-        plan.recompute,
-        plan.precision,
-    )
+    p = len(pipeline.stages)
     chunk_layers = pipeline.chunk_layers()
     chunks = len(chunk_layers)
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
@@ -556,41 +390,34 @@ def _layout_costs(
     for g, layers in enumerate(chunk_layers):
         s = g % p
         stage, group = pipeline.stages[s], groups[s]
-        position = StagePosition.of(g, chunks)
-        if profiles is None and group.speed is None:
-            times = stage_work(
-                model, group, cal, stage.tp, layers, b, recompute, position, precision
-            )
-        else:
-            times = stage_cost(
-                model, group, cal, profiles, stage.tp, layers, b, recompute, position, precision
-            )
+        shape = StageShape(
+            model=model,
+            layers=layers,
+            tp=stage.tp,
+            position=StagePosition.of(g, chunks),
+            micro_batch=plan.micro_batch,
+            recompute=plan.recompute,
+            precision=plan.precision,
+        )
+        times = pricing.work(group, shape)
         forward.append(times.forward_s)
         backward.append(times.backward_s)
         if g < chunks - 1:
             nxt = (s + 1) % p
-            measured = (
-                None
-                if profiles is None
-                else _profiled_send(
-                    model,
-                    profiles,
-                    b,
-                    groups[s],
-                    groups[nxt],
-                    stage.tp,
-                    pipeline.stages[nxt].tp,
-                    across_nodes=_across_nodes(blocks, s, nxt, groups),
-                )
+            boundary = Boundary(
+                cluster=cluster,
+                model=model,
+                micro_batch=plan.micro_batch,
+                precision=plan.precision,
+                sender=groups[s],
+                receiver=groups[nxt],
+                tp_sender=stage.tp,
+                tp_receiver=pipeline.stages[nxt].tp,
+                across_nodes=_across_nodes(blocks, s, nxt, groups),
             )
-            if measured is None:  # analytic: the gradient takes as long as the activation
-                activation_bytes = b * model.seq_len * model.hidden * element_bytes(precision)
-                one_way = _send_time(
-                    activation_bytes / stage.tp, blocks, s, nxt, groups, cluster, cal
-                )
-                measured = SendTimes(one_way, one_way)
-            sends.append(measured.forward_s)
-            sends_back.append(measured.backward_s)
+            sent = pricing.send(boundary)
+            sends.append(sent.forward_s)
+            sends_back.append(sent.backward_s)
     return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
 
 
@@ -698,268 +525,6 @@ def _overlapped_sync_end(
     for ready, params in sorted(pieces):
         end = max(end, ready) + grad_sync * params / total
     return end
-
-
-REDUCE_SCATTER_SHARE = 0.5
-"""A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps."""
-
-
-def all_gather_share(precision: Precision) -> float:
-    """A sharded optimizer's all-gather of the updated weights (in the training dtype) over the
-    all-reduce of the fp32 gradients it replaces: half the steps, of weight-sized elements."""
-    weight_bytes, grad_bytes, _ = state_bytes(precision)
-    return weight_bytes / (2 * grad_bytes)
-
-
-LOSS_REPORT_BYTES = 4  # the runtime all-reduces each step's loss, one float, over every rank
-
-
-@functools.lru_cache(maxsize=65536)
-def stage_cost(
-    model: ModelSpec,
-    group: DeviceGroup,
-    cal: Calibration,
-    profiles: Profiles | None,
-    tp: int,
-    layers: int,
-    micro_batch: int,
-    recompute: Recompute,
-    position: StagePosition,
-    precision: Precision = Precision.BF16,
-) -> StageTimes:
-    """One micro-batch through a stage: measured where ``profiles`` hold the layer's key, else
-    analytic (stage_work); divided by the group's emulated speed. ``profiles`` are looked up
-    under their selected dtype (predict() selects the plan's precision)."""
-    profile = (
-        None
-        if profiles is None
-        else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
-    )
-    if profile is None:
-        times = stage_work(
-            model, group, cal, tp, layers, micro_batch, recompute, position, precision
-        )
-    else:
-        times = profiled.profiled_work(profile, layers, recompute, position)
-    if group.speed is None:
-        return times
-    # The runtime stretches each forward and backward by 1 / speed.
-    return StageTimes(times.forward_s / group.speed, times.backward_s / group.speed)
-
-
-def stage_memory_for(
-    model: ModelSpec,
-    group: DeviceGroup,
-    *,
-    profiles: Profiles | None,
-    layers: int,
-    tp: int,
-    position: StagePosition,
-    in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision = Precision.BF16,
-    optimizer_shards: int = 1,
-) -> StageMemory:
-    """Peak memory of one device of a stage: measured activations where ``profiles`` hold the
-    layer's key, else the analytic model's (stage_memory_at); the optimizer state split over
-    ``optimizer_shards`` ranks."""
-    profile = (
-        None
-        if profiles is None
-        else profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
-    )
-    if profile is None:
-        return stage_memory_at(
-            model,
-            layers,
-            tp,
-            position,
-            in_flight,
-            micro_batch,
-            recompute,
-            precision,
-            optimizer_shards,
-        )
-    return profiled.profiled_memory(
-        profile,
-        model,
-        bytes_per_element=profiles.bytes_per_element,
-        layers=layers,
-        tp=tp,
-        position=position,
-        in_flight=in_flight,
-        micro_batch=micro_batch,
-        recompute=recompute,
-        precision=precision,
-        optimizer_shards=optimizer_shards,
-    )
-
-
-def _plan_link(plan: Plan, cluster: ClusterSpec, profiles: Profiles) -> LinkProfile | None:
-    """The link profile that prices the plan's gradient sync: every stage of the plan on one kind
-    of accelerator, which has a link profile (else the analytic model prices it)."""
-    devices = {cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages}
-    return profiles.link_for(devices.pop()) if len(devices) == 1 else None
-
-
-@functools.lru_cache(maxsize=65536)
-def _profiled_state(
-    model: ModelSpec,
-    group: DeviceGroup,
-    profiles: Profiles,
-    link: LinkProfile | None,
-    tp: int,
-    layers: int,
-    micro_batch: int,
-    position: StagePosition,
-    holders: int,
-    embed_holders: int,
-    *,
-    peers: int,
-    sharded: bool,
-    direct: bool,
-    weight_bytes: int,
-) -> _MeasuredState:
-    """A stage's gradient sync and optimizer step from the profiles; None for what they lack.
-    The keywords: as profiled.grad_sync_time's."""
-    sync = None
-    if link is not None and link.device == group.accelerator.name:
-        sync = profiled.grad_sync_time(
-            link,
-            model,
-            tp=tp,
-            layers=layers,
-            position=position,
-            holders=holders,
-            embed_holders=embed_holders,
-            peers=peers,
-            sharded=sharded,
-            direct=direct,
-            weight_bytes=weight_bytes,
-        )
-    profile = profiles.layer_for(group.accelerator.name, model, tp, micro_batch)
-    optimizer = (
-        None if profile is None else profiled.optimizer_time(profile, model, tp, layers, position)
-    )
-    return _MeasuredState(sync, optimizer)
-
-
-class _MeasuredState(NamedTuple):
-    sync: profiled.SyncTimes | None
-    optimizer_s: float | None
-
-
-def _profiled_send(
-    model: ModelSpec,
-    profiles: Profiles,
-    micro_batch: int,
-    a: DeviceGroup,
-    b: DeviceGroup,
-    tp_a: int,
-    tp_b: int,
-    *,
-    across_nodes: bool = False,
-) -> SendTimes | None:
-    """Measured times over a stage boundary, or None: between two nodes, the leaders' message
-    over the measured link between their kinds (hethub profile --cluster; through the bridge
-    where the vendors differ) and each TP group's broadcast from its own kind's link profile;
-    else on one kind of accelerator, its link profile (one machine's processes)."""
-    nbytes = (
-        micro_batch * model.seq_len * model.hidden * profiles.bytes_per_element
-    )  # whole, leader to leader
-    kind_a, kind_b = a.accelerator.name, b.accelerator.name
-    between = profiles.link_between(kind_a, kind_b) if across_nodes else None
-    if between is not None:
-        return profiled.cross_send_times(
-            between, profiles.link_for(kind_a), profiles.link_for(kind_b), nbytes, tp_a, tp_b
-        )
-    if kind_a != kind_b:
-        return None
-    link = profiles.link_for(kind_a)
-    if link is None:
-        return None
-    return profiled.send_times(link, nbytes, tp_a, tp_b)
-
-
-@functools.lru_cache(maxsize=65536)
-def stage_work(
-    model: ModelSpec,
-    group: DeviceGroup,
-    cal: Calibration,
-    tp: int,
-    layers: int,
-    micro_batch: int,
-    recompute: Recompute,
-    position: StagePosition,
-    precision: Precision = Precision.BF16,
-) -> StageTimes:
-    """One micro-batch through a stage, from the analytic model."""
-    acc = group.accelerator
-    tp_allreduce = comm.group_allreduce_time(
-        micro_batch * model.seq_len * model.hidden * element_bytes(precision), tp, group, cal
-    )
-    layer = layer_cost(model, acc, cal, tp, micro_batch, recompute, tp_allreduce, precision)
-    forward, backward = layers * layer.forward_s, layers * layer.backward_s
-    if position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
-        embed = embedding_cost(model, acc, cal, tp, micro_batch, precision)
-        forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
-    if position.last:  # vocabulary-parallel cross-entropy: three all-reduces of one float per token
-        head = head_cost(model, acc, cal, tp, micro_batch, precision)
-        loss_sync = 3 * comm.group_allreduce_time(micro_batch * model.seq_len * 4, tp, group, cal)
-        forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
-    return StageTimes(forward, backward)
-
-
-@functools.lru_cache(maxsize=65536)
-def stage_state(
-    model: ModelSpec,
-    group: DeviceGroup,
-    cal: Calibration,
-    tp: int,
-    layers: int,
-    position: StagePosition,
-    replicas: int,
-    precision: Precision = Precision.BF16,
-) -> _StageState:
-    """A stage's parameters per device, gradient all-reduce among its layout's replicas (fp32
-    gradients in either precision) and optimizer step, from the analytic model."""
-    params = stage_params(model, layers, position) / tp
-    replicas_per_node = max(
-        1, group.devices_per_node // tp
-    )  # stage-major: a stage's replicas share nodes
-    sync = comm.group_allreduce_time(params * GRAD_BYTES, replicas, group, cal, replicas_per_node)
-    moved = OPTIMIZER_BYTES_MOVED if precision == Precision.BF16 else FP32_OPTIMIZER_BYTES_MOVED
-    optimizer = max(
-        params * moved / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
-        OPTIMIZER_OPS * cal.launch_us * 1e-6,
-    )
-    return _StageState(params, sync, optimizer)
-
-
-class _StageState(NamedTuple):
-    params: float
-    """Per device."""
-    grad_sync_s: float
-    optimizer_s: float
-
-
-def _send_time(
-    nbytes: float,
-    blocks: list[StageBlock],
-    a: int,
-    b: int,
-    groups: tuple[DeviceGroup, ...],
-    cluster: ClusterSpec,
-    cal: Calibration,
-) -> float:
-    """Activations from stage a to stage b (each TP rank sends its share in parallel)."""
-    group_a, group_b = groups[a], groups[b]
-    if group_a.name != group_b.name:
-        return comm.p2p_time(nbytes, comm.cross_group_bw(cluster, group_a, group_b, cal), cal)
-    if not _across_nodes(blocks, a, b, groups):  # both stages of every replica on one node
-        return comm.p2p_time(nbytes, comm.intra_node_bw(group_a, cal), cal)
-    return comm.p2p_time(nbytes, comm.network_bw(group_a, cal), cal)
 
 
 def _across_nodes(

@@ -5,9 +5,10 @@ main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 by
 weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
 (Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
 the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 12 / d in
-fp32 (the ranks update an fp32 slice of the weights kept apart from the full weights).
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models"), for the micro-batches a stage holds at once under its schedule.
+fp32 (the ranks update an fp32 slice of the weights kept apart from the full weights); these
+bytes are spec.plan.Precision's. Activations follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models"), for the micro-batches a stage holds at once under
+its schedule.
 """
 
 from __future__ import annotations
@@ -15,33 +16,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hethub.predictor.compute import LOSS_BYTES_PER_ELEMENT, element_bytes
 from hethub.predictor.stage import StagePosition
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import stage_parameter_count
 from hethub.spec.plan import Precision, Recompute
-from hethub.spec.schedules import FORWARD, Schedule, chunk_sequence
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
 
-# bf16 training's bytes per parameter; GRAD_BYTES is fp32 in either precision (Megatron keeps and
-# all-reduces bf16 training's main gradients in fp32).
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
-FP32_WEIGHT_BYTES, FP32_OPTIMIZER_BYTES = 4, 8  # fp32: no master copy, the two moments
 GB = 1e9
 
 
-def state_bytes(precision: Precision) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter under ``precision``."""
-    if precision == Precision.BF16:
-        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
-    return FP32_WEIGHT_BYTES, GRAD_BYTES, FP32_OPTIMIZER_BYTES
-
-
-def optimizer_bytes_per_parameter(precision: Precision, shards: int) -> float:
-    """Optimizer state per parameter on one of ``shards`` ranks sharing it. A sharded optimizer
-    keeps an fp32 slice of the weights it updates in fp32 training too (the runtime's slice, apart
-    from the full weights), so its state is 12 / d bytes in either precision."""
-    if shards == 1:
-        return state_bytes(precision)[2]
-    return OPTIMIZER_BYTES / shards
+def state_bytes(precision: Precision) -> tuple[int, int, float]:
+    """(weight, gradient, optimizer) bytes per parameter under ``precision``, unsharded."""
+    return precision.weight_bytes, precision.main_grad_bytes, precision.optimizer_bytes(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,26 +46,17 @@ class StageMemory:
 
 @functools.lru_cache(maxsize=65536)
 def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
-    """Parameters of a stage (all TP ranks together)."""
-    params = layers * model.layer_params()
-    if position.first:
-        params += model.embedding_params()
-    if position.last:
-        params += model.head_params()
-        if model.arch == "gpt" and not position.alone:
-            params += (
-                model.vocab * model.hidden
-            )  # the tied head keeps its own copy of the embedding
-    return params
+    """Parameters of a stage (all TP ranks together), as spec.parameters lays them out."""
+    return stage_parameter_count(model, layers, is_first=position.first, is_last=position.last)
 
 
 def layer_activation_bytes(
-    model: ModelSpec, tp: int, micro_batch: int, precision: Precision = Precision.BF16
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision
 ) -> float:
     """Activations one layer keeps for its backward, one micro-batch, no recomputation."""
     b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
     tokens = b * s
-    element = element_bytes(precision)
+    element = precision.element_bytes
     if model.arch == "gpt":
         # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism, in bytes of
         # 2-byte elements and 1-byte dropout masks: replicated 10 = 8 in elements + 2 masks;
@@ -95,38 +72,6 @@ def layer_activation_bytes(
     return (replicated + sharded) * element
 
 
-@functools.lru_cache(maxsize=65536)
-def in_flight_micro_batches(
-    schedule: Schedule,
-    position: int,
-    stages: int,
-    micro_batches: int,
-    chunks: tuple[int, ...] = (1,),
-) -> float:
-    """Micro-batches of the whole stage's activations it holds at its peak, read from the
-    schedule's order (spec.schedules): 1F1B keeps stages - position, GPipe every micro-batch.
-    ``chunks``: the stage's layers per chunk; under interleaving a forward of chunk c holds its
-    layers' activations until its backward, so the peak of the chunks' layers in flight, over
-    the stage's layers, is fractional where the chunks differ or are not all in flight."""
-    if len(chunks) == 1:  # peak_in_flight's walk in closed form: a planner asks this a lot
-        if schedule == Schedule.GPIPE:
-            return micro_batches
-        return min(stages - position, micro_batches)
-    return peak_in_flight(schedule, position, stages, micro_batches, chunks)
-
-
-def peak_in_flight(
-    schedule: Schedule, position: int, stages: int, micro_batches: int, chunks: tuple[int, ...]
-) -> float:
-    """in_flight_micro_batches by walking the stage's order."""
-    held = peak = 0
-    for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
-        held += chunks[c] if kind == FORWARD else -chunks[c]
-        peak = max(peak, held)
-    whole, layers = divmod(peak, sum(chunks))
-    return whole if not layers else peak / sum(chunks)
-
-
 def stage_memory(
     model: ModelSpec,
     layers: int,
@@ -137,7 +82,7 @@ def stage_memory(
     micro_batch: int,
     recompute: Recompute,
     schedule: Schedule,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
 ) -> StageMemory:
     """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
     in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
@@ -164,8 +109,10 @@ def activation_bytes(
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
+    precision: Precision,
 ) -> float:
-    """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)."""
+    """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)
+    and ``bytes_per_element`` of a layer's input."""
     if recompute == Recompute.FULL:
         # Only each layer's input survives the forward; one layer's activations are rebuilt at a
         # time.
@@ -174,7 +121,7 @@ def activation_bytes(
     else:
         activations = in_flight * layers * per_layer
     if last:  # fp32 logits and their gradient, one micro-batch at a time
-        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * LOSS_BYTES_PER_ELEMENT
+        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * precision.loss_bytes
     return activations
 
 
@@ -187,27 +134,27 @@ def stage_memory_at(
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
-    precision: Precision = Precision.BF16,
+    precision: Precision,
     optimizer_shards: int = 1,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
     its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer)."""
     params = stage_params(model, layers, position) / tp
-    weight_bytes, grad_bytes, _ = state_bytes(precision)
     activations = activation_bytes(
         model,
         per_layer=layer_activation_bytes(model, tp, micro_batch, precision),
-        bytes_per_element=element_bytes(precision),
+        bytes_per_element=precision.element_bytes,
         layers=layers,
         tp=tp,
         last=position.last,
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
+        precision=precision,
     )
     return StageMemory(
-        params * weight_bytes / GB,
-        params * grad_bytes / GB,
-        params * optimizer_bytes_per_parameter(precision, optimizer_shards) / GB,
+        params * precision.weight_bytes / GB,
+        params * precision.main_grad_bytes / GB,
+        params * precision.optimizer_bytes(optimizer_shards) / GB,
         activations / GB,
     )

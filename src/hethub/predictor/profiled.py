@@ -17,27 +17,23 @@ moments in the profile's dtype, and the measured activations of the micro-batche
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import math
 import statistics
 from typing import NamedTuple
 
-from hethub.predictor.memory import (
-    GB,
-    GRAD_BYTES,
-    StageMemory,
-    activation_bytes,
-    optimizer_bytes_per_parameter,
-    stage_params,
-    state_bytes,
-)
+from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
 from hethub.predictor.sharing import CoreSharing
-from hethub.predictor.stage import SendTimes, StagePosition, StageTimes
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
-from hethub.spec.buckets import bucket_bounds
+from hethub.spec.buckets import MAIN_GRAD_BYTES, SyncBucket, rank_buckets
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Precision, Recompute
+from hethub.spec.topology import Topology, build_topology, parameter_holders
 
 
 def for_precision(profiles: Profiles, precision: Precision) -> Profiles:
@@ -120,131 +116,109 @@ def _broadcast(link: LinkProfile | None, nbytes: float, tp: int) -> float | None
     return None if link is None else link.broadcast_time(nbytes, tp)
 
 
+@functools.lru_cache(maxsize=64)
+def plan_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
+    """spec.topology's ranks of ``plan`` on ``cluster``, built once per plan: every stage's
+    sync reads it."""
+    return build_topology(plan, cluster)
+
+
 @functools.lru_cache(maxsize=4096)
-def param_tensors(
-    model: ModelSpec, layers: int, position: StagePosition
-) -> tuple[tuple[str, int, bool], ...]:
-    """(what, elements of the full tensor, sharded over TP) of every parameter tensor a stage
-    holds, as hethub.runtime.model builds them; what is "embed" for the (tied) embedding, else
-    "other"."""
-    h, f, q, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_hidden
-    gpt = model.arch == "gpt"
-    layer = [("other", h, False)] * 2 + [
-        ("other", q * h, True),
-        ("other", kv * h, True),
-        ("other", kv * h, True),
-        ("other", h * h, True),
-    ]
-    if gpt:
-        layer += [("other", f * h, True), ("other", h * f, True)]  # fc1, fc2
-        layer += [("other", h, False)] * 2  # norm biases
-        layer += [
-            ("other", q, True),
-            ("other", kv, True),
-            ("other", kv, True),
-            ("other", h, False),
-        ]  # q k v o
-        layer += [
-            ("other", f, True),
-            ("other", h, False),
-        ]  # fc1 (column: sharded), fc2 (row: whole)
-    else:
-        layer += [("other", f * h, True)] * 3  # gate, up, down
-    tensors = []
-    if position.first:
-        tensors.append(("embed", model.vocab * h, True))
-        if gpt:
-            tensors.append(("other", model.seq_len * h, False))  # learned positions
-    tensors += layer * layers
-    if position.last:
-        tensors += [("other", h, False)] * (2 if gpt else 1)  # final norm
-        if not gpt:
-            tensors.append(("other", model.vocab * h, True))  # the output head
-        elif not position.alone:
-            tensors.append(
-                ("embed", model.vocab * h, True)
-            )  # the tied head's copy of the embedding
-    return tuple(tensors)
+def stage_buckets(
+    plan: Plan, cluster: ClusterSpec, model: ModelSpec, pipeline: int, stage: int
+) -> tuple[SyncBucket, ...]:
+    """The gradient sync's buckets of stage ``stage`` of layout ``pipeline``, as its leader runs
+    them (spec.buckets.rank_buckets): the buckets the runtime syncs."""
+    topology = plan_topology(plan, cluster)
+    replica = sum(p.count for p in plan.pipelines[:pipeline])  # the layout's first replica
+    leader = topology.stage_ranks(replica, stage)[0]
+    return rank_buckets(
+        topology,
+        model,
+        leader,
+        peers_have_a_group=plan.shard_optimizer or plan.overlap_grad_sync,
+    )
 
 
-def holders(plan: Plan, model: ModelSpec) -> tuple[int, int]:
-    """(stages holding each layer, stages holding the embedding) over all replicas: every replica
-    holds every layer once; gpt's tied head keeps a copy of the embedding on each last stage."""
-    replicas = sum(p.count for p in plan.pipelines)
-    if model.arch != "gpt":
-        return replicas, replicas
-    return replicas, sum(p.count * (1 if len(p.stages) == 1 else 2) for p in plan.pipelines)
+class CollectiveKind(enum.StrEnum):
+    """A collective of the gradient sync, as a link profile times it."""
+
+    ALL_REDUCE = "all-reduce"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_GATHER = "all-gather"
+    BROADCAST = "broadcast"
 
 
-class SyncTimes(NamedTuple):
-    """A stage's gradient sync on one rank, in the two parts the step puts apart."""
-
-    reduce_s: float
-    """The gradients' sum (all-reduce, or a sharded optimizer's reduce-scatter): before the
-    optimizer step, and what an overlapped sync can hide behind the backwards."""
-    gather_s: float
-    """A sharded optimizer's all-gather of the updated weights: after its step."""
+_MEASURED = {
+    CollectiveKind.ALL_REDUCE: LinkProfile.allreduce_time,
+    CollectiveKind.REDUCE_SCATTER: LinkProfile.reducescatter_time,
+    CollectiveKind.ALL_GATHER: LinkProfile.allgather_time,
+    CollectiveKind.BROADCAST: LinkProfile.broadcast_time,
+}
 
 
-def grad_sync_time(
-    link: LinkProfile,
+class Collective(NamedTuple):
+    """One collective of a rank's gradient sync."""
+
+    kind: CollectiveKind
+    nbytes: int
+    """The whole tensor (an all-gather's output)."""
+    ranks: int
+    after_step: bool = False
+    """A sharded optimizer's all-gather of the updated weights, after its step."""
+
+
+def sync_collectives(
     model: ModelSpec,
+    buckets: tuple[SyncBucket, ...],
     *,
     tp: int,
-    layers: int,
-    position: StagePosition,
-    holders: int,
-    embed_holders: int,
     peers: int,
     sharded: bool,
-    direct: bool,
     weight_bytes: int,
-) -> SyncTimes | None:
-    """One rank's gradient sync of a stage, as the runtime buckets it (spec.buckets); None where
-    a collective was not measured.
-
-    ``holders``: stages (of all replicas) holding each layer; ``embed_holders``: those holding
-    the embedding (with gpt's tied head, the last stages too); ``peers``: the replicas of this
-    stage's identical layouts, which a sharded optimizer (``sharded``) shares among. Tensors with
-    the same holders share buckets. A bucket held by exactly the peers, where the plan shards or
-    overlaps (``direct``), is summed among them by each TP rank for its own shards: a
-    reduce-scatter when sharded, else an all-reduce. Any other bucket's sharded tensors are first
-    gathered in the TP group, the bucket all-reduced and broadcast back to the TP group. The
-    gradients are fp32 in either precision (bf16 sums its main gradients); a sharded optimizer
-    then all-gathers each bucket's updated weights (``weight_bytes`` an element) among the peers.
-    The runtime fills buckets in full-model name order, priced here in building order: the two
-    differ only in where a bucket of a stage over BUCKET_BYTES ends.
-    """
-    by_holders: dict[int, list[tuple[int, bool]]] = {}
-    for what, elements, over_tp in param_tensors(model, layers, position):
-        ranks = embed_holders if what == "embed" else holders
-        if ranks > 1:
-            by_holders.setdefault(ranks, []).append((elements, over_tp))
-    reduce, gather = [], []
-    for ranks, tensors in by_holders.items():
-        local = [elements // tp if over_tp else elements for elements, over_tp in tensors]
-        # the runtime cuts buckets by each tensor's full fp32 size, whatever the TP degree
-        bounds = bucket_bounds([elements * GRAD_BYTES for elements, _ in tensors])
-        if direct and ranks == peers:
-            summed = link.reducescatter_time if sharded else link.allreduce_time
-            reduce += [summed(sum(local[start:stop]) * GRAD_BYTES, ranks) for start, stop in bounds]
+) -> list[Collective]:
+    """The collectives a stage's leader runs to sync ``buckets``, in order, as the runtime
+    (runtime.engine) runs them. A direct bucket is summed among the ``peers`` by each TP rank
+    for its own shards: a reduce-scatter when ``sharded`` (a sharded optimizer), else an
+    all-reduce. Any other bucket's split tensors are first gathered in the TP group, the bucket's
+    full gradients all-reduced among its holders and broadcast back to the TP group. The
+    gradients are fp32 main gradients in either precision; a sharded optimizer then all-gathers
+    each bucket's updated weights (``weight_bytes`` an element) among the peers."""
+    table = parameter_table(model)
+    grad = MAIN_GRAD_BYTES
+    done: list[Collective] = []
+    for bucket in buckets:
+        params = [table[name] for name in bucket.names]
+        full = [math.prod(param.shape) for param in params]
+        local = sum(math.prod(param.shard_shape(tp)) for param in params)
+        if bucket.direct:
+            summed = CollectiveKind.REDUCE_SCATTER if sharded else CollectiveKind.ALL_REDUCE
+            done.append(Collective(summed, local * grad, peers))
         else:
             if tp > 1:
-                reduce += [
-                    link.allgather_time(elements * GRAD_BYTES, tp)
-                    for elements, over_tp in tensors
-                    if over_tp
+                done += [
+                    Collective(CollectiveKind.ALL_GATHER, n * grad, tp)
+                    for param, n in zip(params, full)
+                    if param.tp_dim is not None
                 ]
-            for start, stop in bounds:
-                bucket = sum(elements for elements, _ in tensors[start:stop]) * GRAD_BYTES
-                reduce.append(link.allreduce_time(bucket, ranks))
-                if tp > 1:
-                    reduce.append(link.broadcast_time(bucket, tp))
+            done.append(
+                Collective(CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders))
+            )
+            if tp > 1:
+                done.append(Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp))
         if sharded and peers > 1:
-            gather += [
-                link.allgather_time(sum(local[start:stop]) * weight_bytes, peers)
-                for start, stop in bounds
-            ]
+            done.append(
+                Collective(CollectiveKind.ALL_GATHER, local * weight_bytes, peers, after_step=True)
+            )
+    return done
+
+
+def grad_sync_time(link: LinkProfile, collectives: list[Collective]) -> SyncTimes | None:
+    """The measured time of a rank's gradient sync (sync_collectives); None where a collective
+    was not measured."""
+    reduce, gather = [], []
+    for c in collectives:
+        (gather if c.after_step else reduce).append(_MEASURED[c.kind](link, c.nbytes, c.ranks))
     if None in reduce or None in gather:
         return None
     return SyncTimes(sum(reduce), sum(gather))
@@ -290,12 +264,12 @@ def profiled_memory(
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
+        precision=precision,
     )
-    weight, grad, _ = state_bytes(precision)
     return StageMemory(
-        params * weight / GB,
-        params * grad / GB,
-        params * optimizer_bytes_per_parameter(precision, optimizer_shards) / GB,
+        params * precision.weight_bytes / GB,
+        params * precision.main_grad_bytes / GB,
+        params * precision.optimizer_bytes(optimizer_shards) / GB,
         activations / GB,
     )
 
@@ -389,7 +363,8 @@ def missing_profiles(
     devices = dict.fromkeys(
         cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages
     )
-    needed = {r for r in holders(plan, model) if r > 1}
+    holders = parameter_holders(plan_topology(plan, cluster), model)
+    needed = {len(leaders) for leaders in holders.values() if len(leaders) > 1}
     for device in devices:
         link = profiles.link_for(device)
         if link is None:

@@ -21,7 +21,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence, stage_sequence
+from hethub.spec.schedules import (
+    BACKWARD,
+    FORWARD,
+    Schedule,
+    interleaved_orders,
+    run_in_dependency_order,
+    stage_sequence,
+)
 
 __all__ = [
     "BACKWARD",
@@ -117,39 +124,32 @@ def schedule_order(
 
 def _interleaved_order(p: int, v: int, m: int) -> ScheduleOrder:
     """Interleaved 1F1B's dependency structure over the model's p x v chunks: each stage's
-    operations in the order spec.schedules gives them, put in a dependency order by running the
-    stages in turn as far as their inputs allow. A forward of model chunk g waits for chunk
+    operations in the order spec.schedules gives them, in the order
+    spec.schedules.run_in_dependency_order runs them. A forward of model chunk g waits for chunk
     g - 1's forward (sent over boundary g - 1, which wraps from the last stage to the first
     between a stage's chunks); a backward for chunk g + 1's backward. No steady-state jump: the
     whole order is simulated (2 m v p operations)."""
-    sequences = [chunk_sequence(Schedule.INTERLEAVED_1F1B, s, p, v, m) for s in range(p)]
+    orders = interleaved_orders(p, v, m)
+    ran: list[tuple[int, int, int, int]] = []
+    stopped = run_in_dependency_order(orders, p, v, m, ran)
+    if stopped != [len(order) for order in orders]:
+        raise AssertionError(f"interleaved order deadlocks (p={p}, v={v}, m={m})")
     last_chunk = p * v - 1
     index: dict[tuple[int, int, int], int] = {}  # (model chunk, kind, micro-batch) -> op
-    ops, steps, previous = [], [], [-1] * p
-    position = [0] * p
-    while len(ops) < 2 * m * v * p:
-        moved = False
-        for s in range(p):
-            while position[s] < len(sequences[s]):
-                kind, c, j = sequences[s][position[s]]
-                g = c * p + s
-                if kind == FORWARD:
-                    dep = -1 if g == 0 else index.get((g - 1, FORWARD, j))
-                    send = g - 1
-                else:
-                    dep = -1 if g == last_chunk else index.get((g + 1, BACKWARD, j))
-                    send = last_chunk + g
-                if dep is None:
-                    break
-                index[(g, kind, j)] = len(ops)
-                steps.append((previous[s], dep, send if dep >= 0 else -1, 2 * g + kind))
-                previous[s] = len(ops)
-                ops.append((s, kind, j))
-                position[s] += 1
-                moved = True
-        if not moved:
-            raise AssertionError(f"interleaved order deadlocks (p={p}, v={v}, m={m})")
-    return ScheduleOrder(p, m, tuple(ops), tuple(steps), tuple(previous), periodic=(), chunks=v)
+    steps, previous = [], [-1] * p
+    for i, (s, kind, c, j) in enumerate(ran):
+        g = c * p + s
+        if kind == FORWARD and g > 0:  # the activation over boundary g - 1
+            dep, send = index[(g - 1, FORWARD, j)], g - 1
+        elif kind == BACKWARD and g < last_chunk:  # the gradient over boundary g
+            dep, send = index[(g + 1, BACKWARD, j)], last_chunk + g
+        else:
+            dep, send = -1, -1
+        index[(g, kind, j)] = i
+        steps.append((previous[s], dep, send, 2 * g + kind))
+        previous[s] = i
+    ops = tuple((s, kind, j) for s, kind, _, j in ran)
+    return ScheduleOrder(p, m, ops, tuple(steps), tuple(previous), periodic=(), chunks=v)
 
 
 # Two positions repeat when their end times, less their first, agree to this share of one pass.

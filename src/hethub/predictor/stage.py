@@ -1,13 +1,16 @@
-"""The vocabulary of pricing one pipeline stage: where it sits in its pipeline, and the times
-one micro-batch costs it and its boundary to the next stage."""
+"""The vocabulary of pricing one pipeline stage: where it sits in its pipeline, the times one
+micro-batch costs it and its boundary to the next stage, and its gradient sync's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hethub.spec.hashing import hashed_once
+
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()
 class StagePosition:
     """What a stage holds besides its layers, which depends only on where it sits."""
 
@@ -50,3 +53,13 @@ class SendTimes(NamedTuple):
     """The activation, to the next stage."""
     backward_s: float
     """Its gradient, back."""
+
+
+class SyncTimes(NamedTuple):
+    """A stage's gradient sync on one rank, in the two parts the step puts apart."""
+
+    reduce_s: float
+    """The gradients' sum (all-reduce, or a sharded optimizer's reduce-scatter): before the
+    optimizer step, and what an overlapped sync can hide behind the backwards."""
+    gather_s: float
+    """A sharded optimizer's all-gather of the updated weights: after its step."""

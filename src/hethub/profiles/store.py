@@ -25,6 +25,7 @@ from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
 from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ARCHS, ModelSpec
+from hethub.spec.plan import Precision
 
 FORMAT = 1
 """Version of the file format; a file of another version is refused."""
@@ -37,7 +38,13 @@ reads, but is measured anew where hethub measures (it would price a run differen
 where given. 1: files without the field (trimmed means, 4 chained layers, unbound ranks); 2: plain
 means, 8 chained layers, the all-reduce as the bucketed gradient sync runs it, each measuring
 process bound to its cores and in a session of its own, as a run's ranks are."""
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {
+    Precision.FP32.value: Precision.FP32.element_bytes,
+    Precision.BF16.value: Precision.BF16.element_bytes,
+    "fp16": 2,  # no plan's precision, but a file of it reads
+}
+"""Bytes of one element of each dtype a layer profile may be measured in: a plan's precision's
+compute dtype (spec.plan.Precision) is looked up under its name."""
 LAYER, LINK = "layer", "link"
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table, stage_parameters
+from hethub.spec.plan import MAIN_GRAD_BYTES
 from hethub.spec.topology import Topology, parameter_holders
 
 BUCKET_BYTES = 25 << 20
@@ -35,11 +36,6 @@ def bucket_bounds(sizes: Sequence[int], cap: int = BUCKET_BYTES) -> list[tuple[i
     if start < len(sizes):
         bounds.append((start, len(sizes)))
     return bounds
-
-
-MAIN_GRAD_BYTES = 4
-"""Bytes of one element of the gradients the sync sums: fp32 main gradients in either
-precision (bf16 training accumulates into its fp32 masters' gradients)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ class ModelSpec:
 
     gpt: learned positions, LayerNorm, GELU MLP of ffn_hidden (4*hidden), biases, tied embedding.
     llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, untied output head.
+    Its parameters (names, shapes, counts): hethub.spec.parameters.
     """
 
     name: str
@@ -51,30 +52,6 @@ class ModelSpec:
         """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for
         SwiGLU."""
         return 3 if self.arch == "llama" else 2
-
-    def layer_params(self) -> int:
-        """Parameters of one transformer layer."""
-        h, kv, f = self.hidden, self.kv_hidden, self.ffn_hidden
-        attention = 2 * h * h + 2 * h * kv
-        mlp = self.mlp_matrices * h * f
-        if self.arch == "gpt":  # biases and two LayerNorms (weight and bias)
-            return attention + mlp + (h + 2 * kv + h) + (f + h) + 4 * h
-        return attention + mlp + 2 * h  # two RMSNorm weights
-
-    def embedding_params(self) -> int:
-        """Token embedding (and learned positions for gpt), on the first stage."""
-        positions = self.seq_len * self.hidden if self.arch == "gpt" else 0
-        return self.vocab * self.hidden + positions
-
-    def head_params(self) -> int:
-        """Final norm and output head, on the last stage (gpt ties the head to the embedding)."""
-        if self.arch == "gpt":
-            return 2 * self.hidden
-        return self.hidden + self.vocab * self.hidden
-
-    def parameter_count(self) -> int:
-        """All parameters of the model."""
-        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
 
 
 def llama_ffn_hidden(hidden: int) -> int:

@@ -22,14 +22,76 @@ class Recompute(enum.StrEnum):
     """Each stage keeps only its input and runs its forward again before its backward."""
 
 
+FP32_BYTES = 4
+"""Bytes of one fp32 element."""
+MAIN_GRAD_BYTES = FP32_BYTES
+"""Bytes of one element of the gradients the sync sums: fp32 main gradients in either precision
+(bf16 training accumulates into its fp32 masters' gradients, as Megatron does)."""
+
+
 class Precision(enum.StrEnum):
-    """The numeric format a plan trains in; its value is how plan files spell it."""
+    """The numeric format a plan trains in; its value is how plan files spell it.
+
+    Every byte count that depends on the precision is read here, by the predictor (what it
+    prices), the profile store (a profile's dtype) and the runtime (the dtype it computes in).
+    """
 
     BF16 = "bf16"
     """Mixed precision as Megatron runs it: bf16 weights, activations and matmuls; fp32 main
     gradients, master weights and Adam moments."""
     FP32 = "fp32"
     """Everything in fp32."""
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype weights, activations and matmuls compute in, as torch names it
+        (getattr(torch, name))."""
+        return "bfloat16" if self is Precision.BF16 else "float32"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element of the compute dtype: what activations, memory-bound operators'
+        traffic, tensor-parallel all-reduces and pipeline sends move."""
+        return 2 if self is Precision.BF16 else FP32_BYTES
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per parameter of the weights the model computes with (the compute dtype)."""
+        return self.element_bytes
+
+    @property
+    def main_grad_bytes(self) -> int:
+        """Bytes per parameter of the gradients kept and summed (fp32 in either precision)."""
+        return MAIN_GRAD_BYTES
+
+    @property
+    def master_weights(self) -> bool:
+        """The optimizer updates an fp32 copy of the weights (bf16), not the weights (fp32)."""
+        return self is Precision.BF16
+
+    def optimizer_bytes(self, shards: int) -> float:
+        """Optimizer state per parameter on one of ``shards`` ranks sharing it: both fp32 Adam
+        moments and bf16's fp32 master weights. A sharded optimizer keeps an fp32 slice of the
+        weights it updates in fp32 training too (apart from the full weights), so its state is
+        12 / shards bytes in either precision."""
+        moments = 2 * FP32_BYTES
+        if shards == 1:
+            return moments + (FP32_BYTES if self.master_weights else 0)
+        return (moments + FP32_BYTES) / shards
+
+    @property
+    def optimizer_bytes_moved(self) -> int:
+        """Bytes Adam reads and writes per parameter of a step: the main gradient, the fp32
+        weight it updates and both moments (read and write each), and bf16's copy back to its
+        bf16 weight: 30 in bf16, 28 in fp32."""
+        copy_back = self.weight_bytes if self.master_weights else 0
+        return self.main_grad_bytes + 2 * FP32_BYTES + 2 * 2 * FP32_BYTES + copy_back
+
+    @property
+    def loss_bytes(self) -> int:
+        """Bytes of one element of the cross-entropy's logits and of the loss (fp32 in either
+        precision)."""
+        return FP32_BYTES
 
 
 # The spellings plan files and the command line accept.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Sequence
 
 FORWARD, BACKWARD = 0, 1
 
@@ -34,6 +35,55 @@ def stage_sequence(
         sequence += [(FORWARD, warmup + j), (BACKWARD, j)]
     sequence += [(BACKWARD, j) for j in range(m - warmup, m)]  # cool-down
     return sequence
+
+
+@functools.lru_cache(maxsize=65536)
+def in_flight_micro_batches(
+    schedule: Schedule,
+    position: int,
+    stages: int,
+    micro_batches: int,
+    chunks: tuple[int, ...] = (1,),
+) -> float:
+    """Micro-batches of the whole stage's activations the stage at ``position`` holds at its
+    peak: peak_in_flight's walk of its order, read in closed form where a test proves the two
+    equal (one chunk: 1F1B keeps stages - position, GPipe every micro-batch; equal chunks over
+    whole groups of stages: megatron_in_flight), as a planner asks this a lot. ``chunks``: the
+    stage's layers per chunk."""
+    if len(chunks) == 1:
+        if schedule == Schedule.GPIPE:
+            return micro_batches
+        return min(stages - position, micro_batches)
+    whole_groups = micro_batches % stages == 0 and len(set(chunks)) == 1
+    if schedule == Schedule.INTERLEAVED_1F1B and whole_groups:
+        return megatron_in_flight(position, stages, micro_batches, len(chunks))
+    return peak_in_flight(schedule, position, stages, micro_batches, chunks)
+
+
+def megatron_in_flight(position: int, stages: int, micro_batches: int, chunks: int) -> float:
+    """Micro-batches in flight at the peak of the stage at ``position`` under interleaved 1F1B
+    with ``chunks`` equal chunks, were its warm-up Megatron-LM's 2 (p - s - 1) + (v - 1) p chunk
+    forwards: peak_in_flight's exactly where the micro-batches fill whole groups of stages (no
+    warm-up grows there), never more where the last group is short (interleaved_orders
+    lengthens a warm-up there). Cheap where building the order is not."""
+    warmup = 2 * (stages - position - 1) + (chunks - 1) * stages
+    return min(warmup + 1, micro_batches * chunks) / chunks
+
+
+@functools.lru_cache(maxsize=65536)
+def peak_in_flight(
+    schedule: Schedule, position: int, stages: int, micro_batches: int, chunks: tuple[int, ...]
+) -> float:
+    """Micro-batches of the whole stage's activations the stage at ``position`` holds at its
+    peak, by walking its order (chunk_sequence): a forward of chunk c holds its layers'
+    activations until its backward, so the peak of the chunks' layers in flight, over the
+    stage's layers, is fractional where the chunks differ or are not all in flight."""
+    held = peak = 0
+    for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
+        held += chunks[c] if kind == FORWARD else -chunks[c]
+        peak = max(peak, held)
+    whole, layers = divmod(peak, sum(chunks))
+    return whole if not layers else peak / sum(chunks)
 
 
 def chunk_sequence(
@@ -94,18 +144,33 @@ def interleaved_orders(
         warmups = [min(2 * (p - s - 1) + (v - 1) * p, m * v) for s in range(p)]
     while True:
         orders = tuple(sequence(w) for w in warmups)
-        stuck = _stuck_on_a_backward(orders, p, v)
+        stopped = run_in_dependency_order(orders, p, v, m)
+        stuck = [
+            s
+            for s in range(p)
+            if stopped[s] < len(orders[s]) and orders[s][stopped[s]][0] == BACKWARD
+        ]
         if not stuck:
             return orders
         for s in stuck:  # all forwards first (m v) cannot be stuck on a backward
             warmups[s] = min(warmups[s] + 1, m * v)
 
 
-def _stuck_on_a_backward(orders, p: int, v: int) -> list[int]:
-    """Run the stages' orders in dependency order (a forward waits for the previous model
-    chunk's forward of its micro-batch; a backward for its own forward and the next chunk's
-    backward); the stages left waiting for a backward when nothing can run (none: no deadlock)."""
-    m = max(j for order in orders for _, _, j in order) + 1
+def run_in_dependency_order(
+    orders: Sequence[Sequence[tuple[int, int, int]]],
+    stages: int,
+    chunks: int,
+    micro_batches: int,
+    ran: list[tuple[int, int, int, int]] | None = None,
+) -> list[int]:
+    """Run every stage's order (of (kind, chunk, micro-batch) operations) as a whole pipeline
+    runs it, sends never blocking (the runtime's isend): stage after stage, each as far as its
+    next operation's inputs allow (a forward waits for the previous model chunk's forward of its
+    micro-batch; a backward for its own forward and the next chunk's backward), until nothing
+    can run. Each operation run is appended to ``ran``, if given, as (stage, kind, chunk,
+    micro-batch): an order where every dependency comes first. Returns where each stage
+    stopped (the length of its order when it ran everything)."""
+    p, v, m = stages, chunks, micro_batches
     last = p * v - 1
     done = bytearray(2 * p * v * m)  # (kind, model chunk, micro-batch) -> ran
     position = [0] * p
@@ -124,11 +189,9 @@ def _stuck_on_a_backward(orders, p: int, v: int) -> list[int]:
                 if not ready:
                     break
                 done[(kind * p * v + g) * m + j] = 1
+                if ran is not None:
+                    ran.append((s, kind, chunk, j))
                 at += 1
             if at != position[s]:
                 position[s], progress = at, True
-    return [
-        s
-        for s in range(p)
-        if position[s] < len(orders[s]) and orders[s][position[s]][0] == BACKWARD
-    ]
+    return position

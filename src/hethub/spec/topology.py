@@ -122,6 +122,27 @@ def parameter_holders(topology: Topology, model: ModelSpec) -> dict[str, tuple[i
     return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
 
 
+def layout_classes(plan: Plan) -> tuple[int, ...]:
+    """Per layout of ``plan``, its class: the first layout with its stages (RankInfo's
+    layout_class). Ranks of one class, stage and TP rank hold the same shard of the same
+    parameters: they are each other's data-parallel peers (Topology.data_parallel_peers)."""
+    return tuple(
+        next(k for k, other in enumerate(plan.pipelines) if other.stages == pipeline.stages)
+        for pipeline in plan.pipelines
+    )
+
+
+def data_parallel_degrees(plan: Plan) -> tuple[int, ...]:
+    """Per layout of ``plan``: how many data-parallel peers each of its ranks has (itself
+    included), len(Topology.data_parallel_peers(rank)), read off the plan without building
+    the topology: the replicas of every layout of its class."""
+    classes = layout_classes(plan)
+    replicas = [0] * len(classes)
+    for pipeline, k in zip(plan.pipelines, classes):
+        replicas[k] += pipeline.count
+    return tuple(replicas[k] for k in classes)
+
+
 def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
     """Every rank of the job that runs ``plan`` (checked with check_plan) on ``cluster``."""
     placed = place(plan, cluster)
@@ -143,6 +164,7 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
                     )
         replica_base += pipeline.count
     slots.sort()
+    classes = layout_classes(plan)
     ranks = []
     for rank, (g, device, i, replica, stage, t) in enumerate(slots):
         pipeline = plan.pipelines[i]
@@ -163,9 +185,7 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
                 layers=pipeline.stages[stage].layers,
                 micro_batches=pipeline.micro_batches,
                 chunks=chunks,
-                layout_class=next(
-                    k for k, other in enumerate(plan.pipelines) if other.stages == pipeline.stages
-                ),
+                layout_class=classes[i],
             )
         )
     tp_groups: dict[tuple[int, int], list[int]] = {}

@@ -1,0 +1,422 @@
+"""Where a cost comes from: one interface, Pricing, and its two implementations.
+
+AnalyticPricing prices every cost from the datasheet models (predictor.compute, comm, memory);
+ProfiledPricing prices what measured profiles hold (predictor.profiled) and the rest as
+AnalyticPricing does. The step's assembly (predictor.iteration) and the planner (planner.costs)
+ask the interface, never which kind they hold.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hethub.predictor import comm, profiled
+from hethub.predictor.calibration import Calibration
+from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
+from hethub.predictor.memory import StageMemory, stage_memory_at, stage_params
+from hethub.predictor.sharing import CoreSharing
+from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
+from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan, Precision, Recompute
+
+OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
+REDUCE_SCATTER_SHARE = 0.5
+"""A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps."""
+
+
+class StageShape(NamedTuple):
+    """What a stage's (or one of its chunks') costs depend on besides its devices (a tuple:
+    made for every stage of every prediction, and a key of the caches below)."""
+
+    model: ModelSpec
+    layers: int
+    tp: int
+    position: StagePosition
+    micro_batch: int
+    recompute: Recompute
+    precision: Precision
+
+
+class Boundary(NamedTuple):
+    """Where a stage sends one micro-batch's activations to the next and gets their gradient
+    back."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    micro_batch: int
+    precision: Precision
+    sender: DeviceGroup
+    receiver: DeviceGroup
+    tp_sender: int
+    tp_receiver: int
+    across_nodes: bool
+    """The two stages are on different nodes for some replica."""
+
+
+class SyncPeers(NamedTuple):
+    """Whom stage ``stage`` of layout ``pipeline`` of ``plan`` sums its gradients with."""
+
+    plan: Plan
+    cluster: ClusterSpec
+    pipeline: int
+    stage: int
+    replicas: int
+    """Its data-parallel peers (itself included), which sum natively together."""
+    classes: int
+    """Layout classes of the plan: beyond one, unlike layouts exchange each shard too."""
+    fewest: int
+    """The fewest replicas of one class, which sets the slice each carries across."""
+    cross_bw: float
+    """Bytes/s from its group to the slowest of the classes' leading groups (classes > 1)."""
+
+    @property
+    def sharded(self) -> bool:
+        """A sharded optimizer splits its state among the peers."""
+        return self.plan.shard_optimizer and self.replicas > 1
+
+
+class Pricing(ABC):
+    """The costs of a plan's pieces, whatever they are priced from."""
+
+    calibration: Calibration
+
+    @abstractmethod
+    def work(self, group: DeviceGroup, shape: StageShape) -> StageTimes:
+        """One micro-batch through a stage (or chunk) on ``group``, TP communication and
+        recomputation included, stretched by the group's emulated speed."""
+
+    @abstractmethod
+    def send(self, boundary: Boundary) -> SendTimes:
+        """One micro-batch's activation over ``boundary``, and its gradient back."""
+
+    @abstractmethod
+    def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
+        """A stage's gradient sync with ``peers``."""
+
+    @abstractmethod
+    def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
+        """A stage's optimizer step over all of one rank's parameters (a sharded optimizer's
+        share is this over its shards)."""
+
+    @abstractmethod
+    def memory(
+        self, group: DeviceGroup, shape: StageShape, *, in_flight: float, optimizer_shards: int
+    ) -> StageMemory:
+        """Peak memory of one device of a stage holding ``in_flight`` micro-batches'
+        activations, its optimizer state split over ``optimizer_shards`` ranks."""
+
+    @abstractmethod
+    def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
+        """The step's all-reduce of the loss over every rank, before any optimizer steps; None
+        where it is left to the step's fixed overhead."""
+
+    @abstractmethod
+    def core_sharing(
+        self, plan: Plan, cluster: ClusterSpec, model: ModelSpec
+    ) -> CoreSharing | None:
+        """How the plan's ranks share one machine's cores, or None where they do not."""
+
+
+@functools.lru_cache(maxsize=64)
+def pricing_for(calibration: Calibration, profiles: Profiles | None) -> Pricing:
+    """The pricing of ``profiles`` (selected under the job's run conditions, in the plan's
+    dtype) where there are any, else the analytic model's."""
+    if profiles is None:
+        return AnalyticPricing(calibration)
+    return ProfiledPricing(calibration, profiles)
+
+
+@dataclass(frozen=True)  # no slots: ProfiledPricing's methods call super()
+class AnalyticPricing(Pricing):
+    """Every cost from the analytic model."""
+
+    calibration: Calibration
+
+    def work(self, group: DeviceGroup, shape: StageShape) -> StageTimes:
+        return _at_speed(group, _analytic_work(group, self.calibration, shape))
+
+    def send(self, boundary: Boundary) -> SendTimes:
+        # The gradient takes as long as the activation; each TP rank sends its share.
+        b = boundary
+        nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * b.precision.element_bytes
+        one_way = _send_time(nbytes / b.tp_sender, b, self.calibration)
+        return SendTimes(one_way, one_way)
+
+    def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
+        """The gradients' all-reduce among the peers (a reduce-scatter and an all-gather with a
+        sharded optimizer), and with unlike layouts the exchange of each shard across them:
+        hierarchically, each of a layout's replicas carrying an equal slice of it across."""
+        cal, precision = self.calibration, shape.precision
+        reduce = _analytic_sync_s(
+            group,
+            cal,
+            shape.model,
+            shape.tp,
+            shape.layers,
+            shape.position,
+            peers.replicas,
+            precision,
+        )
+        gather = 0.0
+        if peers.sharded:
+            # Identical layouts alone reduce-scatter their buckets; with unlike layouts the sum
+            # goes through the bridge whole, and each rank keeps its slice. Either way the peers
+            # then all-gather the updated weights.
+            gather = reduce * all_gather_share(precision)
+            if peers.classes == 1:
+                reduce *= REDUCE_SCATTER_SHARE
+        if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
+            params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
+            reduce += comm.ring_allreduce_time(
+                params * precision.main_grad_bytes / peers.fewest,
+                peers.classes,
+                peers.cross_bw,
+                cal,
+            )
+        return SyncTimes(reduce, gather)
+
+    def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
+        return _analytic_optimizer_s(
+            group,
+            self.calibration,
+            shape.model,
+            shape.tp,
+            shape.layers,
+            shape.position,
+            shape.precision,
+        )
+
+    def memory(
+        self, group: DeviceGroup, shape: StageShape, *, in_flight: float, optimizer_shards: int
+    ) -> StageMemory:
+        return stage_memory_at(
+            shape.model,
+            shape.layers,
+            shape.tp,
+            shape.position,
+            in_flight,
+            shape.micro_batch,
+            shape.recompute,
+            shape.precision,
+            optimizer_shards,
+        )
+
+    def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
+        return None
+
+    def core_sharing(
+        self, plan: Plan, cluster: ClusterSpec, model: ModelSpec
+    ) -> CoreSharing | None:
+        return None
+
+
+@dataclass(frozen=True)
+class ProfiledPricing(AnalyticPricing):
+    """Measured costs where ``profiles`` hold them (looked up under their selected dtype; a
+    plan is priced by the profiles of its precision), the analytic model's elsewhere."""
+
+    profiles: Profiles
+
+    def work(self, group: DeviceGroup, shape: StageShape) -> StageTimes:
+        profile = self._layer(group, shape)
+        if profile is None:
+            return super().work(group, shape)
+        times = profiled.profiled_work(profile, shape.layers, shape.recompute, shape.position)
+        return _at_speed(group, times)
+
+    def send(self, boundary: Boundary) -> SendTimes:
+        return _measured_send(self.profiles, boundary) or super().send(boundary)
+
+    def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
+        """The runtime's buckets (profiled.stage_buckets) over the plan's link profile; the
+        analytic model's where the plan has none or a collective was not measured."""
+        link = _plan_link(self.profiles, peers.plan, peers.cluster)
+        if link is not None and link.device == group.accelerator.name:
+            buckets = profiled.stage_buckets(
+                peers.plan, peers.cluster, shape.model, peers.pipeline, peers.stage
+            )
+            collectives = profiled.sync_collectives(
+                shape.model,
+                buckets,
+                tp=shape.tp,
+                peers=peers.replicas,
+                sharded=peers.sharded,
+                weight_bytes=shape.precision.weight_bytes,
+            )
+            measured = profiled.grad_sync_time(link, collectives)
+            if measured is not None:  # over every holder of each tensor, whatever its layout
+                return measured
+        return super().sync(group, shape, peers)
+
+    def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
+        profile = self._layer(group, shape)
+        if profile is None:
+            return super().optimizer_s(group, shape)
+        return profiled.optimizer_time(profile, shape.model, shape.tp, shape.layers, shape.position)
+
+    def memory(
+        self, group: DeviceGroup, shape: StageShape, *, in_flight: float, optimizer_shards: int
+    ) -> StageMemory:
+        profile = self._layer(group, shape)
+        if profile is None:
+            return super().memory(
+                group, shape, in_flight=in_flight, optimizer_shards=optimizer_shards
+            )
+        return profiled.profiled_memory(
+            profile,
+            shape.model,
+            bytes_per_element=self.profiles.bytes_per_element,
+            layers=shape.layers,
+            tp=shape.tp,
+            position=shape.position,
+            in_flight=in_flight,
+            micro_batch=shape.micro_batch,
+            recompute=shape.recompute,
+            precision=shape.precision,
+            optimizer_shards=optimizer_shards,
+        )
+
+    def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
+        """With the plan's link profile, the runtime's way: one fp32 float all-reduced over
+        every rank."""
+        link = _plan_link(self.profiles, plan, cluster)
+        if link is None:
+            return None
+        devices = sum(p.count * p.devices for p in plan.pipelines)
+        return link.allreduce_time(plan.precision.loss_bytes, devices)
+
+    def core_sharing(
+        self, plan: Plan, cluster: ClusterSpec, model: ModelSpec
+    ) -> CoreSharing | None:
+        return profiled.core_sharing(plan, cluster, model, self.profiles)
+
+    def _layer(self, group: DeviceGroup, shape: StageShape) -> LayerProfile | None:
+        return self.profiles.layer_for(
+            group.accelerator.name, shape.model, shape.tp, shape.micro_batch
+        )
+
+
+def all_gather_share(precision: Precision) -> float:
+    """A sharded optimizer's all-gather of the updated weights (in the training dtype) over the
+    all-reduce of the fp32 gradients it replaces: half the steps, of weight-sized elements."""
+    return precision.weight_bytes / (2 * precision.main_grad_bytes)
+
+
+def _at_speed(group: DeviceGroup, times: StageTimes) -> StageTimes:
+    """``times`` on a group of emulated ``speed``: the runtime stretches each forward and
+    backward by 1 / speed."""
+    if group.speed is None:
+        return times
+    return StageTimes(times.forward_s / group.speed, times.backward_s / group.speed)
+
+
+@functools.lru_cache(maxsize=65536)
+def _analytic_work(group: DeviceGroup, cal: Calibration, shape: StageShape) -> StageTimes:
+    """One micro-batch through a stage, from the analytic model."""
+    model, tp, micro_batch, precision = shape.model, shape.tp, shape.micro_batch, shape.precision
+    acc = group.accelerator
+    tp_allreduce = comm.group_allreduce_time(
+        micro_batch * model.seq_len * model.hidden * precision.element_bytes, tp, group, cal
+    )
+    layer = layer_cost(model, acc, cal, tp, micro_batch, shape.recompute, tp_allreduce, precision)
+    forward, backward = shape.layers * layer.forward_s, shape.layers * layer.backward_s
+    if shape.position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
+        embed = embedding_cost(model, acc, cal, tp, micro_batch, precision)
+        forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
+    if shape.position.last:  # vocabulary-parallel cross-entropy: three all-reduces of a float
+        head = head_cost(model, acc, cal, tp, micro_batch, precision)
+        loss_sync = 3 * comm.group_allreduce_time(
+            micro_batch * model.seq_len * precision.loss_bytes, tp, group, cal
+        )
+        forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
+    return StageTimes(forward, backward)
+
+
+@functools.lru_cache(maxsize=65536)
+def _analytic_sync_s(
+    group: DeviceGroup,
+    cal: Calibration,
+    model: ModelSpec,
+    tp: int,
+    layers: int,
+    position: StagePosition,
+    replicas: int,
+    precision: Precision,
+) -> float:
+    """All-reduce of one rank's fp32 gradients among its stage's ``replicas``, stage-major: a
+    stage's replicas share nodes."""
+    params = stage_params(model, layers, position) / tp
+    replicas_per_node = max(1, group.devices_per_node // tp)
+    return comm.group_allreduce_time(
+        params * precision.main_grad_bytes, replicas, group, cal, replicas_per_node
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _analytic_optimizer_s(
+    group: DeviceGroup,
+    cal: Calibration,
+    model: ModelSpec,
+    tp: int,
+    layers: int,
+    position: StagePosition,
+    precision: Precision,
+) -> float:
+    """Adam over one rank's parameters: memory-bound, or its launches where they take longer."""
+    params = stage_params(model, layers, position) / tp
+    return max(
+        params
+        * precision.optimizer_bytes_moved
+        / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
+        OPTIMIZER_OPS * cal.launch_us * 1e-6,
+    )
+
+
+def _send_time(nbytes: float, boundary: Boundary, cal: Calibration) -> float:
+    """``nbytes`` from a device of the sender to one of the receiver."""
+    a, b = boundary.sender, boundary.receiver
+    if a.name != b.name:
+        return comm.p2p_time(nbytes, comm.cross_group_bw(boundary.cluster, a, b, cal), cal)
+    if not boundary.across_nodes:  # both stages of every replica on one node
+        return comm.p2p_time(nbytes, comm.intra_node_bw(a, cal), cal)
+    return comm.p2p_time(nbytes, comm.network_bw(a, cal), cal)
+
+
+def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
+    """Measured times over a stage boundary, or None: between two nodes, the leaders' message
+    over the measured link between their kinds (hethub profile --cluster; through the bridge
+    where the vendors differ) and each TP group's broadcast from its own kind's link profile;
+    else on one kind of accelerator, its link profile (one machine's processes)."""
+    b = boundary
+    # whole, leader to leader
+    nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * profiles.bytes_per_element
+    kind_a, kind_b = b.sender.accelerator.name, b.receiver.accelerator.name
+    between = profiles.link_between(kind_a, kind_b) if b.across_nodes else None
+    if between is not None:
+        return profiled.cross_send_times(
+            between,
+            profiles.link_for(kind_a),
+            profiles.link_for(kind_b),
+            nbytes,
+            b.tp_sender,
+            b.tp_receiver,
+        )
+    if kind_a != kind_b:
+        return None
+    link = profiles.link_for(kind_a)
+    if link is None:
+        return None
+    return profiled.send_times(link, nbytes, b.tp_sender, b.tp_receiver)
+
+
+def _plan_link(profiles: Profiles, plan: Plan, cluster: ClusterSpec) -> LinkProfile | None:
+    """The link profile that prices the plan's gradient sync and loss all-reduce: every stage of
+    the plan on one kind of accelerator, which has a link profile (else the analytic model
+    prices them)."""
+    devices = {cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages}
+    return profiles.link_for(devices.pop()) if len(devices) == 1 else None
