@@ -3,26 +3,18 @@ are valid for hethub (the GPU half itself runs only on a GPU machine)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from hethub.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -56,7 +48,7 @@ def test_the_cpu_half_runs_every_phase_and_prints_the_summary(tmp_path):
 
 
 def test_the_gpu_halfs_files_are_a_plan_hethub_predicts(tmp_path, capsys):
-    check = load_script()
+    check = load_benchmark("gpu_check")
     _, cluster, plan = check.write_files(tmp_path, check.GPU)
     assert main(["predict", "--cluster", str(cluster), "--plan", str(plan), "--json"]) == 0
     prediction = json.loads(capsys.readouterr().out)
@@ -66,7 +58,7 @@ def test_the_gpu_halfs_files_are_a_plan_hethub_predicts(tmp_path, capsys):
 
 
 def test_step_records_peak_memory_and_precision_are_read_where_present(tmp_path):
-    check = load_script()
+    check = load_benchmark("gpu_check")
     (tmp_path / "metrics.jsonl").write_text(
         "\n".join(
             json.dumps({"step": s, "iteration_time_s": 0.1 * s, "peak_memory_gb": 10 + s})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +18,8 @@ from hethub.planner.partition import chunk_split, partition_chunks, partition_la
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, parse_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from baselines import exhaustive_best, megatron_uniform
+baselines = load_benchmark("baselines")
+exhaustive_best, megatron_uniform = baselines.exhaustive_best, baselines.megatron_uniform
 
 SMALL = parse_model(
     {
