@@ -3,11 +3,13 @@ devices."""
 
 from hethub.comm.backends import device_backend, local_device, native_backend, peak_memory_bytes
 from hethub.comm.communicator import BRIDGE, NATIVE, Communicator
+from hethub.comm.group import Group
 
 __all__ = [
     "BRIDGE",
     "NATIVE",
     "Communicator",
+    "Group",
     "device_backend",
     "local_device",
     "native_backend",

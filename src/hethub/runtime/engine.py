@@ -29,12 +29,7 @@ from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, StageChunks, shard
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
 from hethub.runtime.precision import MasterWeights
-from hethub.runtime.process_groups import (
-    ProcessGroups,
-    Role,
-    create_job_groups,
-    vendor_parts,
-)
+from hethub.runtime.process_groups import RankGroups, SyncGroups, create_job_groups
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
 from hethub.spec.cluster import ClusterSpec
@@ -54,7 +49,7 @@ class Engine:
         topology: Topology,
         spec: ModelSpec,
         comm: Communicator,
-        groups: ProcessGroups,
+        groups: RankGroups,
         *,
         seed: int,
         lr: float = DEFAULT_SETTINGS.lr,
@@ -63,7 +58,7 @@ class Engine:
         speed: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
-        """``groups``: the job's process groups (process_groups.create_groups); ``device``: where
+        """``groups``: this rank's groups (process_groups.create_job_groups); ``device``: where
         this rank runs (default: the CPU); ``speed``: this rank's emulated speed
         relative to the machine (None: as fast as it runs); ``bucket_bytes``: the gradient sync's
         bucket cap (spec.buckets)."""
@@ -76,11 +71,9 @@ class Engine:
         self.me = topology.ranks[self.rank]
         self.device = device or torch.device("cpu")
         self.parameter_table = parameter_table(spec)
-        self.my_tp_ranks = next(r for r in topology.tp_groups if self.rank in r)
-        self.leader = self.my_tp_ranks[0]
-        self.tp_group = groups.get(Role.TENSOR, self.my_tp_ranks)
-        stages = topology.replica_stages(self.me.replica)
-        self.is_first, self.is_last = self.me.stage == 0, self.me.stage == stages - 1
+        self.my_tp_ranks = groups.tp.ranks
+        self.leader = groups.leader
+        self.tp_group = groups.tp.handle
         # One Stage per model chunk this rank holds (interleaved 1F1B: several).
         self.stage = StageChunks(
             [
@@ -103,8 +96,7 @@ class Engine:
         # The ranks holding exactly this rank's shards, in a group of their own when a sharded
         # optimizer or an overlapped sync needs one.
         self.peers = topology.data_parallel_peers(self.rank)
-        uses_peers = plan.shard_optimizer or plan.overlap_grad_sync
-        self.peer_group = groups.get(Role.DATA, self.peers) if uses_peers else None
+        self.peer_group = groups.data.handle if groups.data is not None else None
         self.sync_buckets = self._sync_buckets(groups)
         if plan.shard_optimizer and len(self.peers) > 1:
             self.optimizer = ShardedAdamW(
@@ -123,23 +115,15 @@ class Engine:
         self.overlapped_buckets = 0  # of the last step: synced during its backwards
         if plan.overlap_grad_sync:
             self._hook_overlap()
-        # The pipeline neighbours' leaders, and the group each pair talks through: a group per
-        # ordered pair, which carries the sender's activations one way and their gradients
-        # back, each in the order both ends run them. Interleaving adds the pair from the last
-        # stage to the first (between a micro-batch's rounds of chunks).
-        interleaved = len(self.me.chunks) > 1
-        self.prev_leader = self.next_leader = self.prev_group = self.next_group = None
-        if not self.is_first or interleaved:
-            previous = (self.me.stage - 1) % stages
-            self.prev_leader = topology.stage_ranks(self.me.replica, previous)[0]
-        if not self.is_last or interleaved:
-            following = (self.me.stage + 1) % stages
-            self.next_leader = topology.stage_ranks(self.me.replica, following)[0]
-        if self.rank == self.leader:
-            if self.prev_leader is not None:
-                self.prev_group = groups.get(Role.PIPELINE, (self.prev_leader, self.rank))
-            if self.next_leader is not None:
-                self.next_group = groups.get(Role.PIPELINE, (self.rank, self.next_leader))
+        # On a stage leader: the pipeline neighbours' leaders, and the group each pair talks
+        # through: a group per ordered pair, which carries the sender's activations one way and
+        # their gradients back, each in the order both ends run them. Interleaving adds the pair
+        # from the last stage to the first (between a micro-batch's rounds of chunks).
+        prev, following = groups.pipeline_prev, groups.pipeline_next
+        self.prev_leader, self.prev_group = (prev.ranks[0], prev.handle) if prev else (None, None)
+        self.next_leader, self.next_group = (
+            (following.ranks[1], following.handle) if following else (None, None)
+        )
 
     @classmethod
     def for_job(
@@ -318,7 +302,7 @@ class Engine:
                 self.comm.native(buffer)
         return buffer
 
-    def _sync_buckets(self, groups: ProcessGroups) -> list[Bucket]:
+    def _sync_buckets(self, groups: RankGroups) -> list[Bucket]:
         """The gradient sync's buckets (spec.buckets.rank_buckets, which the predictor prices
         too), fixed for the engine's life: its parameters are updated in place."""
         buckets = []
@@ -330,21 +314,10 @@ class Engine:
             cap=self.bucket_bytes,
         ):
             # Only the leaders reduce; the other TP ranks take part in gather and broadcast.
-            sync = self._grad_sync(bucket.holders, groups) if self.rank == self.leader else None
+            sync = groups.grad_sync[bucket.holders] if self.rank == self.leader else None
             params = [(name, self.weights.by_name[name]) for name in bucket.names]
             buckets.append(Bucket(params, sync, bucket.direct))
         return buckets
-
-    def _grad_sync(self, leaders: tuple[int, ...], groups: ProcessGroups) -> GradSync:
-        """How this leader sums gradients with the other ``leaders``: one all-reduce in their
-        native group when they share a vendor, else hierarchically (process_groups)."""
-        parts = vendor_parts(leaders, self.comm.vendor)
-        if len(parts) == 1:
-            return GradSync(leaders, groups.get(Role.GRAD_SYNC, leaders))
-        local = next(part for part in parts if self.rank in part)
-        bridge = tuple(part[0] for part in parts)
-        bridge_group = groups.get(Role.SYNC_BRIDGE, bridge) if self.rank == local[0] else None
-        return GradSync(local, groups.get(Role.SYNC_LOCAL, local), bridge, bridge_group)
 
     def _split(self, name: str) -> bool:
         """Whether TP splits parameter ``name`` (else it is whole on every TP rank)."""
@@ -436,12 +409,12 @@ class Engine:
         flat = torch.cat([full.reshape(-1) for full in fulls])
         if bucket.sync is not None:  # this rank leads its stage
             sync = bucket.sync
-            if sync.bridge:
+            if sync.bridge is not None:
                 self.comm.hierarchical_all_reduce(
-                    flat, sync.local, sync.local_group, sync.bridge, sync.bridge_group
+                    flat, sync.local.ranks, sync.local.handle, sync.bridge.ranks, sync.bridge.handle
                 )
             else:
-                self.comm.all_reduce(flat, sync.local, sync.local_group)
+                self.comm.all_reduce(flat, sync.local.ranks, sync.local.handle)
         if tp > 1:
             dist.broadcast(flat, self.leader, group=self.tp_group)
             self.comm.native(flat)
@@ -461,23 +434,12 @@ class Engine:
         return torch.cat(pieces, dim=dim)
 
 
-class GradSync(NamedTuple):
-    """A leader's share of summing a bucket over the leaders holding it."""
-
-    local: tuple[int, ...]
-    """The leaders of this rank's vendor (all of them, when the set has one vendor)."""
-    local_group: object
-    bridge: tuple[int, ...] = ()
-    """The first leader of each vendor's part, when the set spans vendors."""
-    bridge_group: object = None
-    """Their group, on those first leaders only."""
-
-
 class Bucket(NamedTuple):
     """Gradients synced as one flat buffer among the leaders holding them."""
 
     params: list[tuple[str, torch.nn.Parameter]]
-    sync: GradSync | None
-    """None on a rank that does not lead its stage: it only gathers and receives."""
+    sync: SyncGroups | None
+    """The groups that sum it (RankGroups.grad_sync); None on a rank that does not lead its
+    stage: it only gathers and receives."""
     direct: bool = False
     """Summed among the data-parallel peers, each TP rank its own shards (Engine._sync_direct)."""
