@@ -1,8 +1,8 @@
 """The unified communicator: one interface for point-to-point and collectives, whatever the
-devices."""
+devices, counting the bytes each moves."""
 
 from hethub.comm.backends import device_backend, local_device, native_backend, peak_memory_bytes
-from hethub.comm.communicator import BRIDGE, NATIVE, Communicator
+from hethub.comm.communicator import BRIDGE, NATIVE, Communicator, Pending
 from hethub.comm.group import Group
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "NATIVE",
     "Communicator",
     "Group",
+    "Pending",
     "device_backend",
     "local_device",
     "native_backend",

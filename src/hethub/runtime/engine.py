@@ -21,10 +21,9 @@ from datetime import timedelta
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from hethub.comm import Communicator
+from hethub.comm import Communicator, Pending
 from hethub.report.timeline import TimelineEvent
 from hethub.runtime.model import Stage, StageChunks, shard
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
@@ -63,11 +62,12 @@ class Engine:
         relative to the machine (None: as fast as it runs); ``bucket_bytes``: the gradient sync's
         bucket cap (spec.buckets)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
+        self.groups = groups
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
         self.bucket_bytes = bucket_bytes
         self.timeline: list[TimelineEvent] = []
         self._step_start = 0.0
-        self.rank = dist.get_rank()
+        self.rank = comm.rank
         self.me = topology.ranks[self.rank]
         self.device = device or torch.device("cpu")
         self.parameter_table = parameter_table(spec)
@@ -96,13 +96,12 @@ class Engine:
         # The ranks holding exactly this rank's shards, in a group of their own when a sharded
         # optimizer or an overlapped sync needs one.
         self.peers = topology.data_parallel_peers(self.rank)
-        self.peer_group = groups.data.handle if groups.data is not None else None
+        self.peer_group = groups.data
         self.sync_buckets = self._sync_buckets(groups)
         if plan.shard_optimizer and len(self.peers) > 1:
             self.optimizer = ShardedAdamW(
                 self.weights,
                 [bucket.params for bucket in self.sync_buckets],
-                self.peers,
                 self.peer_group,
                 lr,
                 weight_decay,
@@ -120,9 +119,9 @@ class Engine:
         # their gradients back, each in the order both ends run them. Interleaving adds the pair
         # from the last stage to the first (between a micro-batch's rounds of chunks).
         prev, following = groups.pipeline_prev, groups.pipeline_next
-        self.prev_leader, self.prev_group = (prev.ranks[0], prev.handle) if prev else (None, None)
+        self.prev_leader, self.prev_group = (prev.ranks[0], prev) if prev else (None, None)
         self.next_leader, self.next_group = (
-            (following.ranks[1], following.handle) if following else (None, None)
+            (following.ranks[1], following) if following else (None, None)
         )
 
     @classmethod
@@ -170,7 +169,7 @@ class Engine:
     def gradients(self, tokens: torch.Tensor) -> float:
         """Forward and backward of the global batch and the gradient sync, without the update:
         afterwards every parameter's .grad is its share of the global batch's gradient."""
-        dist.barrier()  # every rank's timeline starts together
+        self.comm.barrier()  # every rank's timeline starts together
         self._step_start, self.timeline = time.perf_counter(), []
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
         loss_sum = self._run_schedule(self._my_micro_batches(tokens), total)
@@ -180,7 +179,8 @@ class Engine:
         with self._timed("grad_sync"):
             self._sync_gradients()
             reported = torch.tensor([loss_sum])
-            dist.all_reduce(reported)  # only last-stage leaders contribute
+            with self.comm.not_counted():  # a report, not training traffic
+                self.comm.all_reduce(reported, self.groups.world)  # only last-stage leaders add
         return reported.item()
 
     @contextmanager
@@ -297,9 +297,7 @@ class Engine:
                     else (self.next_leader, self.next_group)
                 )
                 self.comm.recv(buffer, peer, group)
-            if len(self.my_tp_ranks) > 1:
-                dist.broadcast(buffer, self.leader, group=self.tp_group)
-                self.comm.native(buffer)
+            self.comm.broadcast(buffer, self.leader, self.groups.tp)
         return buffer
 
     def _sync_buckets(self, groups: RankGroups) -> list[Bucket]:
@@ -319,10 +317,6 @@ class Engine:
             buckets.append(Bucket(params, sync, bucket.direct))
         return buckets
 
-    def _split(self, name: str) -> bool:
-        """Whether TP splits parameter ``name`` (else it is whole on every TP rank)."""
-        return self.parameter_table[name].tp_dim is not None
-
     def _sync_gradients(self) -> None:
         """Sum each parameter's gradient over every replica (and the tied head copy) holding it,
         bucket by bucket (_sync_buckets): among the data-parallel peers directly where they are
@@ -334,31 +328,24 @@ class Engine:
         self.overlapped_buckets = len(self._in_flight)  # launched during the backwards
         for index, bucket in enumerate(self.sync_buckets):
             if bucket.direct:
-                launched = self._in_flight.pop(index, None) or self._sync_direct(bucket)
-                self._finish_direct(index, bucket, *launched)
+                started = self._in_flight.pop(index, None)
+                pending = started if started is not None else self._sync_direct(bucket)
+                self._finish_direct(index, bucket, pending.wait())
                 continue
             self._sync_bucket(bucket)
             if self.sharded:
                 flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
                 self.optimizer.set_grad(index, self.optimizer.my_slice(self.optimizer.pad(flat)))
 
-    def _sync_direct(self, bucket: Bucket, async_op: bool = False) -> tuple:
+    def _sync_direct(self, bucket: Bucket) -> Pending:
         """Start summing ``bucket`` among the data-parallel peers, each its own shards: a
-        reduce-scatter to this rank's slice for a sharded optimizer, else an all-reduce. The
-        (work, result) to finish it with."""
+        reduce-scatter to this rank's slice for a sharded optimizer, else an all-reduce."""
         flat = torch.cat([param.grad.reshape(-1) for _, param in bucket.params])
-        peers = len(self.peers)
         if self.sharded:
-            padded = self.optimizer.pad(flat)
-            mine = padded.new_empty(padded.numel() // peers)
-            self.comm.native(padded, (peers - 1) / peers)  # a ring: (d - 1) / d of it out
-            work = dist.reduce_scatter_single(mine, padded, group=self.peer_group, async_op=True)
-            return work, mine
-        self.comm.native(flat, 2 * (peers - 1) / peers)
-        return dist.all_reduce(flat, group=self.peer_group, async_op=True), flat
+            return self.comm.start_reduce_scatter(self.optimizer.pad(flat), self.peer_group)
+        return self.comm.start_all_reduce(flat, self.peer_group)
 
-    def _finish_direct(self, index: int, bucket: Bucket, work, result: torch.Tensor) -> None:
-        work.wait()
+    def _finish_direct(self, index: int, bucket: Bucket, result: torch.Tensor) -> None:
         if self.sharded:
             self.optimizer.set_grad(index, result)
             return
@@ -401,37 +388,31 @@ class Engine:
         """One bucket's sync: the full gradients flattened into one buffer, one all-reduce, one
         broadcast."""
         tp, tp_rank = len(self.my_tp_ranks), self.me.tp_rank
-        fulls = []
-        for name, param in bucket.params:
-            fulls.append(self.gather_full(name, param.grad))
-            if self._split(name):  # the all-gather moved tp - 1 shards in
-                self.comm.native(param.grad, tp - 1)
+        fulls = [self._gather_full(name, param.grad) for name, param in bucket.params]
         flat = torch.cat([full.reshape(-1) for full in fulls])
         if bucket.sync is not None:  # this rank leads its stage
             sync = bucket.sync
             if sync.bridge is not None:
-                self.comm.hierarchical_all_reduce(
-                    flat, sync.local.ranks, sync.local.handle, sync.bridge.ranks, sync.bridge.handle
-                )
+                self.comm.hierarchical_all_reduce(flat, sync.local, sync.bridge)
             else:
-                self.comm.all_reduce(flat, sync.local.ranks, sync.local.handle)
-        if tp > 1:
-            dist.broadcast(flat, self.leader, group=self.tp_group)
-            self.comm.native(flat)
+                self.comm.all_reduce(flat, sync.local)
+        self.comm.broadcast(flat, self.leader, self.groups.tp)
         pieces = flat.split([full.numel() for full in fulls])
         for (name, param), piece, full in zip(bucket.params, pieces, fulls, strict=True):
             param.grad.copy_(shard(self.parameter_table[name], piece.view_as(full), tp_rank, tp))
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP
-        shards of it (a gradient, a weight, an optimizer moment): a collective of the TP group."""
-        tp = len(self.my_tp_ranks)
+        shards of it (a weight, an optimizer moment, a gradient): a collective of the TP group,
+        outside the step's counted traffic (a checkpoint's)."""
+        with self.comm.not_counted():
+            return self._gather_full(name, tensor)
+
+    def _gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         dim = self.parameter_table[name].tp_dim
-        if tp == 1 or dim is None:
+        if dim is None:
             return tensor.clone()
-        pieces = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(pieces, tensor.contiguous(), group=self.tp_group)
-        return torch.cat(pieces, dim=dim)
+        return self.comm.all_gather(tensor, self.groups.tp, dim)
 
 
 class Bucket(NamedTuple):
