@@ -2,7 +2,7 @@
 devices, counting the bytes each moves."""
 
 from hethub.comm.backends import device_backend, local_device, native_backend, peak_memory_bytes
-from hethub.comm.communicator import BRIDGE, NATIVE, Communicator, Pending
+from hethub.comm.communicator import BRIDGE, NATIVE, Communicator, Pending, Work
 from hethub.comm.group import Group
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "Communicator",
     "Group",
     "Pending",
+    "Work",
     "device_backend",
     "local_device",
     "native_backend",

@@ -28,11 +28,14 @@ from hethub.comm.group import Group
 
 NATIVE, BRIDGE = "native", "bridge"
 
+Work = dist.Work
+"""A message or collective under way (``Communicator.wait`` finishes a message)."""
+
 
 class Pending(NamedTuple):
     """A collective started asynchronously: ``wait`` gives its result."""
 
-    work: dist.Work
+    work: Work
     result: torch.Tensor
 
     def wait(self) -> torch.Tensor:
@@ -71,7 +74,7 @@ class Communicator:
 
     # --- point to point ------------------------------------------------------------------------
 
-    def isend(self, tensor: torch.Tensor, peer: int, group: Group | None = None) -> dist.Work:
+    def isend(self, tensor: torch.Tensor, peer: int, group: Group | None = None) -> Work:
         """Start sending ``tensor`` to global rank ``peer`` through ``group`` (None: the world
         group); ``wait`` for the work before the tensor changes."""
         self._count((self.rank, peer), tensor)
@@ -88,7 +91,7 @@ class Communicator:
             buffer.copy_(staged, non_blocking=True)
         return buffer
 
-    def wait(self, work: dist.Work) -> None:
+    def wait(self, work: Work) -> None:
         """Wait for a point-to-point ``work`` within the timeout (RuntimeError past it)."""
         if self.timeout is None:
             work.wait()

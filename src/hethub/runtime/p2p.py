@@ -12,9 +12,8 @@ gradients never cross, and need no tags.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from hethub.comm import Communicator, Group
+from hethub.comm import Communicator, Group, Work
 from hethub.runtime.process_groups import RankGroups
 
 
@@ -29,7 +28,7 @@ class StageLinks:
         self.comm, self.groups, self.device, self.dtype = comm, groups, device, dtype
         self.leads = comm.rank == groups.leader
 
-    def send(self, tensor: torch.Tensor, forward: bool) -> list[dist.Work]:
+    def send(self, tensor: torch.Tensor, forward: bool) -> list[Work]:
         """Start sending an activation to the next stage (``forward``) or its gradient to the
         previous: the leader's send (wait for it before the step ends), none elsewhere."""
         if not self.leads:
@@ -48,7 +47,7 @@ class StageLinks:
         self.comm.broadcast(buffer, self.groups.leader, self.groups.tp)
         return buffer
 
-    def wait(self, sends: list[dist.Work]) -> None:
+    def wait(self, sends: list[Work]) -> None:
         """Wait for ``sends`` to complete (within the communicator's timeout)."""
         for work in sends:
             self.comm.wait(work)
