@@ -1,14 +1,19 @@
-"""The job's process groups: listed by a pure function, created in one place, in one order."""
+"""The job's process groups: listed by a pure function, created in one place, in one order, and
+held by each rank as named fields (RankGroups)."""
 
 from __future__ import annotations
 
 import pytest
 
+from hethub.comm import Group
 from hethub.runtime.process_groups import (
     BRIDGE_BACKEND,
     Role,
+    SyncGroups,
     create_groups,
+    create_job_groups,
     job_groups,
+    rank_groups,
     vendor_parts,
 )
 from hethub.runtime.spawn import run_ranks
@@ -88,8 +93,8 @@ def test_a_group_is_native_only_where_all_its_ranks_share_a_vendor_and_a_backend
     assert {s.backend for s in all_nccl if s.role is Role.TENSOR} == {"nccl"}
 
 
-def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
-    # 2 nv replicas and 2 amd replicas of the whole model: one sync set of four leaders
+def four_replicas():
+    """2 nv replicas and 2 amd replicas of the whole model: one sync set of four leaders."""
     plan = parse_plan(
         {
             "model": "tiny-llama",
@@ -101,7 +106,11 @@ def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
         }
     )
     check_plan(plan, CLUSTER, MODEL)
-    topo = build_topology(plan, CLUSTER)
+    return build_topology(plan, CLUSTER)
+
+
+def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
+    topo = four_replicas()
     vendors = topo.vendors(CLUSTER)
     assert vendor_parts((0, 1, 2, 3), vendors) == ((0, 1), (2, 3))
     specs = job_groups(topo, MODEL, vendors, ["nccl"] * 4)
@@ -113,17 +122,145 @@ def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
     ]
 
 
+def test_each_rank_holds_its_groups_by_what_they_are_for():
+    topo = topology()
+    vendors = topo.vendors(CLUSTER)
+    world = Group((0, 1, 2, 3, 4))
+    mine = {rank: rank_groups(topo, MODEL, vendors, rank) for rank in range(5)}
+    # rank 0 leads the nv TP-2 stage 0 of replica 0; rank 1 is its other TP rank
+    assert mine[0].world == world and mine[0].tp == Group((0, 1)) and mine[0].leader == 0
+    assert (mine[0].pipeline_prev, mine[0].pipeline_next) == (None, Group((0, 4)))
+    # layers 0-4 are held by leaders 0 (nv) and 2 (amd): each alone in its vendor's part, and
+    # both on the bridge
+    assert mine[0].grad_sync == {(0, 2): SyncGroups(Group((0,)), Group((0, 2)))}
+    assert mine[0].vendor == Group((0, 1))
+    assert mine[1].tp == Group((0, 1)) and mine[1].leader == 0
+    assert (mine[1].pipeline_prev, mine[1].pipeline_next, mine[1].grad_sync) == (None, None, {})
+    # rank 2 leads replica 1 (amd TP 2, the whole model): both sets, no pipeline neighbour
+    assert (mine[2].pipeline_prev, mine[2].pipeline_next) == (None, None)
+    assert mine[2].grad_sync == {
+        (0, 2): SyncGroups(Group((2,)), Group((0, 2))),
+        (2, 4): SyncGroups(Group((2, 4))),
+    }
+    # rank 4 is replica 0's amd TP-1 stage 1: a TP group of itself, fed by rank 0
+    assert mine[4].tp == Group((4,)) and mine[4].leader == 4
+    assert (mine[4].pipeline_prev, mine[4].pipeline_next) == (Group((0, 4)), None)
+    assert mine[4].grad_sync == {(2, 4): SyncGroups(Group((2, 4)))}
+    assert mine[4].vendor == Group((2, 3, 4))
+    # peers get a group only when the plan asks for one, and only where there are several
+    assert all(groups.data is None for groups in mine.values())
+    assert rank_groups(topo, MODEL, vendors, 0, data_parallel=True).data is None
+
+
+def held(groups):
+    """(role, ranks) of every group of more than one rank in a RankGroups."""
+    fields = {
+        Role.WORLD: [groups.world],
+        Role.TENSOR: [groups.tp],
+        Role.PIPELINE: [groups.pipeline_prev, groups.pipeline_next],
+        Role.DATA: [groups.data],
+        Role.VENDOR: [groups.vendor],
+        Role.GRAD_SYNC: [s.local for s in groups.grad_sync.values() if s.bridge is None],
+        Role.SYNC_LOCAL: [s.local for s in groups.grad_sync.values() if s.bridge is not None],
+        Role.SYNC_BRIDGE: [s.bridge for s in groups.grad_sync.values()],
+    }
+    return {
+        (role, group.ranks)
+        for role, fields in fields.items()
+        for group in fields
+        if group is not None and group.size > 1
+    }
+
+
+@pytest.mark.parametrize("which", ["mixed", "four replicas", "interleaved"])
+def test_the_ranks_hold_exactly_the_groups_the_job_lists(which):
+    # what every rank creates (job_groups) and what the ranks use (rank_groups) are one set
+    topo = {"mixed": topology, "four replicas": four_replicas, "interleaved": interleaved}[which]()
+    vendors = topo.vendors(CLUSTER)
+    listed = job_groups(topo, MODEL, vendors, ["gloo"] * topo.world_size, data_parallel=True)
+    used = set().union(
+        *(
+            held(rank_groups(topo, MODEL, vendors, rank, data_parallel=True))
+            for rank in range(topo.world_size)
+        )
+    )
+    assert used == {(spec.role, spec.ranks) for spec in listed}
+
+
+def interleaved():
+    """Two replicas of an interleaved pipeline over both vendors, TP 2 on the nv stage."""
+    plan = parse_plan(
+        {
+            "model": "tiny-llama",
+            "global_batch": 4,
+            "schedule": "interleaved-1f1b",
+            "pipelines": [
+                {
+                    "count": 2,
+                    "micro_batches": 2,
+                    "virtual_stages": 2,
+                    "stages": [
+                        {"group": "nv", "tp": 2, "layers": [2, 2]},
+                        {"group": "amd", "tp": 1, "layers": [2, 2]},
+                    ],
+                }
+            ],
+        }
+    )
+    check_plan(plan, CLUSTER, MODEL)
+    return build_topology(plan, CLUSTER)
+
+
+@pytest.mark.slow
+def test_every_rank_of_the_job_holds_typed_handles_of_the_groups_it_is_in():
+    got = run_ranks(_typed, 4, timeout_s=120, purpose="test")
+    # nv ranks 0 and 1 and amd ranks 2 and 3: each vendor's replicas are data-parallel peers
+    assert [g["data"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["local"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # only each part's first rank holds the bridge
+    assert [g["bridge"] for g in got] == [[0, 2], None, [0, 2], None]
+    assert [g["tp"] for g in got] == [None] * 4  # TP 1: a group of one, no handle
+    assert [g["world"] for g in got] == [[0, 1, 2, 3]] * 4
+
+
+def _typed(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    topo = four_replicas()
+    groups = create_job_groups(topo, MODEL, CLUSTER, torch.device("cpu"), data_parallel=True)
+    (sync,) = groups.grad_sync.values()
+    fields = {
+        "world": groups.world,
+        "tp": groups.tp,
+        "data": groups.data,
+        "local": sync.local,
+        "bridge": sync.bridge,
+    }
+    out = {}
+    for name, group in fields.items():
+        if group.handle is None:
+            out[name] = None
+            continue
+        out[name] = dist.get_process_group_ranks(group.handle)
+        assert out[name] == list(group.ranks)
+        one = torch.ones(1)
+        dist.all_reduce(one, group=group.handle)  # the group works
+        assert one.item() == group.size
+    return out
+
+
 def _create(rank, world):
     import torch
     import torch.distributed as dist
 
     topo = topology()
     specs = job_groups(topo, MODEL, topo.vendors(CLUSTER), ["gloo"] * world)
-    groups = create_groups(specs)
+    created = create_groups(specs)
     mine = {}
     for spec in specs:
         if rank in spec.ranks:
-            handle = groups.get(spec.role, spec.ranks)
+            handle = created[(spec.role, spec.ranks)].handle
             mine[f"{spec.role}{spec.ranks}"] = dist.get_process_group_ranks(handle)
             # the group works: a sum over it is the number of its ranks
             one = torch.ones(1)

@@ -1,22 +1,47 @@
-"""Point-to-point and all-reduce between ranks, natively inside a vendor and over a host-staged
-bridge across vendors, counting the bytes each path moves.
+"""Every message and collective between ranks, natively inside a vendor and over a host-staged
+bridge across vendors, each counting the bytes it moves on its path.
 
 No collective library spans two vendors (NCCL cannot talk to HCCL), so traffic between groups of
 different vendors is copied to host memory and sent over gloo, which every machine has; the
 bytes count as the bridge's. Traffic between ranks of one vendor counts as native. Each message
-and collective goes through the process group the caller gives it; a tensor on an accelerator
-is staged through host memory when that group runs on gloo.
+and collective goes through the group (comm.Group) the caller gives it; a tensor on an
+accelerator is staged through host memory when that group runs on gloo.
+
+A method both runs its collective and counts what it moves out of this rank, so the ring
+factors live here and nowhere else: an all-reduce moves 2 (n - 1) / n of its tensor, a
+reduce-scatter (n - 1) / n of its input, an all-gather (n - 1) / n of its output, a broadcast
+the tensor once on every rank. Bookkeeping outside the training traffic (the step's loss
+report, a checkpoint's gathers) runs under ``not_counted``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from hethub.comm.group import Group
+
 NATIVE, BRIDGE = "native", "bridge"
+
+Work = dist.Work
+"""A message or collective under way (``Communicator.wait`` finishes a message)."""
+
+
+class Pending(NamedTuple):
+    """A collective started asynchronously: ``wait`` gives its result."""
+
+    work: Work
+    result: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective is done; its result."""
+        self.work.wait()
+        return self.result
 
 
 class Communicator:
@@ -31,87 +56,156 @@ class Communicator:
         self.timeout = timeout
         self.vendor = list(vendors)
         self.bytes = {NATIVE: 0, BRIDGE: 0}
+        self._counting = True
 
     def path(self, *ranks: int) -> str:
         """NATIVE when every rank is of one vendor, else BRIDGE."""
         return NATIVE if len({self.vendor[r] for r in ranks}) == 1 else BRIDGE
 
-    def isend(self, tensor: torch.Tensor, peer: int, group=None):
-        """Send ``tensor`` to global rank ``peer`` through ``group`` (None: the world group)."""
-        self.bytes[self.path(self.rank, peer)] += tensor.numel() * tensor.element_size()
-        return dist.isend(self._staged(tensor, group), peer, group=group)
+    @contextmanager
+    def not_counted(self) -> Iterator[None]:
+        """What runs inside moves its bytes uncounted: bookkeeping outside the training step's
+        traffic, which the step log reports and the predictor prices without it."""
+        counting, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = counting
 
-    def recv(self, buffer: torch.Tensor, peer: int, group=None) -> torch.Tensor:
+    # --- point to point ------------------------------------------------------------------------
+
+    def isend(self, tensor: torch.Tensor, peer: int, group: Group | None = None) -> Work:
+        """Start sending ``tensor`` to global rank ``peer`` through ``group`` (None: the world
+        group); ``wait`` for the work before the tensor changes."""
+        self._count((self.rank, peer), tensor)
+        handle = _handle(group)
+        return dist.isend(self._staged(tensor, handle), peer, group=handle)
+
+    def recv(self, buffer: torch.Tensor, peer: int, group: Group | None = None) -> torch.Tensor:
         """Receive into ``buffer`` from global rank ``peer`` through ``group`` (None: the world)."""
-        staged = self._staged(buffer, group, copy=False)
-        self.wait(dist.irecv(staged, peer, group=group))
-        self.bytes[self.path(self.rank, peer)] += buffer.numel() * buffer.element_size()
+        handle = _handle(group)
+        staged = self._staged(buffer, handle, copy=False)
+        self.wait(dist.irecv(staged, peer, group=handle))
+        self._count((self.rank, peer), buffer)
         if staged is not buffer:  # queued on the device behind its work; the host goes on
             buffer.copy_(staged, non_blocking=True)
         return buffer
 
-    def wait(self, work) -> None:
+    def wait(self, work: Work) -> None:
         """Wait for a point-to-point ``work`` within the timeout (RuntimeError past it)."""
         if self.timeout is None:
             work.wait()
         else:
             work.wait(self.timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], group) -> torch.Tensor:
-        """Sum ``tensor`` over ``ranks`` (this rank among them) through ``group``."""
-        # A ring all-reduce moves 2 (n - 1) / n of the tensor out of every rank.
-        self._counted(ranks, tensor, 2 * (len(ranks) - 1), len(ranks))
-        self._collective(dist.all_reduce, tensor, group)
+    # --- collectives ---------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Every rank of the job meets here (no data moves)."""
+        dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        """Sum ``tensor`` in place over ``group`` (this rank among its ranks)."""
+        if group.size == 1:
+            return tensor
+        self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)  # a ring
+        self._collective(dist.all_reduce, tensor, group.handle)
         return tensor
 
-    def _counted(self, ranks: tuple[int, ...], tensor: torch.Tensor, parts: int, of: int) -> None:
+    def hierarchical_all_reduce(
+        self, tensor: torch.Tensor, local: Group, bridge: Group
+    ) -> torch.Tensor:
+        """Sum ``tensor`` in place over ranks of several vendors: reduce it to the first rank
+        of this rank's vendor part (``local``, natively), all-reduce among those first ranks
+        (``bridge``, one per vendor, host-staged), broadcast the sum back inside the part. Only
+        one copy per vendor crosses the bridge, where a flat ring over every rank would send
+        2 (n - 1) / n of it out of each."""
+        first = local.ranks[0]
+        if local.size > 1:
+            self._count(local.ranks, tensor, local.size - 1, local.size)
+            self._collective(dist.reduce, tensor, local.handle, dst=first)
+        if self.rank == first:
+            self.all_reduce(tensor, bridge)
+        if local.size > 1:
+            self._count(local.ranks, tensor, local.size - 1, local.size)
+            self._collective(dist.broadcast, tensor, local.handle, src=first)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+        """``tensor`` of global rank ``src``, in place on every rank of ``group``; each rank
+        counts it once (the source sends it, the others receive it)."""
+        if group.size == 1:
+            return tensor
+        self._count(group.ranks, tensor)
+        self._collective(dist.broadcast, tensor, group.handle, src=src)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``tensor`` (all of one shape), concatenated along ``dim`` in the group's
+        rank order: a new tensor. The ring brings the n - 1 other pieces in."""
+        if group.size == 1:
+            return tensor.clone()
+        self._count(group.ranks, tensor, group.size - 1)
+        piece = tensor.contiguous()
+        if dim == 0:  # straight into one buffer, no concatenation
+            whole = piece.new_empty((group.size * piece.shape[0], *piece.shape[1:]))
+            dist.all_gather_single(whole, piece, group=group.handle)
+            return whole
+        pieces = [torch.empty_like(piece) for _ in range(group.size)]
+        dist.all_gather(pieces, piece, group=group.handle)
+        return torch.cat(pieces, dim=dim)
+
+    def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Pending:
+        """Start summing ``tensor`` in place over ``group``, asynchronously: its result is the
+        tensor. (Asynchronous collectives run among ranks of one vendor and device kind, whose
+        native backend reads the tensors where they are.)"""
+        self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)
+        return Pending(dist.all_reduce(tensor, group=group.handle, async_op=True), tensor)
+
+    def start_reduce_scatter(self, flat: torch.Tensor, group: Group) -> Pending:
+        """Start summing the 1-D ``flat`` (a multiple of the group's size long) over ``group``,
+        asynchronously: its result is this rank's slice of the sum (rank i of the group: the
+        i-th of size equal slices)."""
+        if flat.numel() % group.size:
+            raise ValueError(
+                f"a reduce-scatter over {group.size} ranks needs a multiple of {group.size} "
+                f"elements, not {flat.numel()}"
+            )
+        mine = flat.new_empty(flat.numel() // group.size)
+        self._count(group.ranks, flat, group.size - 1, group.size)
+        work = dist.reduce_scatter_single(mine, flat, group=group.handle, async_op=True)
+        return Pending(work, mine)
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _count(
+        self, ranks: Sequence[int], tensor: torch.Tensor, parts: int = 1, of: int = 1
+    ) -> None:
         """Count ``parts`` / ``of`` of ``tensor``'s bytes as moved by this rank on the ranks'
         path (whole bytes, rounded down)."""
-        self.bytes[self.path(*ranks)] += parts * tensor.numel() * tensor.element_size() // of
+        if self._counting:
+            self.bytes[self.path(*ranks)] += parts * tensor.numel() * tensor.element_size() // of
 
-    def _collective(self, collective, tensor: torch.Tensor, group, **kwargs) -> None:
+    def _collective(self, collective, tensor: torch.Tensor, handle, **kwargs) -> None:
         """Run ``collective`` on ``tensor`` in place, staged through host memory for gloo."""
-        staged = self._staged(tensor, group)
-        collective(staged, group=group, **kwargs)
+        staged = self._staged(tensor, handle)
+        collective(staged, group=handle, **kwargs)
         if staged is not tensor:
             tensor.copy_(staged, non_blocking=True)
 
-    def hierarchical_all_reduce(
-        self,
-        tensor: torch.Tensor,
-        local: tuple[int, ...],
-        local_group,
-        bridge: tuple[int, ...],
-        bridge_group,
-    ) -> torch.Tensor:
-        """Sum ``tensor`` over ranks of several vendors: reduce it to the first rank of this
-        rank's vendor part (``local``, through its native ``local_group``), all-reduce among
-        those first ranks (``bridge``, one per vendor, over the host-staged ``bridge_group``),
-        broadcast the sum back inside the part. Only one copy per vendor crosses the bridge,
-        where a flat ring over every rank would send 2 (n - 1) / n of it out of each."""
-        first = local[0]
-        if len(local) > 1:
-            self._counted(local, tensor, len(local) - 1, len(local))
-            self._collective(dist.reduce, tensor, local_group, dst=first)
-        if self.rank == first:
-            self.all_reduce(tensor, bridge, bridge_group)
-        if len(local) > 1:
-            self._counted(local, tensor, len(local) - 1, len(local))
-            self._collective(dist.broadcast, tensor, local_group, src=first)
-        return tensor
-
-    def native(self, tensor: torch.Tensor, factor: float = 1.0) -> None:
-        """Count bytes a native collective inside a TP group moved."""
-        self.bytes[NATIVE] += int(factor * tensor.numel() * tensor.element_size())
-
     @staticmethod
-    def _staged(tensor: torch.Tensor, group, *, copy: bool = True) -> torch.Tensor:
-        """``tensor`` where ``group``'s backend can read it: the tensor itself for a native
+    def _staged(tensor: torch.Tensor, handle, *, copy: bool = True) -> torch.Tensor:
+        """``tensor`` where the group's backend can read it: the tensor itself for a native
         backend (or a CPU tensor), else a copy in pinned host memory for gloo, which the device
         copies at full speed, and from which a received result goes back without blocking."""
-        if tensor.device.type == "cpu" or dist.get_backend(group) != "gloo":
+        if tensor.device.type == "cpu" or dist.get_backend(handle) != "gloo":
             return tensor
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         if copy:  # the host needs the data now: this waits for the device (not for a receive)
             staged.copy_(tensor)
         return staged
+
+
+def _handle(group: Group | None) -> dist.ProcessGroup | None:
+    """torch's handle of ``group``; None (the world group) for None."""
+    return group.handle if group is not None else None

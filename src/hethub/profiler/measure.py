@@ -279,9 +279,7 @@ def _block_group(rank: int, world: int, size: int, role: Role):
     """Collective: the groups of consecutive blocks of ``size`` ranks (process_groups.blocks);
     this rank's, or None when it is in none or alone in its block."""
     specs = [GroupSpec(role, ranks, "gloo") for ranks in blocks(world, size)]
-    groups = create_groups(specs)
-    mine = next((spec.ranks for spec in specs if rank in spec.ranks), None)
-    return groups.get(role, mine) if mine is not None else None
+    return next((group.handle for group in create_groups(specs).values()), None)
 
 
 def _measure_rank(

@@ -3,7 +3,7 @@
 Sharded (a plan's ``shard_optimizer``; Megatron's distributed optimizer, ZeRO-1): the d ranks
 holding exactly the same parameter shards (Topology.data_parallel_peers: the same stage and TP
 rank of every replica of identical layouts) each keep 1/d of the optimizer state. Each gradient
-bucket (engine._sync_buckets) is one flat buffer of the rank's local gradients; rank i of the d
+bucket (runtime.grad_sync) is one flat buffer of the rank's local gradients; rank i of the d
 owns its i-th slice (the buffer padded to a multiple of d): the fp32 master weights of the slice
 and their two Adam moments. AdamW is elementwise, so stepping slices of a flat buffer is stepping
 the parameters. After the step the d ranks all-gather the updated slices, in the dtype the stage
@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from hethub.comm import Communicator, Group
 from hethub.runtime.precision import MasterWeights
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -101,21 +101,21 @@ class PlainAdamW:
 
 class ShardedAdamW:
     """AdamW on this rank's slice of every gradient bucket, among its ``peers`` (see the
-    module's docstring). The engine hands it each bucket's gradient slice (set_grad)."""
+    module's docstring). The gradient sync hands it each bucket's gradient slice (set_grad)."""
 
     def __init__(
         self,
         weights: MasterWeights,
         buckets: list[list[tuple[str, nn.Parameter]]],
-        peers: tuple[int, ...],
-        group,
+        peers: Group,
         lr: float,
         weight_decay: float,
-        comm=None,
+        comm: Communicator,
     ) -> None:
-        """``comm``: the Communicator that counts the all-gathers' bytes (None: uncounted)."""
-        self.weights, self.buckets, self.group, self.comm = weights, buckets, group, comm
-        self.shards, self.index = len(peers), peers.index(dist.get_rank())
+        """``peers``: the data-parallel peers' group (RankGroups.data); ``comm`` runs and counts
+        the all-gathers among them."""
+        self.weights, self.buckets, self.peers, self.comm = weights, buckets, peers, comm
+        self.shards, self.index = peers.size, peers.ranks.index(comm.rank)
         bucketed = {name for params in buckets for name, _ in params}
         missing = [name for name, _ in weights.named if name not in bucketed]
         if missing:  # every parameter has d > 1 holders, so every one is in a bucket
@@ -210,10 +210,7 @@ class ShardedAdamW:
     def _gather(self, piece: torch.Tensor, bucket: int) -> list[torch.Tensor]:
         """The bucket's full flat tensor from every peer's ``piece`` of it, split back into its
         parameters' shapes."""
-        whole = piece.new_empty(piece.numel() * self.shards)
-        dist.all_gather_single(whole, piece.contiguous(), group=self.group)
-        if self.comm is not None:  # a ring: (d - 1) / d of the whole into every rank
-            self.comm.native(whole, (self.shards - 1) / self.shards)
+        whole = self.comm.all_gather(piece, self.peers)
         params = self.buckets[bucket]
         sizes = [p.numel() for _, p in params]
         pieces = whole[: sum(sizes)].split(sizes)

@@ -5,6 +5,10 @@ on some ranks only, or in another order, hangs the job. So the list is a pure fu
 topology (the same on every rank) and ``create_groups`` alone calls ``dist.new_group``, walking
 the list in order. The engine and the profiler receive the handles; neither creates a group.
 
+A rank holds its groups as named fields (``RankGroups``: ``groups.tp``, ``groups.pipeline_next``,
+``groups.grad_sync[holders]``), as Megatron-core's ProcessGroupCollection does, built once by
+``rank_groups``; nobody looks a group up by rebuilding its ranks.
+
 Each group has the backend its ranks share: the native collective library of their devices
 (nccl, which is RCCL on ROCm; hccl; xccl) when they are all accelerators of one vendor, gloo when
 any of them runs on the CPU or they span vendors. The world group (gloo, made by
@@ -13,15 +17,15 @@ init_process_group) bootstraps the job and is the bridge between vendors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import pairwise
 
 import torch
 import torch.distributed as dist
 
-from hethub.comm import device_backend
+from hethub.comm import Group, device_backend
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.topology import Topology, parameter_holders
@@ -123,34 +127,139 @@ def blocks(world: int, size: int) -> list[tuple[int, ...]]:
     return [tuple(range(start, start + size)) for start in range(0, world - size + 1, size)]
 
 
-class ProcessGroups:
-    """This rank's handles of the job's groups, looked up by role and ranks."""
+@dataclass(frozen=True, slots=True)
+class SyncGroups:
+    """A stage leader's groups for summing the gradients of one holder set (the leaders of every
+    stage holding the same parameters, topology.parameter_holders)."""
 
-    def __init__(self, handles: dict[tuple[Role, tuple[int, ...]], object]) -> None:
-        self._handles = handles
+    local: Group
+    """The set's leaders of this rank's vendor: the whole set when it has one vendor."""
+    bridge: Group | None = None
+    """The first leader of each vendor's part, when the set spans vendors (None when it has
+    one): the sum crosses between vendors among them alone. Its handle is on those first
+    leaders only."""
 
-    def get(self, role: Role, ranks: Sequence[int]):
-        """The handle of that group (None for a single rank, which needs no group). KeyError for a
-        group the job did not list, or one this rank is not in."""
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankGroups:
+    """One rank's groups of the job, each named by what it is for (Megatron-core's
+    ProcessGroupCollection). A field is None where this rank has no such group."""
+
+    world: Group
+    """Every rank: bootstrap, barriers, the step's loss report."""
+    tp: Group
+    """The TP ranks of this rank's stage, the stage leader first (no handle at TP 1)."""
+    pipeline_prev: Group | None = None
+    """On a stage leader with a previous stage (interleaved: the last stage precedes the
+    first): (that stage's leader, this rank), which carries activations in and their gradients
+    back out."""
+    pipeline_next: Group | None = None
+    """On a stage leader with a next stage: (this rank, that stage's leader)."""
+    data: Group | None = None
+    """This rank's data-parallel peers (Topology.data_parallel_peers), when the plan gives them a
+    group of their own (a sharded optimizer, an overlapped sync) and there are several."""
+    grad_sync: Mapping[tuple[int, ...], SyncGroups] = field(default_factory=dict)
+    """On a stage leader: for each holder set it is in (the holders of a spec.buckets bucket),
+    the groups that sum its gradients."""
+    vendor: Group | None = None
+    """Every rank of this rank's vendor, when the job spans several."""
+
+    @property
+    def leader(self) -> int:
+        """The global rank leading this rank's stage: its first TP rank."""
+        return self.tp.ranks[0]
+
+
+def rank_groups(
+    topology: Topology,
+    model: ModelSpec,
+    vendors: Sequence[str],
+    rank: int,
+    *,
+    data_parallel: bool = False,
+    created: Mapping[tuple[Role, tuple[int, ...]], Group] | None = None,
+) -> RankGroups:
+    """The groups of ``rank`` among those job_groups lists (``vendors`` and ``data_parallel``
+    as there). With ``created`` (create_groups' result on this rank) each carries its torch
+    handle; without, none does: a pure function of the topology, testable without processes."""
+
+    def group(role: Role, ranks: Sequence[int], member: bool = True) -> Group:
         ranks = tuple(ranks)
-        if len(ranks) == 1:
-            return None
-        return self._handles[(role, ranks)]
+        if created is None or len(ranks) == 1 or not member:
+            return Group(ranks)
+        return created[(role, ranks)]
+
+    me = topology.ranks[rank]
+    tp = group(Role.TENSOR, next(r for r in topology.tp_groups if rank in r))
+    leads = rank == tp.ranks[0]
+    stages = topology.replica_stages(me.replica)
+    interleaved = len(me.chunks) > 1  # the last stage feeds the first
+
+    def leader_of(stage: int) -> int:
+        return topology.stage_ranks(me.replica, stage % stages)[0]
+
+    prev = nxt = None
+    if leads and (me.stage > 0 or interleaved):
+        prev = group(Role.PIPELINE, (leader_of(me.stage - 1), rank))
+    if leads and (me.stage < stages - 1 or interleaved):
+        nxt = group(Role.PIPELINE, (rank, leader_of(me.stage + 1)))
+    peers = topology.data_parallel_peers(rank)
+    data = group(Role.DATA, peers) if data_parallel and len(peers) > 1 else None
+    grad_sync = {}
+    if leads:
+        for holders in sorted(set(parameter_holders(topology, model).values())):
+            if len(holders) > 1 and rank in holders:
+                grad_sync[holders] = _sync_groups(holders, vendors, rank, group)
+    vendor = None
+    if len(set(vendors)) > 1:
+        vendor = group(
+            Role.VENDOR, [r for r in range(topology.world_size) if vendors[r] == vendors[rank]]
+        )
+    return RankGroups(
+        world=group(Role.WORLD, range(topology.world_size)),
+        tp=tp,
+        pipeline_prev=prev,
+        pipeline_next=nxt,
+        data=data,
+        grad_sync=grad_sync,
+        vendor=vendor,
+    )
 
 
-def create_groups(specs: Sequence[GroupSpec]) -> ProcessGroups:
+def _sync_groups(
+    holders: tuple[int, ...],
+    vendors: Sequence[str],
+    rank: int,
+    group: Callable[..., Group],
+) -> SyncGroups:
+    """How leader ``rank`` sums gradients with the other ``holders``: one all-reduce among them
+    when they share a vendor, else hierarchically (comm.Communicator.hierarchical_all_reduce)."""
+    parts = vendor_parts(holders, vendors)
+    if len(parts) == 1:
+        return SyncGroups(group(Role.GRAD_SYNC, holders))
+    local = next(part for part in parts if rank in part)
+    bridge = tuple(part[0] for part in parts)
+    return SyncGroups(
+        group(Role.SYNC_LOCAL, local), group(Role.SYNC_BRIDGE, bridge, member=rank == local[0])
+    )
+
+
+def create_groups(specs: Sequence[GroupSpec]) -> dict[tuple[Role, tuple[int, ...]], Group]:
     """Collective over the world group: create every listed group, in order (call it with the
-    same list on every rank). The world group must exist already."""
+    same list on every rank); the groups this rank is in, by role and ranks (a group of one rank
+    without a handle: it never communicates). The world group must exist already."""
     me = dist.get_rank()
-    handles = {}
+    mine = {}
     for spec in specs:
         if spec.role is Role.WORLD:
             handle = dist.group.WORLD
         else:
             handle = dist.new_group(list(spec.ranks), backend=spec.backend)
         if me in spec.ranks:
-            handles[(spec.role, spec.ranks)] = handle
-    return ProcessGroups(handles)
+            mine[(spec.role, spec.ranks)] = Group(
+                spec.ranks, handle if len(spec.ranks) > 1 else None
+            )
+    return mine
 
 
 def create_job_groups(
@@ -159,13 +268,20 @@ def create_job_groups(
     cluster: ClusterSpec,
     device: torch.device,
     data_parallel: bool = False,
-) -> ProcessGroups:
-    """Collective over the world group: every group of the job of ``topology``, this rank
-    running on ``device`` (``data_parallel`` as for job_groups). Every rank first learns every
-    other's backend (each chose its own device on its own node), so that all of them list the
-    same groups."""
+) -> RankGroups:
+    """Collective over the world group: create every group of the job of ``topology``, this
+    rank running on ``device`` (``data_parallel`` as for job_groups); this rank's. Every rank
+    first learns every other's backend (each chose its own device on its own node), so that all
+    of them list the same groups."""
     backends: list[str | None] = [None] * topology.world_size
     dist.all_gather_object(backends, device_backend(device))
-    return create_groups(
-        job_groups(topology, model, topology.vendors(cluster), backends, data_parallel)
+    vendors = topology.vendors(cluster)
+    created = create_groups(job_groups(topology, model, vendors, backends, data_parallel))
+    return rank_groups(
+        topology,
+        model,
+        vendors,
+        dist.get_rank(),
+        data_parallel=data_parallel,
+        created=created,
     )

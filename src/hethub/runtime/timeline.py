@@ -1,4 +1,5 @@
-"""What a rank's measured step timeline adds up to: compute, communication and idle time.
+"""A rank's measured step timeline: its recording (StepTimeline) and what it adds up to
+(compute, communication and idle time).
 
 The engine records, per step, events of kind forward, backward (compute, the layer's TP
 collectives and any emulated slowdown included), recv_wait (blocked in a receive from the
@@ -9,11 +10,52 @@ grad_sync (gradient all-reduce and loss reduction) and optimizer.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from hethub.report.timeline import TimelineEvent
+from hethub.spec.topology import RankInfo
 
 COMPUTE = ("forward", "backward")
 COMMUNICATION = ("send_wait", "grad_sync")
 IDLE = ("recv_wait",)
+
+
+class StepTimeline:
+    """The events of this rank's current step, in seconds from its start."""
+
+    def __init__(self, me: RankInfo) -> None:
+        self.me = me
+        self.events: list[TimelineEvent] = []
+        self._start = time.perf_counter()
+
+    def start(self) -> None:
+        """A new step starts now: its events replace the last step's."""
+        self._start, self.events = time.perf_counter(), []
+
+    @contextmanager
+    def timed(
+        self, kind: str, micro_batch: int | None = None, stretch: float = 0.0
+    ) -> Iterator[None]:
+        """Record the enclosed work as one event; with ``stretch``, first sleep ``stretch`` times
+        its measured duration (an emulated slowdown, inside the event)."""
+        start = time.perf_counter()
+        yield
+        if stretch:
+            time.sleep(stretch * (time.perf_counter() - start))
+        self.events.append(
+            TimelineEvent(
+                pipeline=self.me.pipeline,
+                stage=self.me.stage,
+                group=self.me.group,
+                micro_batch=micro_batch,
+                kind=kind,
+                start_s=start - self._start,
+                end_s=time.perf_counter() - self._start,
+                source="measured",
+            )
+        )
 
 
 def stage_times(events: list[TimelineEvent], iteration_s: float) -> dict[str, float]:

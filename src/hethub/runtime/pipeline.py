@@ -1,0 +1,117 @@
+"""One rank's part of the pipeline schedule (Megatron-core's schedules): each forward and
+backward of its micro-batches through its model chunks, in the order spec.schedules gives
+(the order the predictor simulates), with the sends and receives between stages (runtime.p2p).
+
+Exactness by construction: every micro-batch's loss is scaled by 1 / (micro-batches in the global
+batch), so summing gradients over micro-batches and replicas gives the gradient of the mean
+token loss over the global batch, whatever the split between unlike replicas.
+
+A group with an emulated ``speed`` (a fraction of this machine's speed, for local runs) has every
+forward and backward stretched by sleeping (1 / speed - 1) times its measured duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from hethub.runtime.model import StageChunks
+from hethub.runtime.p2p import StageLinks
+from hethub.runtime.timeline import StepTimeline
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan, Recompute
+from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
+from hethub.spec.topology import Topology
+
+
+class Pipeline:
+    """Runs this rank's stage through one global batch's schedule."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        topology: Topology,
+        spec: ModelSpec,
+        rank: int,
+        stage: StageChunks,
+        links: StageLinks,
+        timeline: StepTimeline,
+        *,
+        device: torch.device,
+        speed: float | None = None,
+    ) -> None:
+        """``stage``: this rank's model chunks, on ``device``; ``speed``: this rank's emulated
+        speed relative to the machine (None: as fast as it runs)."""
+        self.plan, self.topology, self.spec, self.device = plan, topology, spec, device
+        self.me = topology.ranks[rank]
+        self.stage, self.links, self.timeline = stage, links, timeline
+        self.stretch = 1.0 / speed - 1.0 if speed else 0.0
+
+    def run(
+        self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
+    ) -> float:
+        """Forward and backward of this replica's share of the global batch ``tokens``
+        (sequences, seq_len + 1), leaving each parameter's gradient summed over them; this
+        rank's share of the loss (0 off the last stage's leaders). ``before_last_backward(c)``
+        runs just before chunk c's last backward of the step (an overlapped gradient sync arms
+        its hooks there)."""
+        micro = self._my_micro_batches(tokens)
+        total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
+        stages = self.topology.replica_stages(self.me.replica)
+        shape = (self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)  # (B, T, h)
+        chunks = self.me.chunks
+        order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
+        last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
+        inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
+        for i, (kind, c, j) in enumerate(order):
+            chunk, key = chunks[c], (c, j)
+            if before_last_backward is not None and i == last_backward[c]:
+                before_last_backward(c)
+            if kind == FORWARD:
+                x = micro[j][:, :-1] if chunk.is_first else self._receive(shape, True, j)
+                with self.timeline.timed("forward", j, self.stretch):
+                    out = self._forward(c, x)
+                    if chunk.is_last:
+                        outputs[key] = self.stage.chunks[c].loss(out, micro[j][:, 1:]) / total
+                if chunk.is_last:
+                    if self.links.leads:
+                        loss_sum += outputs[key].item()
+                else:
+                    outputs[key] = out
+                    sends += self.links.send(out.detach(), forward=True)
+                inputs[key] = x
+            else:
+                grad = None if chunk.is_last else self._receive(shape, False, j)
+                with self.timeline.timed("backward", j, self.stretch):
+                    outputs[key].backward(grad)
+                if not chunk.is_first:
+                    sends += self.links.send(inputs[key].grad, forward=False)
+                del inputs[key], outputs[key]
+        with self.timeline.timed("send_wait"):
+            self.links.wait(sends)
+        return loss_sum
+
+    def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """This replica's micro-batches: replicas take consecutive slices of the global batch."""
+        b = self.plan.micro_batch
+        per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
+        start = sum(per_replica[r] for r in range(self.me.replica)) * b
+        return [
+            tokens[start + j * b : start + (j + 1) * b].to(self.device)
+            for j in range(self.me.micro_batches)
+        ]
+
+    def _receive(self, shape: tuple[int, ...], forward: bool, micro_batch: int) -> torch.Tensor:
+        """An activation (``forward``) or a gradient from a neighbouring stage, the time
+        blocked in it recorded as a wait; an activation is a leaf that takes its gradient."""
+        with self.timeline.timed("recv_wait", micro_batch):
+            received = self.links.receive(shape, forward)
+        return received.requires_grad_() if forward else received
+
+    def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        module = self.stage.chunks[chunk]
+        if self.plan.recompute is Recompute.FULL:
+            return checkpoint(module, x, use_reentrant=False)
+        return module(x)
