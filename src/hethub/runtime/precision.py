@@ -16,7 +16,9 @@ from torch import nn
 
 from hethub.spec.plan import Precision
 
-COMPUTE_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP32: torch.float32}
+COMPUTE_DTYPE = {precision: getattr(torch, precision.dtype_name) for precision in Precision}
+"""torch's dtype of each precision, named by Precision itself (the predictor's byte counts
+read the same facts)."""
 
 
 class MasterWeights:
