@@ -19,6 +19,7 @@ from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
 from hethub.spec.parameters import parameter_count, parameter_table
+from hethub.spec.schedules import in_flight_micro_batches
 from hethub.spec.topology import build_topology
 
 SEED, STEPS, LR = 7, 4, 1e-2
@@ -103,6 +104,11 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
         "peers": len(engine.peers),
         "buckets": len(engine.sync_buckets),
     }
+    # The activations the step held at its peak are what the predictor's memory prices.
+    stages = topology.replica_stages(me.replica)
+    chunks = tuple(c.layers for c in me.chunks)
+    priced = in_flight_micro_batches(plan.schedule, me.stage, stages, me.micro_batches, chunks)
+    assert engine.pipeline.peak_in_flight == pytest.approx(priced, rel=1e-12), (rank, chunks)
     return losses, grads, me.tp_rank, me.tp, computed_in, moved
 
 

@@ -48,6 +48,10 @@ class Pipeline:
         self.me = topology.ranks[rank]
         self.stage, self.links, self.timeline = stage, links, timeline
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
+        self.peak_in_flight = 0.0
+        """Micro-batches of the whole stage's activations held at once in the last step, at its
+        peak (a chunk's forward holds its layers' until its backward): what the predictor's
+        memory reads from spec.schedules.in_flight_micro_batches, measured as the step ran."""
 
     def run(
         self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
@@ -65,6 +69,7 @@ class Pipeline:
         order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
         last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
         inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
+        held = peak = 0  # layers' activations awaiting their backward
         for i, (kind, c, j) in enumerate(order):
             chunk, key = chunks[c], (c, j)
             if before_last_backward is not None and i == last_backward[c]:
@@ -82,6 +87,8 @@ class Pipeline:
                     outputs[key] = out
                     sends += self.links.send(out.detach(), forward=True)
                 inputs[key] = x
+                held += chunk.layers
+                peak = max(peak, held)
             else:
                 grad = None if chunk.is_last else self._receive(shape, False, j)
                 with self.timeline.timed("backward", j, self.stretch):
@@ -89,6 +96,8 @@ class Pipeline:
                 if not chunk.is_first:
                     sends += self.links.send(inputs[key].grad, forward=False)
                 del inputs[key], outputs[key]
+                held -= chunk.layers
+        self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
             self.links.wait(sends)
         return loss_sum
