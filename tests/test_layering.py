@@ -142,3 +142,15 @@ def test_the_predictor_and_the_planner_never_load_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_readme_s_layout_lists_the_rooms_of_the_house():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = set()
+    for line in block.splitlines():
+        if line and not line[0].isspace():  # a room's first line: its name, then what it is
+            names = line.split("  ")[0]
+            listed.update(name.strip(" ,/").removesuffix(".py") for name in names.split(","))
+    rooms = MAY_IMPORT.keys() - {"__init__", "__main__"}
+    assert listed == rooms
