@@ -9,6 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_plans import random_plan
 
 from hethub.errors import SpecError
 from hethub.predictor import predict
@@ -134,40 +135,10 @@ def test_the_profiled_sync_prices_the_runtime_s_buckets(name: str) -> None:
         assert len(rank_buckets(topology, model, 0, peers_have_a_group=False)) > 1
 
 
-def _random_plan(data) -> object:
-    pipelines = []
-    for _ in range(data.draw(st.integers(1, 3))):
-        stages = data.draw(st.integers(1, 3))
-        split = [1] * stages
-        for _ in range(8 - stages):
-            split[data.draw(st.integers(0, stages - 1))] += 1
-        pipelines.append(
-            {
-                "count": data.draw(st.integers(1, 2)),
-                "micro_batches": 1,
-                "stages": [
-                    {
-                        "group": data.draw(st.sampled_from(["a", "b"])),
-                        "tp": data.draw(st.sampled_from([1, 2])),
-                        "layers": n,
-                    }
-                    for n in split
-                ],
-            }
-        )
-    return parse_plan(
-        {
-            "model": "tiny-llama",
-            "global_batch": sum(p["count"] for p in pipelines),
-            "pipelines": pipelines,
-        }
-    )
-
-
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_the_data_parallel_degrees_are_the_topology_s_peers(data) -> None:
-    plan = _random_plan(data)
+    plan = random_plan(data, model="tiny-llama", groups=("a", "b"), tps=(1, 2))
     try:
         check_plan(plan, TWO, load_model("tiny-llama"))
     except SpecError:

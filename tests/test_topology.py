@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import random_plans as plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,33 +77,11 @@ def test_hetero_plan_ranks_by_group_then_device():
 
 
 def random_plan(data):
-    """A plan of 1-3 layouts of 1-3 stages over the 8 layers, each stage on either group with TP
-    1, 2 or 4 (not necessarily one the cluster can hold: check_plan decides)."""
-    pipelines = []
-    for _ in range(data.draw(st.integers(1, 3))):
-        stages = data.draw(st.integers(1, 3))
-        split = [1] * stages
-        for _ in range(8 - stages):
-            split[data.draw(st.integers(0, stages - 1))] += 1
-        pipelines.append(
-            {
-                "count": data.draw(st.integers(1, 2)),
-                "micro_batches": 1,
-                "stages": [
-                    {
-                        "group": data.draw(st.sampled_from(["nv", "amd"])),
-                        "tp": data.draw(st.sampled_from([1, 2, 4])),
-                        "layers": n,
-                    }
-                    for n in split
-                ],
-            }
-        )
-    plan = parse_plan(
-        {"model": "m", "global_batch": sum(p["count"] for p in pipelines), "pipelines": pipelines}
+    """A plan over the two groups with TP 1, 2 or 4, sharded or not."""
+    shard = data.draw(st.booleans())
+    return plans.random_plan(
+        data, model="m", groups=("nv", "amd"), tps=(1, 2, 4), shard_optimizer=shard
     )
-    shard_optimizer = data.draw(st.booleans())
-    return dataclasses.replace(plan, shard_optimizer=shard_optimizer)
 
 
 @settings(max_examples=100, deadline=None)
