@@ -114,7 +114,7 @@ class Engine:
             sharded=self.optimizer if self.sharded else None,
             overlap=self.stage if plan.overlap_grad_sync else None,
         )
-        self._timeline = StepTimeline(self.me)
+        self._timeline = StepTimeline(self.me, self.device)
         links = StageLinks(comm, groups, self.device, self.weights.compute_dtype)
         self.pipeline = Pipeline(
             plan,
