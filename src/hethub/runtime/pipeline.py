@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from hethub.runtime.data import to_device
 from hethub.runtime.model import StageChunks
 from hethub.runtime.p2p import StageLinks
 from hethub.runtime.timeline import StepTimeline
@@ -103,14 +104,13 @@ class Pipeline:
         return loss_sum
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """This replica's micro-batches: replicas take consecutive slices of the global batch."""
+        """This replica's micro-batches, on the device: replicas take consecutive slices of the
+        global batch, and this one's goes to the device in one copy."""
         b = self.plan.micro_batch
         per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
         start = sum(per_replica[r] for r in range(self.me.replica)) * b
-        return [
-            tokens[start + j * b : start + (j + 1) * b].to(self.device)
-            for j in range(self.me.micro_batches)
-        ]
+        mine = tokens[start : start + self.me.micro_batches * b]  # (micro-batches x B, T + 1)
+        return list(to_device(mine, self.device).split(b))
 
     def _receive(self, shape: tuple[int, ...], forward: bool, micro_batch: int) -> torch.Tensor:
         """An activation (``forward``) or a gradient from a neighbouring stage, the time
