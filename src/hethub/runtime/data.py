@@ -32,6 +32,15 @@ def global_batch(
     return torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])
 
 
+def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tokens`` on ``device``, copied without making the host wait: staged through pinned
+    (page-locked) host memory where the device is an accelerator, which copies from it
+    asynchronously; on the CPU the tensor itself."""
+    if device.type != "cpu":
+        tokens = tokens.pin_memory()
+    return tokens.to(device, non_blocking=True)
+
+
 def load_tokens(path: str | Path) -> torch.Tensor:
     """Tokens from ``path``: a .bin of uint16 tokens (nanoGPT), a text file, or a folder of text
     files (byte tokens, files in name order). Missing or empty data is a HethubError."""

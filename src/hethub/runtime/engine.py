@@ -9,13 +9,20 @@ communicator (hethub.comm), which counts its bytes.
 Every step records this rank's measured timeline (``Engine.timeline``): its forward and backward
 operations, the waits in receives, the gradient sync and the optimizer, in seconds from the
 step's start (a barrier, so the ranks' timelines line up).
+
+The host reads from the device once a step, when the step is over: this rank's share of the loss
+(summed on the device over the micro-batches) and, when asked, the largest weight, finite only
+if every weight is. Until then it only queues work, so an accelerator never waits on the host
+between micro-batches; the timeline's device events are read after it too.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch
+from torch.nn.utils import get_total_norm
 
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
@@ -114,7 +121,7 @@ class Engine:
             sharded=self.optimizer if self.sharded else None,
             overlap=self.stage if plan.overlap_grad_sync else None,
         )
-        self._timeline = StepTimeline(self.me)
+        self._timeline = StepTimeline(self.me, self.device)
         links = StageLinks(comm, groups, self.device, self.weights.compute_dtype)
         self.pipeline = Pipeline(
             plan,
@@ -128,6 +135,11 @@ class Engine:
             speed=speed,
         )
         self.own_loss = 0.0
+        """This rank's share of the last step's loss (0 off the last stage's leaders): which
+        rank's went non-finite is what a run stopped on a NaN reports."""
+        self.weights_finite: bool | None = None
+        """Whether every weight of this rank was finite after the last step, where it asked
+        (``step(check_weights=True)``); None where it did not."""
 
     @classmethod
     def for_job(
@@ -173,13 +185,14 @@ class Engine:
         """How many buckets the last step summed during its backwards."""
         return self.sync.overlapped_buckets
 
-    def step(self, tokens: torch.Tensor) -> float:
+    def step(self, tokens: torch.Tensor, *, check_weights: bool = False) -> float:
         """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean
-        loss."""
-        loss = self.gradients(tokens)
+        loss. With ``check_weights``, also whether the updated weights are all finite
+        (``weights_finite``), read with the loss."""
+        loss = self._forward_backward(tokens)
         with self._timeline.timed("optimizer"):
             self.update()
-        return loss
+        return self._end_step(loss, check_weights)
 
     def update(self) -> None:
         """The optimizer step on the synced gradients (``gradients``); the stage then computes
@@ -190,18 +203,42 @@ class Engine:
         """Forward and backward of the global batch and the gradient sync, without the update:
         afterwards every parameter's .grad is its share of the global batch's gradient (a
         sharded optimizer holds its slice); the mean loss."""
+        return self._end_step(self._forward_backward(tokens), check_weights=False)
+
+    def weights_are_finite(self) -> bool:
+        """Whether every weight of this rank is finite now: a read of its own, outside a step."""
+        return math.isfinite(self._largest_weight().item())
+
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The schedule and the gradient sync, queued without reading the device; this rank's
+        share of the loss, on the device."""
         self.comm.barrier()  # every rank's timeline starts together
         self._timeline.start()
         self.sync.start_step()
-        # This rank's share of the loss (0 off the last stage's leaders): which rank's went
-        # non-finite is what a run stopped on a NaN reports.
-        self.own_loss = self.pipeline.run(tokens, before_last_backward=self.sync.arm)
+        loss = self.pipeline.run(tokens, before_last_backward=self.sync.arm)
         with self._timeline.timed("grad_sync"):
             self.sync.run()
-            reported = torch.tensor([self.own_loss])
-            with self.comm.not_counted():  # a report, not training traffic
-                self.comm.all_reduce(reported, self.groups.world)
-        return reported.item()
+        return loss
+
+    def _end_step(self, loss: torch.Tensor, check_weights: bool) -> float:
+        """The step's one read of the device (``loss``, this rank's share, and when asked the
+        largest weight), then the mean loss, summed over the ranks on the host."""
+        values = [loss, self._largest_weight()] if check_weights else [loss]
+        # The host waits for the device here. A copy on the CPU too: there it costs nothing, and
+        # a count of the dispatched operations sees the read as it would on an accelerator.
+        read = torch.stack(values).to("cpu", copy=True)
+        own, *largest = read.tolist()
+        self.own_loss = own
+        self.weights_finite = math.isfinite(largest[0]) if largest else None
+        reported = read[:1]
+        with self.comm.not_counted():  # a report, not training traffic
+            self.comm.all_reduce(reported, self.groups.world)
+        return reported.tolist()[0]
+
+    def _largest_weight(self) -> torch.Tensor:
+        """The largest magnitude among the weights the stage computes with (whichever optimizer
+        wrote them), on the device: finite only if every weight is, as NaN wins a maximum."""
+        return get_total_norm(list(self.stage.parameters()), math.inf).float()
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP

@@ -6,6 +6,10 @@ Exactness by construction: every micro-batch's loss is scaled by 1 / (micro-batc
 batch), so summing gradients over micro-batches and replicas gives the gradient of the mean
 token loss over the global batch, whatever the split between unlike replicas.
 
+The host never waits for the device inside the schedule: the step's tokens go to the device in
+one copy that does not block, and the loss is summed on the device, for the engine to read once,
+when the step is over.
+
 A group with an emulated ``speed`` (a fraction of this machine's speed, for local runs) has every
 forward and backward stretched by sleeping (1 / speed - 1) times its measured duration.
 """
@@ -17,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from hethub.runtime.data import to_device
 from hethub.runtime.model import StageChunks
 from hethub.runtime.p2p import StageLinks
 from hethub.runtime.timeline import StepTimeline
@@ -55,12 +60,12 @@ class Pipeline:
 
     def run(
         self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward and backward of this replica's share of the global batch ``tokens``
         (sequences, seq_len + 1), leaving each parameter's gradient summed over them; this
-        rank's share of the loss (0 off the last stage's leaders). ``before_last_backward(c)``
-        runs just before chunk c's last backward of the step (an overlapped gradient sync arms
-        its hooks there)."""
+        rank's share of the loss (0 off the last stage's leaders), a 0-d fp32 tensor on the
+        device, not yet read. ``before_last_backward(c)`` runs just before chunk c's last
+        backward of the step (an overlapped gradient sync arms its hooks there)."""
         micro = self._my_micro_batches(tokens)
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
         stages = self.topology.replica_stages(self.me.replica)
@@ -68,7 +73,8 @@ class Pipeline:
         chunks = self.me.chunks
         order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
         last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
-        inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
+        inputs, outputs, sends = {}, {}, []
+        loss_sum = torch.zeros((), device=self.device)  # summed where the losses are
         held = peak = 0  # layers' activations awaiting their backward
         for i, (kind, c, j) in enumerate(order):
             chunk, key = chunks[c], (c, j)
@@ -82,7 +88,7 @@ class Pipeline:
                         outputs[key] = self.stage.chunks[c].loss(out, micro[j][:, 1:]) / total
                 if chunk.is_last:
                     if self.links.leads:
-                        loss_sum += outputs[key].item()
+                        loss_sum += outputs[key].detach()
                 else:
                     outputs[key] = out
                     sends += self.links.send(out.detach(), forward=True)
@@ -103,14 +109,13 @@ class Pipeline:
         return loss_sum
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """This replica's micro-batches: replicas take consecutive slices of the global batch."""
+        """This replica's micro-batches, on the device: replicas take consecutive slices of the
+        global batch, and this one's goes to the device in one copy."""
         b = self.plan.micro_batch
         per_replica = {r.replica: r.micro_batches for r in self.topology.ranks}
         start = sum(per_replica[r] for r in range(self.me.replica)) * b
-        return [
-            tokens[start + j * b : start + (j + 1) * b].to(self.device)
-            for j in range(self.me.micro_batches)
-        ]
+        mine = tokens[start : start + self.me.micro_batches * b]  # (micro-batches x B, T + 1)
+        return list(to_device(mine, self.device).split(b))
 
     def _receive(self, shape: tuple[int, ...], forward: bool, micro_batch: int) -> torch.Tensor:
         """An activation (``forward``) or a gradient from a neighbouring stage, the time

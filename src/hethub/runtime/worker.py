@@ -129,16 +129,22 @@ def _train_steps(
     timelines: list = []
     saved = start
     for step in range(start, settings.steps):
+        # A checkpoint is never written of non-finite weights: on a step that writes one, the
+        # engine reads whether they are finite with the step's loss, in its one read a step.
+        due = (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps
         loss = engine.step(
-            global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed)
+            global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed),
+            check_weights=due,
         )
-        # One all-reduce a step carries what every rank must agree on: the bytes moved, whether
-        # a signal asked to stop (so that all stop after the same step), and which ranks saw
-        # a non-finite loss of their own. Per-rank slots, so that one SUM serves them all.
-        shared = torch.zeros(2 + 2 * world, dtype=torch.float64)
+        # One all-reduce a step (of host values: the step has read the device already) carries
+        # what every rank must agree on: the bytes moved, whether a signal asked to stop (so
+        # that all stop after the same step), which ranks saw a non-finite loss of their own,
+        # and how many found non-finite weights. Per-rank slots, so that one SUM serves them all.
+        shared = torch.zeros(3 + 2 * world, dtype=torch.float64)
         shared[0], shared[1] = engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]
         shared[2 + rank] = stop.signal or 0
         shared[2 + world + rank] = not math.isfinite(engine.own_loss)
+        shared[2 + 2 * world] = engine.weights_finite is False
         dist.all_reduce(shared)
         moved, stop_signal = shared[:2], int(shared[2 : 2 + world].max().item())
         if step + 1 == settings.steps:
@@ -156,9 +162,10 @@ def _train_steps(
         moved_before = moved
         if non_finite or not math.isfinite(loss):
             return _stopped_non_finite(run, topology, step + 1, loss, non_finite, saved, log)
-        due = (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps
         if due or stop_signal:
-            if not _parameters_finite(engine):
+            # A stop between checkpoints did not check the weights with its step: it does now.
+            finite = shared[2 + 2 * world].item() == 0 if due else _weights_finite(engine)
+            if not finite:
                 return _stopped_non_finite(run, topology, step + 1, loss, [], saved, log)
             save_checkpoint(
                 engine,
@@ -183,11 +190,9 @@ def _train_steps(
     return 0
 
 
-def _parameters_finite(engine: Engine) -> bool:
-    """Every rank's trained parameters are finite: a checkpoint is never written otherwise."""
-    finite = torch.tensor(
-        [float(all(bool(torch.isfinite(p).all()) for p in engine.weights.parameters()))]
-    )
+def _weights_finite(engine: Engine) -> bool:
+    """Collective: every rank's weights are finite (a read of the device outside the steps)."""
+    finite = torch.tensor([float(engine.weights_are_finite())])
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item())
 

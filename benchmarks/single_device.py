@@ -1,0 +1,396 @@
+"""hethub's one-rank step against a plain-torch trainer of the same model and recipe, on one
+device (issue 26: hethub/reference >= 0.95x in bf16 and in fp32).
+
+hethub: its Engine on a one-stage, one-rank plan (one micro-batch of the whole batch). The
+reference, written here as a plain torch trainer would be: a Llama (RMSNorm, RoPE, SwiGLU,
+grouped-query attention) through F.rms_norm, F.scaled_dot_product_attention (causal, GQA) and
+F.cross_entropy, with its rotary tables made once; AdamW fused where the device has the kernel,
+else foreach; in bf16, bf16 weights with fp32 master weights and fp32 main gradients, as hethub's
+recipe. It starts from hethub's initial weights (its full state dict), so both train the same
+weights on the same batches: their first losses are printed side by side.
+
+Both run in one process, one step each in turn (the order swapped every round) after warm-up
+steps, so that both see the same moments of a shared machine; each figure is the median step.
+It prints the throughput ratio, the non-view aten operations and the host reads of one step of
+each (counted by StepOps), and on an accelerator the model FLOP utilisation (the predictor's
+model FLOPs over the catalog's peak, where the catalog knows the device) and the peak memory.
+
+    python benchmarks/single_device.py [--precision bf16|fp32] [--steps N] [--device DEV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from hethub.predictor import predict
+from hethub.runtime.data import builtin_corpus, global_batch
+from hethub.runtime.engine import Engine
+from hethub.runtime.model import full_state
+from hethub.spec import parse_cluster, parse_model, parse_plan
+from hethub.spec.accelerator import catalog
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan
+from hethub.spec.topology import build_topology
+
+MODEL = {  # local-llama's shape, with grouped-query attention (2 KV heads for 4 query heads)
+    "arch": "llama",
+    "hidden": 192,
+    "layers": 8,
+    "heads": 4,
+    "kv_heads": 2,
+    "ffn_hidden": 512,
+    "vocab": 256,
+    "seq_len": 128,
+}
+BATCH = 8  # sequences a step, one micro-batch
+LR, SEED = 1e-3, 0
+WARMUP = 2  # steps of each before the timed ones (the first step's loss, the peak memory)
+
+aten = torch.ops.aten
+HOST_SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+"""Operators whose result the host must wait for: a scalar read (item, bool, float) and the
+operators whose output's shape depends on the data."""
+
+
+class StepOps(TorchDispatchMode):
+    """Counts the aten operations dispatched while it is active: ``ops``, those that are not
+    views (a view launches no work), and ``host_reads``, the names of those that make the host
+    wait for data on ``device`` (reads_to_host)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.ops = 0
+        self.host_reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "aten" and not func.is_view:
+            self.ops += 1
+        if reads_to_host(func, args, kwargs, self.device):
+            self.host_reads.append(str(func))
+        return func(*args, **kwargs)
+
+
+def reads_to_host(func, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    """Whether the operator makes the host wait for data on ``device``: a host-syncing operator
+    on it, or a copy from it to the CPU. Where the device is the CPU itself, every tensor is on
+    it (AdamW's step counters too, which an accelerator's run keeps on the host), and a copy to
+    the CPU counts where it keeps the dtype (a transfer such as ``.to("cpu", copy=True)``, not
+    a cast, which names the device too); a read that dispatches nothing there (``tolist`` of a
+    CPU tensor) is seen only on an accelerator."""
+    if func in HOST_SYNCING:
+        return args[0].device.type == device.type
+    if func is aten._to_copy.default:
+        target, source = kwargs.get("device"), args[0]
+        if target is None or torch.device(target).type != "cpu":
+            return False
+        if device.type == "cpu":
+            return kwargs.get("dtype", source.dtype) == source.dtype
+        return source.device.type == device.type
+    if func is aten.copy_.default:
+        return args[0].device.type == "cpu" and args[1].device.type == device.type != "cpu"
+    return False
+
+
+# --- the reference: a plain torch trainer -------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalised in fp32 whatever x's dtype, then scaled in x's dtype, as hethub's
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rotary_tables(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """cos and sin of every position's rotary angles (2, T, head_dim), made once."""
+    d = spec.head_dim
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    angles = torch.outer(torch.arange(spec.seq_len, dtype=torch.float32, device=device), inv)
+    return torch.stack([angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)]).to(dtype)
+
+
+def rotate(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * tables[0] + half * tables[1]
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, d
+        self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
+        self.q = nn.Linear(h, spec.heads * d, bias=False)
+        self.k = nn.Linear(h, spec.kv_heads * d, bias=False)
+        self.v = nn.Linear(h, spec.kv_heads * d, bias=False)
+        self.o = nn.Linear(spec.heads * d, h, bias=False)
+        self.gate = nn.Linear(h, spec.ffn_hidden, bias=False)
+        self.up = nn.Linear(h, spec.ffn_hidden, bias=False)
+        self.down = nn.Linear(spec.ffn_hidden, h, bias=False)
+
+    def forward(self, x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        y = self.norm1(x)
+        q = self.q(y).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+        k = self.k(y).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, d)
+        v = self.v(y).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            rotate(q, tables), rotate(k, tables), v, is_causal=True, enable_gqa=True
+        )
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))  # (B, T, h)
+        y = self.norm2(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Llama(nn.Module):
+    """The whole model, its parameters named as hethub's full state dict names them."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.layers))
+        self.final_norm = RMSNorm(spec.hidden)
+        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # (B, T, h)
+        for layer in self.layers:
+            x = layer(x, tables)
+        return self.head(self.final_norm(x))  # (B, T, vocab)
+
+
+class Reference:
+    """A plain torch trainer of ``spec`` from hethub's initial weights: in bf16, bf16 weights
+    computing, fp32 masters (and their fp32 gradients) stepped by AdamW and copied back."""
+
+    def __init__(self, spec: ModelSpec, precision: str, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        with torch.device("meta"):
+            model = Llama(spec)
+        model.to_empty(device=device)
+        model.load_state_dict(full_state(spec, SEED))
+        self.params = list(model.parameters())
+        self.masters = self.params  # fp32: the weights are their own masters
+        if self.dtype != torch.float32:  # the masters keep the fp32 initial values
+            self.masters = [nn.Parameter(p.detach().clone()) for p in self.params]
+        self.model = model.to(self.dtype)
+        fused = device.type in _get_fused_kernels_supported_devices()  # torch's own list
+        kernel = {"fused": True} if fused else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(self.masters, lr=LR, weight_decay=0.0, **kernel)
+        self.tables = rotary_tables(spec, self.dtype, device)
+
+    def step(self, tokens: torch.Tensor) -> float:
+        if self.device.type != "cpu":  # as a DataLoader with pin_memory gives them
+            tokens = tokens.pin_memory()
+        tokens = tokens.to(self.device, non_blocking=True)
+        logits = self.model(tokens[:, :-1], self.tables)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if self.masters is not self.params:
+            for param, master in zip(self.params, self.masters, strict=True):
+                master.grad, param.grad = param.grad.float(), None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+        return loss.item()  # the step's one read, as a trainer logging its loss makes
+
+
+# --- hethub ------------------------------------------------------------------------------------
+
+
+def hethub_plan(precision: str, accelerator: str) -> tuple[Plan, object]:
+    plan = parse_plan(
+        {
+            "model": "bench",
+            "precision": precision,
+            "global_batch": BATCH,
+            "micro_batch": BATCH,
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 1,
+                    "stages": [{"group": "one", "tp": 1, "layers": MODEL["layers"]}],
+                }
+            ],
+        }
+    )
+    cluster = parse_cluster(
+        {"groups": [{"name": "one", "accelerator": accelerator, "nodes": 1, "devices_per_node": 1}]}
+    )
+    return plan, cluster
+
+
+def hethub_engine(spec: ModelSpec, plan: Plan, cluster, device: torch.device) -> Engine:
+    return Engine.for_job(
+        plan, build_topology(plan, cluster), spec, cluster, seed=SEED, lr=LR, device=device
+    )
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+def counted(step, tokens: torch.Tensor, device: torch.device) -> StepOps:
+    """The operations of one step."""
+    with StepOps(device) as ops:
+        step(tokens)
+    return ops
+
+
+def timed(step, tokens: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one step, the device's work included."""
+    started = time.perf_counter()
+    step(tokens)
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+    return time.perf_counter() - started
+
+
+def allocated(device: torch.device) -> int:
+    """Bytes allocated on the device now (0 on the CPU, where nothing counts them)."""
+    return torch.accelerator.memory_allocated() if device.type != "cpu" else 0
+
+
+def warm_up(
+    step, batches: list[torch.Tensor], device: torch.device, resident: int
+) -> tuple[float, int | None]:
+    """A trainer's first two steps: the first's loss, and on an accelerator the most memory the
+    second held, less ``resident``, what was allocated before the trainer was built (None on
+    the CPU)."""
+    loss = step(batches[0])
+    if device.type == "cpu":
+        step(batches[1])
+        return loss, None
+    torch.accelerator.reset_peak_memory_stats()
+    step(batches[1])
+    return loss, torch.accelerator.max_memory_allocated() - resident
+
+
+def accelerator_of(device: torch.device) -> str | None:
+    """The catalog's name of the device (its peak FLOPs are the MFU's), or None."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()  # "nvidia h100 80gb hbm3", ...
+
+    def matched(key: str) -> tuple[int, int]:  # its parts found in the name, then its length
+        parts = key.split("-")
+        return (sum(part in name for part in parts) if parts[0] in name else 0, len(key))
+
+    best = max(catalog(), key=matched)
+    return best if matched(best)[0] else None
+
+
+def compare(precision: str, steps: int, device: torch.device) -> None:
+    spec = parse_model(MODEL, "bench", "bench")
+    accelerator = accelerator_of(device)
+    plan, cluster = hethub_plan(precision, accelerator or "h100")
+    corpus = builtin_corpus()
+    batches = [global_batch(corpus, s, BATCH, spec.seq_len, SEED) for s in range(WARMUP + steps)]
+    # Built one after the other, each warmed up before the next exists: the two first losses
+    # (the same weights, the same batch) agree, and each one's peak memory is its own.
+    builders = {
+        "hethub": lambda: hethub_engine(spec, plan, cluster, device).step,
+        "reference": lambda: Reference(spec, precision, device).step,
+    }
+    trainers, first, peak = {}, {}, {}
+    for name, build in builders.items():
+        resident = allocated(device)
+        trainers[name] = build()
+        first[name], peak[name] = warm_up(trainers[name], batches, device, resident)
+    times = {name: [] for name in trainers}
+    for s, tokens in enumerate(batches[WARMUP:]):
+        for name in list(trainers) if s % 2 == 0 else list(reversed(trainers)):
+            times[name].append(timed(trainers[name], tokens, device))
+    ops = {name: counted(step, batches[-1], device) for name, step in trainers.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    tokens_per_step = BATCH * spec.seq_len
+    print(
+        f"{precision}: first loss hethub {first['hethub']:.6f}, reference {first['reference']:.6f}"
+    )
+    for name in trainers:
+        line = (
+            f"{precision} {name:9}: {median[name] * 1e3:7.1f} ms/step, "
+            f"{tokens_per_step / median[name]:9,.0f} tokens/s, "
+            f"{ops[name].ops} aten ops (non-view) and {len(ops[name].host_reads)} host reads "
+            f"a step"
+        )
+        if peak[name] is not None:
+            line += f", peak memory {peak[name] / 2**30:.2f} GiB"
+            if accelerator is not None:
+                line += f", MFU {100 * mfu(plan, cluster, spec, median[name]):.1f}%"
+        print(line)
+    ratio = median["reference"] / median["hethub"]
+    print(
+        f"{precision} hethub/reference throughput: {ratio:.3f}x (target >= 0.95): "
+        f"{'met' if ratio >= 0.95 else 'MISSED'}  [median of {len(times['hethub'])} steps each, "
+        f"alternating, after {WARMUP} warm-up]",
+        flush=True,
+    )
+
+
+def mfu(plan: Plan, cluster, spec: ModelSpec, seconds: float) -> float:
+    """Model FLOP utilisation of a step of ``seconds``: the predictor's model FLOPs a step
+    over the catalog's peak of the device in the plan's precision."""
+    prediction = predict(plan, cluster, spec)
+    flops = prediction.model_tflops_per_device * 1e12 * prediction.iteration_time_s
+    group = cluster.group("one").accelerator
+    peak = group.bf16_tflops if plan.precision.value == "bf16" else group.fp32_tflops
+    return flops / seconds / (peak * 1e12) if peak else math.nan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp32"), help="one precision (default: both)"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
+    parser.add_argument(
+        "--device", help="torch device (default: the accelerator where there is one, else cpu)"
+    )
+    args = parser.parse_args(argv)
+    default = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device = torch.device(args.device or default or "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as a run's worker does; the machine is shared
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    print(
+        f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, "
+        f"{MODEL['heads']} heads ({MODEL['kv_heads']} KV), seq {MODEL['seq_len']}, "
+        f"batch {BATCH}; device {device} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)",
+        flush=True,
+    )
+    for precision in [args.precision] if args.precision else ["bf16", "fp32"]:
+        compare(precision, args.steps, device)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
