@@ -15,6 +15,7 @@ from hethub.runtime.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to,
+    parallel_group,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -132,7 +133,7 @@ class Stage(nn.Module):
         self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool
     ) -> None:
         super().__init__()
-        self.spec, self.first, self.group = spec, first, group
+        self.spec, self.first, self.group = spec, first, parallel_group(group)
         self.is_first, self.is_last = is_first, is_last
         gpt = spec.arch == "gpt"
         if is_first:

@@ -1,10 +1,11 @@
 """Megatron-style tensor parallelism: column/row-parallel linears, the vocabulary-parallel
 embedding and cross-entropy, over a torch.distributed process group.
 
-The four autograd functions are the whole communication of a TP layer: ``copy_to`` (identity
+The two region functions are the whole communication of a TP layer: ``copy_to`` (identity
 forward, all-reduce of the input gradient backward) opens a column-parallel region, and
-``reduce_from`` (all-reduce forward, identity backward) closes a row-parallel one.
-With a group of one rank they are identities, so the same modules run unsharded.
+``reduce_from`` (all-reduce forward, identity backward) closes a row-parallel one. A group of one
+rank is no group (``parallel_group``): the modules then run as plain ones, a bare F.linear or
+F.embedding with no region function.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -42,11 +44,13 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
-    return _CopyToRegion.apply(x, group)
+    """``x``, whose gradient is all-reduced over ``group``; no group (None): ``x`` itself."""
+    return x if group is None else _CopyToRegion.apply(x, group)
 
 
 def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
-    return _ReduceFromRegion.apply(x, group)
+    """``x`` all-reduced over ``group``, its gradient passed through; no group: ``x`` itself."""
+    return x if group is None else _ReduceFromRegion.apply(x, group)
 
 
 def tp_size(group) -> int:
@@ -57,18 +61,25 @@ def tp_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
+def parallel_group(group):
+    """``group`` if it spans more than one rank, else None. A one-rank group communicates
+    nothing, and an autograd Function that does nothing still costs a Python call forward and
+    backward for every linear of every micro-batch: the modules keep None instead."""
+    return group if tp_size(group) > 1 else None
+
+
 class ColumnParallelLinear(nn.Module):
     """y_shard = x W_shard^T (+ b_shard): each rank holds a slice of the output features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
         super().__init__()
-        self.group = group
+        self.group = parallel_group(group)
         size = tp_size(group)
         self.weight = nn.Parameter(torch.empty(out_features // size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(copy_to(x, self.group), self.weight, self.bias)
+        return F.linear(copy_to(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,12 +88,15 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
         super().__init__()
-        self.group = group
+        self.group = parallel_group(group)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size(group)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(nn.functional.linear(x, self.weight), self.group)
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
+        # The bias is added once, after the partial products are summed over the group.
+        y = reduce_from(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -91,15 +105,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab: int, hidden: int, group) -> None:
         super().__init__()
-        self.group = group
+        self.group = parallel_group(group)
         per_rank = vocab // tp_size(group)
         self.start = tp_rank(group) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, hidden))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(tokens, self.weight)
         local = tokens - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
