@@ -44,25 +44,18 @@ def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return {name: initial_value(param, seed) for name, param in parameter_table(spec).items()}
 
 
+NORM_EPS = 1e-5
+"""RMSNorm's epsilon, Llama's. The norm is torch's (nn.RMSNorm, F.rms_norm, which calls
+aten._fused_rms_norm): one kernel each way on CUDA; on the CPU (torch 2.13) separate operations
+that upcast to fp32 (a bf16 mean of squares loses the small ones), apply the weight in fp32 and
+round once to the input's dtype. Its weight must be in the input's dtype, as the stage's are."""
+
+
 def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """TP rank ``rank``'s slice (a copy) of ``tensor``, a full-model tensor of ``param``'s shape."""
     if param.tp_dim is None:
         return tensor.clone()
     return tensor.chunk(size, dim=param.tp_dim)[rank].clone()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in fp32 whatever x's dtype (a bf16 mean of squares loses the small ones).
-        y = x.float()
-        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +76,7 @@ class Layer(nn.Module):
         super().__init__()
         self.spec, self.group = spec, group
         size, gpt, h, d = tp_size(group), spec.arch == "gpt", spec.hidden, spec.head_dim
-        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: RMSNorm(h))
+        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: nn.RMSNorm(h, eps=NORM_EPS))
         self.norm1, self.norm2 = norm(), norm()
         self.heads, self.kv_heads = spec.heads // size, spec.kv_heads // size
         self.q = ColumnParallelLinear(h, spec.heads * d, gpt, group)
@@ -142,7 +135,9 @@ class Stage(nn.Module):
                 self.pos = nn.Embedding(spec.seq_len, spec.hidden)
         self.layers = nn.ModuleDict({str(first + i): Layer(spec, group) for i in range(count)})
         if is_last:
-            self.final_norm = nn.LayerNorm(spec.hidden) if gpt else RMSNorm(spec.hidden)
+            self.final_norm = (
+                nn.LayerNorm(spec.hidden) if gpt else nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+            )
             # gpt ties the head to the embedding: on a stage without the embedding it keeps a copy,
             # whose gradient the runtime adds to the embedding's.
             if not (gpt and is_first):
