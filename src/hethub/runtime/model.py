@@ -9,12 +9,14 @@ import zlib
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from hethub.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to,
+    parallel_group,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -43,6 +45,13 @@ def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return {name: initial_value(param, seed) for name, param in parameter_table(spec).items()}
 
 
+NORM_EPS = 1e-5
+"""RMSNorm's epsilon, Llama's. The norm is torch's (nn.RMSNorm, F.rms_norm, which calls
+aten._fused_rms_norm): one kernel each way on CUDA; on the CPU (torch 2.13) separate operations
+that upcast to fp32 (a bf16 mean of squares loses the small ones), apply the weight in fp32 and
+round once to the input's dtype. Its weight must be in the input's dtype, as the stage's are."""
+
+
 def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """TP rank ``rank``'s slice (a copy) of ``tensor``, a full-model tensor of ``param``'s shape."""
     if param.tp_dim is None:
@@ -50,40 +59,62 @@ def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch
     return tensor.chunk(size, dim=param.tp_dim)[rank].clone()
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+class Rotary(nn.Module):
+    """Rotary position embedding (the half-split pairing: feature i turns with i + d/2) with its
+    tables for positions [0, seq_len), made once, as non-persistent buffers: a stage's layers
+    share one (checkpoints never see them).
+
+    The tables are in the activations' dtype. The angles are computed in fp32 (bf16 cannot even
+    count positions past 256) and each cosine and sine rounded once to that dtype: the rotated q
+    and k are rounded to it anyway, so bf16 tables add an error of the size of that rounding,
+    and they keep the rotation in bf16 in three operations (fp32 tables would promote q and k to
+    fp32, whose attention then fails, or need two casts a call). A stage learns its compute dtype
+    after it is built (runtime.precision makes its weights bf16), so the tables follow the
+    activations: remade from the fp32 angles at the first call in a new dtype, once a run.
+    """
+
+    def __init__(self, head_dim: int, seq_len: int) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden))
+        self.head_dim, self.seq_len = head_dim, seq_len
+        self.register_buffer("cos", torch.empty(seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(seq_len, head_dim), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, dtype: torch.dtype | None = None) -> None:
+        """Compute the tables on their device, in ``dtype`` (their own if None). A stage made on
+        the meta device and then allocated (Stage.build) holds garbage until this runs."""
+        device, dtype, d = self.cos.device, dtype or self.cos.dtype, self.head_dim
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        positions = torch.arange(self.seq_len, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv)  # (T, d/2)
+        cos, sin = angles.cos(), angles.sin()
+        self.cos = torch.cat([cos, cos], dim=-1).to(dtype)  # (T, d)
+        # Signed so that the rotation's other half is a roll of x: [-x2, x1] * [s, s] is
+        # [x2, x1] * [-s, s].
+        self.sin = torch.cat([-sin, sin], dim=-1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in fp32 whatever x's dtype (a bf16 mean of squares loses the small ones).
-        y = x.float()
-        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
-
-
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on (B, heads, T, d)."""
-    t, d = x.shape[-2], x.shape[-1]
-    # Made on x's device: a table made on the CPU breaks the product on any accelerator.
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)  # (T, d/2)
-    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
-    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    return x * cos + half * sin
+        """x rotated by its positions: (B, heads, T, d) in, the same out."""
+        if self.cos.dtype != x.dtype:
+            self.reset_tables(x.dtype)
+        t = x.shape[-2]
+        cos, sin = self.cos[:t], self.sin[:t]
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
 
 
 class Layer(nn.Module):
-    """One transformer layer, Megatron-style: attention heads and the MLP split over TP."""
+    """One transformer layer, Megatron-style: attention heads and the MLP split over TP. A Llama
+    layer rotates with ``rotary``, its stage's (shared by the stage's layers), or one of its own.
+    """
 
-    def __init__(self, spec: ModelSpec, group) -> None:
+    def __init__(self, spec: ModelSpec, group, rotary: Rotary | None = None) -> None:
         super().__init__()
-        self.spec, self.group = spec, group
+        self.spec = spec
         size, gpt, h, d = tp_size(group), spec.arch == "gpt", spec.hidden, spec.head_dim
-        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: RMSNorm(h))
+        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: nn.RMSNorm(h, eps=NORM_EPS))
         self.norm1, self.norm2 = norm(), norm()
+        if not gpt:
+            self.rotary = rotary if rotary is not None else Rotary(d, spec.seq_len)
         self.heads, self.kv_heads = spec.heads // size, spec.kv_heads // size
         self.q = ColumnParallelLinear(h, spec.heads * d, gpt, group)
         self.k = ColumnParallelLinear(h, spec.kv_heads * d, gpt, group)
@@ -104,19 +135,19 @@ class Layer(nn.Module):
         k = self.k(x).view(b, t, self.kv_heads, d).transpose(1, 2)  # (B, kv, T, d)
         v = self.v(x).view(b, t, self.kv_heads, d).transpose(1, 2)
         if self.spec.arch == "llama":
-            q, k = rotary(q), rotary(k)
+            q, k = self.rotary(q), self.rotary(k)
         if (
             self.kv_heads != self.heads
         ):  # grouped-query attention: each KV head serves several queries
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(out.transpose(1, 2).reshape(b, t, self.heads * d))  # (B, T, h)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
-            return self.fc2(nn.functional.gelu(self.fc1(x)))
-        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+            return self.fc2(F.gelu(self.fc1(x)))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -132,16 +163,21 @@ class Stage(nn.Module):
         self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool
     ) -> None:
         super().__init__()
-        self.spec, self.first, self.group = spec, first, group
+        self.spec, self.first, self.group = spec, first, parallel_group(group)
         self.is_first, self.is_last = is_first, is_last
         gpt = spec.arch == "gpt"
         if is_first:
             self.embed = VocabParallelEmbedding(spec.vocab, spec.hidden, group)
             if gpt:
                 self.pos = nn.Embedding(spec.seq_len, spec.hidden)
-        self.layers = nn.ModuleDict({str(first + i): Layer(spec, group) for i in range(count)})
+        rotary = None if gpt or count == 0 else Rotary(spec.head_dim, spec.seq_len)
+        self.layers = nn.ModuleDict(
+            {str(first + i): Layer(spec, group, rotary) for i in range(count)}
+        )
         if is_last:
-            self.final_norm = nn.LayerNorm(spec.hidden) if gpt else RMSNorm(spec.hidden)
+            self.final_norm = (
+                nn.LayerNorm(spec.hidden) if gpt else nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+            )
             # gpt ties the head to the embedding: on a stage without the embedding it keeps a copy,
             # whose gradient the runtime adds to the embedding's.
             if not (gpt and is_first):
@@ -162,7 +198,7 @@ class Stage(nn.Module):
         for layer in self.layers.values():
             x = layer(x)
         if self.is_last:
-            x = nn.functional.linear(copy_to(self.final_norm(x), self.group), self.head_weight)
+            x = F.linear(copy_to(self.final_norm(x), self.group), self.head_weight)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -191,6 +227,9 @@ class Stage(nn.Module):
         with torch.device("meta"):
             stage = cls(spec, first, count, group, is_first=is_first, is_last=is_last)
         stage.to_empty(device=device)
+        for module in stage.modules():
+            if isinstance(module, Rotary):  # the stage's one, shared by its layers
+                module.reset_tables()
         rank, size = tp_rank(group), tp_size(group)
         table = parameter_table(spec)
         with torch.no_grad():
