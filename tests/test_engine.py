@@ -64,12 +64,12 @@ def reference(preset, global_batch, precision="fp32"):
     optimizer = torch.optim.AdamW(weights.parameters(), lr=LR, weight_decay=0.0)
     losses, grads = [], None
     for tokens in batches(spec, global_batch):
+        weights.zero_grad()
         loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         if grads is None:
             grads = {name: p.grad.clone() for name, p in weights.named}
         optimizer.step()
-        optimizer.zero_grad()
         weights.copy_to_model()
         losses.append(loss.item())
     return losses, grads

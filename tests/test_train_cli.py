@@ -61,10 +61,10 @@ def reference_losses(steps: int, seed: int, lr: float, precision: str = "fp32") 
     corpus, losses = builtin_corpus(), []
     for step in range(steps):
         tokens = global_batch(corpus, step, 4, spec.seq_len, seed)
+        weights.zero_grad()
         loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad()
         weights.copy_to_model()
         losses.append(loss.item())
     return losses
