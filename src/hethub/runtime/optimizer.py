@@ -9,11 +9,12 @@ Sharded (a plan's ``shard_optimizer``; Megatron's distributed optimizer, ZeRO-1)
 holding exactly the same parameter shards (Topology.data_parallel_peers: the same stage and TP
 rank of every replica of identical layouts) each keep 1/d of the optimizer state. Each gradient
 bucket (runtime.grad_sync) is one slice of the flat buffers, padded to a multiple of d; rank i
-of the d owns its i-th shard: the fp32 master weights of the shard and their two Adam
-moments. After the step the d ranks all-gather the updated shards, in the dtype the stage
-computes in, into its weights' buffer. In bf16 the full fp32 masters are then dropped, so a
-parameter costs 2 (bf16 weight) + 4 (main grad) + 12 / d bytes; in fp32, 4 (weight) + 4 (grad)
-+ 12 / d (master shard and moments).
+of the d owns its i-th shard: the two Adam moments of the shard and, in bf16, its fp32 master
+weights. In fp32 the shard of the weights themselves is stepped in place, no copy of it kept
+(as Megatron-LM's distributed optimizer does). After the step the d ranks all-gather the
+updated shards, in the dtype the stage computes in, into its weights' buffer. In bf16 the full
+fp32 masters are then dropped, so a parameter costs 2 (bf16 weight) + 4 (main grad) + 12 / d
+bytes; in fp32, 4 (weight) + 4 (grad) + 8 / d (moments).
 
 Both kinds read and write their state as full local tensors by full-model name (LocalState), so
 checkpoints hold the same keys whatever the sharding, and a sharded run resumes unsharded and
@@ -139,16 +140,22 @@ class ShardedAdamW:
         """This rank's shard of each bucket of the stage's weights (compute dtype; views of its
         buffer), which the all-gather sends."""
         self.slices: list[torch.Tensor] = []
-        """What AdamW steps, one per bucket: an fp32 master copy of the weights' shard."""
+        """What AdamW steps, one per bucket: fp32, the shard of the weights itself; bf16, an
+        fp32 master copy of it."""
         for b in range(len(layout.buckets)):
             start, stop = layout.shard(b, self.index)
             shard = weights.flat[start:stop]
             self.weight_shards.append(shard)
-            piece = weights.fp32_flat[start:stop].clone()
+            piece = weights.masters[start:stop].clone() if self.keeps_masters else shard
             piece.grad = weights.main_grads[start:stop]
             self.slices.append(piece)
         weights.release_masters()  # bf16: the fp32 masters now live in the slices alone
         self.adamw = adamw(self.slices, lr, weight_decay)
+
+    @property
+    def keeps_masters(self) -> bool:
+        """bf16: the slices are master copies (fp32: the weights themselves)."""
+        return self.weights.precision.master_weights
 
     def grad_shard(self, bucket: int) -> torch.Tensor:
         """Where the gradient sync leaves this rank's shard of ``bucket``'s sum (a view of the
@@ -159,7 +166,8 @@ class ShardedAdamW:
         """Step the shards, all-gather them among the peers into the stage's weights."""
         self.adamw.step()
         with torch.no_grad():
-            torch._foreach_copy_(self.weight_shards, self.slices)
+            if self.keeps_masters:
+                torch._foreach_copy_(self.weight_shards, self.slices)
             layout = self.weights.layout
             for b, shard in enumerate(self.weight_shards):
                 # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32
@@ -176,8 +184,10 @@ class ShardedAdamW:
         return out
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank keeps: its shards' fp32 masters and moments."""
-        return _moments_bytes(self.adamw) + sum(s.nbytes for s in self.slices)
+        """Bytes of optimizer state this rank keeps: its shards' moments, and in bf16 their
+        fp32 masters."""
+        masters = sum(s.nbytes for s in self.slices) if self.keeps_masters else 0
+        return _moments_bytes(self.adamw) + masters
 
     def local_state(self) -> dict[str, LocalState]:
         """Collective among the peers: every parameter's whole state by full-model name."""
