@@ -35,10 +35,10 @@ def step_seconds(precision: Precision, micro_batch: int, steps: int) -> tuple[fl
     for _ in range(steps + 1):
         tokens = torch.randint(0, spec.vocab, (micro_batch, spec.seq_len + 1), generator=gen)
         started = time.perf_counter()
+        weights.zero_grad()
         loss = stage.loss(stage(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         weights.copy_to_model()
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:]), loss.item()

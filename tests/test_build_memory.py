@@ -64,10 +64,12 @@ def test_a_pipeline_rank_peaks_well_under_half_of_the_whole_model():
     whole = 4 * sum(_count(p.shape) for p in parameter_table(spec).values())  # fp32 bytes
     assert whole > 400e6  # large enough that the process's own noise does not matter
     for rank, (growth, held) in enumerate(run_ranks(_peak_growth, 4, timeout_s=180)):
-        # its own quarter, and one parameter's full tensor at a time while it is initialised
-        # (a rank that made the whole model first, as before, grew by more than the whole)
+        # its own quarter, one parameter's full tensor at a time while it is initialised, and
+        # one parameter's copy at a time while it moves into the rank's flat buffer
+        # (runtime.flat_layout; ~4% of the whole here): a rank that made the whole model first,
+        # as before, grew by more than the whole
         assert held < 0.3 * whole, rank
-        assert growth < 0.4 * whole, (rank, growth / 1e6, whole / 1e6)
+        assert growth < 0.45 * whole, (rank, growth / 1e6, whole / 1e6)
 
 
 def _count(shape):

@@ -76,6 +76,16 @@ def _moves(rank, world):
     assert torch.equal(mine_of_sum, expected[rank % 2])
     assert mine_of_sum.numel() == half
     record("reduce-scatter native")
+    # in place (a sharded optimizer's buffers): the sum lands in this rank's own slice of the
+    # input, and the gather fills the rest of it around that slice
+    ramp = torch.arange(FLOATS, dtype=torch.float32) + rank + 1
+    own = ramp[(rank % 2) * half : (rank % 2 + 1) * half]
+    comm.start_reduce_scatter(ramp, mine, own).wait()
+    assert torch.equal(own, expected[rank % 2])
+    record("reduce-scatter in place")
+    comm.all_gather_into(ramp, own, mine)
+    assert torch.equal(ramp, torch.cat(expected))
+    record("all-gather in place")
     whole = comm.all_gather(tensor, mine)
     assert torch.equal(whole, torch.cat([torch.full((FLOATS,), float(r + 1)) for r in mine.ranks]))
     record("all-gather native")
@@ -124,6 +134,8 @@ def test_each_path_counts_exactly_the_bytes_it_moved():
     # a reduce-scatter over 2 ranks: (n - 1) / n of the input out of each; an all-gather the
     # n - 1 other pieces in, whatever the dim
     assert [s["reduce-scatter native"] for s in seen] == [native(sent // 2)] * 4
+    assert [s["reduce-scatter in place"] for s in seen] == [native(sent // 2)] * 4
+    assert [s["all-gather in place"] for s in seen] == [native(sent // 2)] * 4
     assert [s["all-gather native"] for s in seen] == [native(sent)] * 4
     assert [s["all-gather native, along dim 1"] for s in seen] == [native(sent)] * 4
     # a broadcast: the tensor once on every rank

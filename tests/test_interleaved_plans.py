@@ -226,12 +226,13 @@ def test_one_chunk_in_flight_closed_form_matches_the_walk() -> None:
                     ), (schedule, s, p, m)
 
 
-def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_either_precision() -> None:
-    # The runtime's ShardedAdamW keeps an fp32 slice of the weights and the two moments: 12/d.
+def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_bf16_and_eight_in_fp32() -> None:
+    # The runtime's ShardedAdamW keeps the two moments of its shard and, in bf16, an fp32 master
+    # copy of it (12/d); in fp32 it steps the shard of the weights themselves (8/d).
     model = load_model("tiny-llama")
-    for precision in Precision:
+    for precision, state in ((Precision.BF16, 12), (Precision.FP32, 8)):
         alone = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 1)
         shared = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 4)
         params = alone.weights_gb / (2 if precision == "bf16" else 4)
-        assert shared.optimizer_gb == pytest.approx(params * 12 / 4)
+        assert shared.optimizer_gb == pytest.approx(params * state / 4)
         assert shared.weights_gb == alone.weights_gb and shared.grads_gb == alone.grads_gb

@@ -155,6 +155,22 @@ class Communicator:
         dist.all_gather(pieces, piece, group=group.handle)
         return torch.cat(pieces, dim=dim)
 
+    def all_gather_into(self, whole: torch.Tensor, piece: torch.Tensor, group: Group) -> None:
+        """Every rank's 1-D ``piece`` into the 1-D ``whole`` (the group's size times as long),
+        in the group's rank order. ``piece`` may be this rank's own part of ``whole`` (the
+        gather is then in place, as Megatron's distributed optimizer gathers its shards)."""
+        if whole.numel() != group.size * piece.numel():
+            raise ValueError(
+                f"an all-gather of {piece.numel()} elements over {group.size} ranks fills "
+                f"{group.size * piece.numel()}, not {whole.numel()}"
+            )
+        if group.size == 1:
+            if piece.data_ptr() != whole.data_ptr():
+                whole.copy_(piece)
+            return
+        self._count(group.ranks, piece, group.size - 1)
+        dist.all_gather_single(whole, piece, group=group.handle)
+
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Pending:
         """Start summing ``tensor`` in place over ``group``, asynchronously: its result is the
         tensor. (Asynchronous collectives run among ranks of one vendor and device kind, whose
@@ -162,16 +178,19 @@ class Communicator:
         self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)
         return Pending(dist.all_reduce(tensor, group=group.handle, async_op=True), tensor)
 
-    def start_reduce_scatter(self, flat: torch.Tensor, group: Group) -> Pending:
+    def start_reduce_scatter(
+        self, flat: torch.Tensor, group: Group, out: torch.Tensor | None = None
+    ) -> Pending:
         """Start summing the 1-D ``flat`` (a multiple of the group's size long) over ``group``,
         asynchronously: its result is this rank's slice of the sum (rank i of the group: the
-        i-th of size equal slices)."""
+        i-th of size equal slices), in ``out`` where given (which may be that slice of
+        ``flat`` itself: the sum is then in place), else in a new tensor."""
         if flat.numel() % group.size:
             raise ValueError(
                 f"a reduce-scatter over {group.size} ranks needs a multiple of {group.size} "
                 f"elements, not {flat.numel()}"
             )
-        mine = flat.new_empty(flat.numel() // group.size)
+        mine = flat.new_empty(flat.numel() // group.size) if out is None else out
         self._count(group.ranks, flat, group.size - 1, group.size)
         work = dist.reduce_scatter_single(mine, flat, group=group.handle, async_op=True)
         return Pending(work, mine)

@@ -4,9 +4,9 @@ bf16 mixed precision with Adam (Megatron-LM's layout): bf16 weights (2 bytes per
 main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 bytes. fp32:
 weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
 (Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
-the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 12 / d in
-fp32 (the ranks update an fp32 slice of the weights kept apart from the full weights); these
-bytes are spec.plan.Precision's. Activations follow Korthikanti et al. 2022 ("Reducing Activation
+the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 8 / d in
+fp32 (the ranks step their shard of the fp32 weights themselves, no copy of it); these bytes are
+spec.plan.Precision's. Activations follow Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models"), for the micro-batches a stage holds at once under
 its schedule.
 """

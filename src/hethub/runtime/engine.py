@@ -35,7 +35,7 @@ from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import RankGroups, create_job_groups
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.runtime.timeline import StepTimeline
-from hethub.spec.buckets import BUCKET_BYTES
+from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
@@ -88,33 +88,25 @@ class Engine:
                 for chunk in self.me.chunks
             ]
         )
-        # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
-        # precision (runtime.precision).
-        self.weights = MasterWeights(self.stage, plan.precision)
         # The ranks holding exactly this rank's shards (their group: groups.data, when used).
         self.peers = topology.data_parallel_peers(self.rank)
-        buckets = sync_buckets(
-            topology,
-            spec,
-            self.rank,
-            self.weights,
-            peers_have_a_group=groups.data is not None,
-            cap=bucket_bytes,
+        held = rank_buckets(
+            topology, spec, self.rank, peers_have_a_group=groups.data is not None, cap=bucket_bytes
         )
-        if plan.shard_optimizer and groups.data is not None:
-            self.optimizer = ShardedAdamW(
-                self.weights,
-                [bucket.params for bucket in buckets],
-                groups.data,
-                lr,
-                weight_decay,
-                comm,
-            )
+        sharded = plan.shard_optimizer and groups.data is not None
+        shards = groups.data.size if sharded else 1
+        # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
+        # precision (runtime.precision), in flat buffers laid out by the sync's buckets.
+        self.weights = MasterWeights(self.stage, plan.precision, [b.names for b in held], shards)
+        buckets = sync_buckets(held, self.weights)
+        if sharded:
+            self.optimizer = ShardedAdamW(self.weights, groups.data, lr, weight_decay, comm)
         else:
             self.optimizer = PlainAdamW(self.weights, lr, weight_decay)
-        self.sharded = isinstance(self.optimizer, ShardedAdamW)
+        self.sharded = sharded
         self.sync = GradientSync(
             buckets,
+            self.weights,
             comm,
             groups,
             self.parameter_table,

@@ -1,16 +1,20 @@
 """The optimizer of one rank: AdamW over its trained parameters, whole or sharded.
 
+Both step flat buffers (runtime.precision, runtime.flat_layout), not tensor by tensor: the plain
+one the rank's whole fp32 buffer (AdamW is elementwise, so stepping a flat buffer is stepping
+its parameters), the sharded one this rank's shard of each bucket; with torch's fused AdamW
+where the device has it (one kernel a step), else its foreach implementation.
+
 Sharded (a plan's ``shard_optimizer``; Megatron's distributed optimizer, ZeRO-1): the d ranks
 holding exactly the same parameter shards (Topology.data_parallel_peers: the same stage and TP
 rank of every replica of identical layouts) each keep 1/d of the optimizer state. Each gradient
-bucket (runtime.grad_sync) is one flat buffer of the rank's local gradients; rank i of the d
-owns its i-th slice (the buffer padded to a multiple of d): the fp32 master weights of the slice
-and their two Adam moments. AdamW is elementwise, so stepping slices of a flat buffer is stepping
-the parameters. After the step the d ranks all-gather the updated slices, in the dtype the stage
-computes in, and write them into its weights. In bf16 the full fp32 masters are then dropped
-(their grads stay: they are the fp32 main gradients), so a parameter costs 2 (bf16 weight) +
-4 (main grad) + 12 / d bytes; in fp32, 4 (weight) + 4 (grad) + 12 / d (master slice and
-moments).
+bucket (runtime.grad_sync) is one slice of the flat buffers, padded to a multiple of d; rank i
+of the d owns its i-th shard: the two Adam moments of the shard and, in bf16, its fp32 master
+weights. In fp32 the shard of the weights themselves is stepped in place, no copy of it kept
+(as Megatron-LM's distributed optimizer does). After the step the d ranks all-gather the
+updated shards, in the dtype the stage computes in, into its weights' buffer. In bf16 the full
+fp32 masters are then dropped, so a parameter costs 2 (bf16 weight) + 4 (main grad) + 12 / d
+bytes; in fp32, 4 (weight) + 4 (grad) + 8 / d (moments).
 
 Both kinds read and write their state as full local tensors by full-model name (LocalState), so
 checkpoints hold the same keys whatever the sharding, and a sharded run resumes unsharded and
@@ -22,7 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from hethub.comm import Communicator, Group
 from hethub.runtime.precision import MasterWeights
@@ -41,177 +45,192 @@ class LocalState(NamedTuple):
     """AdamW's step counter (a 0-d tensor)."""
 
 
+def adamw(params: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``params`` (of one device), fused where torch has a fused kernel for their
+    device (CUDA, the CPU since torch 2.4, ...), else foreach: a few kernels over all of them
+    either way, never a Python loop over the tensors."""
+    fused = params[0].device.type in _get_fused_kernels_supported_devices()
+    return torch.optim.AdamW(
+        params, lr=lr, weight_decay=weight_decay, fused=fused, foreach=not fused
+    )
+
+
+def _moments_bytes(adamw: torch.optim.AdamW) -> int:
+    return sum(t.nbytes for s in adamw.state.values() for t in s.values() if t.dim() > 0)
+
+
 class PlainAdamW:
-    """AdamW over every trained parameter of the rank, whole (MasterWeights' parameters)."""
+    """AdamW over every trained parameter of the rank, whole: its flat fp32 weights."""
 
     def __init__(self, weights: MasterWeights, lr: float, weight_decay: float) -> None:
         self.weights = weights
-        self.adamw = torch.optim.AdamW(weights.parameters(), lr=lr, weight_decay=weight_decay)
+        self.flat = weights.fp32_flat
+        self.flat.grad = weights.main_grads
+        self.adamw = adamw([self.flat], lr, weight_decay)
 
     def step(self) -> None:
         """Step on the synced gradients; the stage then computes with the new weights."""
         self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
         self.weights.copy_to_model()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Between the sync and the step: every parameter's summed gradient by full-model name."""
-        return {name: param.grad for name, param in self.weights.named}
+        return {name: self.weights.grad(name) for name, _ in self.weights.named}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank keeps: the Adam moments, and in bf16 the fp32
         master weights (which exist for the optimizer alone)."""
-        moments = sum(
-            t.nbytes for s in self.adamw.state.values() for t in s.values() if t.dim() > 0
-        )
-        return moments + self.weights.master_bytes()
+        return _moments_bytes(self.adamw) + self.weights.master_bytes()
 
     def local_state(self) -> dict[str, LocalState]:
         """Every parameter's state by full-model name (zeros, step 0 before the first step: what
         AdamW would make)."""
-        out = {}
-        for name, param in self.weights.named:
-            state = self.adamw.state.get(param) or {}
-            moments = [state[m] if state else torch.zeros_like(param) for m in MOMENTS]
-            # torch.zeros(()) has AdamW's own dtype for a CPU step counter (the default float).
-            step = state["step"].clone() if state else torch.zeros(())
-            out[name] = LocalState(param.detach(), *moments, step)
-        return out
+        state = self.adamw.state.get(self.flat) or {}
+        flats = [state[m] if state else torch.zeros_like(self.flat) for m in MOMENTS]
+        # torch.zeros(()) has AdamW's own dtype for a step counter (float32).
+        step = state["step"].clone() if state else torch.zeros(())
+        view = self.weights.layout.view
+        return {
+            name: LocalState(view(self.flat, name).detach(), *(view(f, name) for f in flats), step)
+            for name, _ in self.weights.named
+        }
 
     def load_local_state(self, states: dict[str, LocalState]) -> None:
         """Install ``states`` (every parameter's, by full-model name)."""
-        index = {id(p): i for i, p in enumerate(self.weights.parameters())}
-        state = {}
+        view = self.weights.layout.view
+        moments = {m: torch.zeros_like(self.flat) for m in MOMENTS}
         with torch.no_grad():
-            for name, param in self.weights.named:
-                loaded = states[name]
-                param.copy_(loaded.value)
-                state[index[id(param)]] = {
-                    "step": loaded.step,
-                    "exp_avg": loaded.exp_avg,
-                    "exp_avg_sq": loaded.exp_avg_sq,
-                }
-        # The optimizer's own loader puts the moments on the parameters' devices and dtypes and
-        # keeps the step counter as saved (a CPU tensor, capturable and fused being off).
+            for name, _ in self.weights.named:
+                view(self.flat, name).copy_(states[name].value)
+                for m in MOMENTS:
+                    view(moments[m], name).copy_(getattr(states[name], m))
+        step = states[self.weights.named[0][0]].step
+        # The optimizer's own loader puts the step counter where its kind keeps it (fused: on
+        # the parameters' device).
         full = self.adamw.state_dict()
-        full["state"] = state
+        full["state"] = {0: {"step": step, **moments}}
         self.adamw.load_state_dict(full)
         self.weights.copy_to_model()
 
 
 class ShardedAdamW:
-    """AdamW on this rank's slice of every gradient bucket, among its ``peers`` (see the
-    module's docstring). The gradient sync hands it each bucket's gradient slice (set_grad)."""
+    """AdamW on this rank's shard of every gradient bucket, among its ``peers`` (see the
+    module's docstring)."""
 
     def __init__(
         self,
         weights: MasterWeights,
-        buckets: list[list[tuple[str, nn.Parameter]]],
         peers: Group,
         lr: float,
         weight_decay: float,
         comm: Communicator,
     ) -> None:
-        """``peers``: the data-parallel peers' group (RankGroups.data); ``comm`` runs and counts
-        the all-gathers among them."""
-        self.weights, self.buckets, self.peers, self.comm = weights, buckets, peers, comm
+        """``weights``: laid out for ``peers.size`` shards; ``peers``: the data-parallel peers'
+        group (RankGroups.data); ``comm`` runs and counts the all-gathers among them."""
+        self.weights, self.peers, self.comm = weights, peers, comm
         self.shards, self.index = peers.size, peers.ranks.index(comm.rank)
-        bucketed = {name for params in buckets for name, _ in params}
-        missing = [name for name, _ in weights.named if name not in bucketed]
-        if missing:  # every parameter has d > 1 holders, so every one is in a bucket
-            raise ValueError(f"parameters outside the gradient buckets: {missing}")
-        self.slices = []
-        with torch.no_grad():
-            for params in buckets:
-                flat = self.pad(torch.cat([p.detach().reshape(-1) for _, p in params]))
-                self.slices.append(nn.Parameter(self.my_slice(flat).clone()))
+        layout = weights.layout
+        if layout.shards != self.shards:
+            raise ValueError(
+                f"weights laid out for {layout.shards} shards, sharded over {self.shards} peers"
+            )
+        if layout.unbucketed:  # every parameter has d > 1 holders, so every one is in a bucket
+            raise ValueError(f"parameters outside the gradient buckets: {list(layout.unbucketed)}")
+        self.weight_shards: list[torch.Tensor] = []
+        """This rank's shard of each bucket of the stage's weights (compute dtype; views of its
+        buffer), which the all-gather sends."""
+        self.slices: list[torch.Tensor] = []
+        """What AdamW steps, one per bucket: fp32, the shard of the weights itself; bf16, an
+        fp32 master copy of it."""
+        for b in range(len(layout.buckets)):
+            start, stop = layout.shard(b, self.index)
+            shard = weights.flat[start:stop]
+            self.weight_shards.append(shard)
+            piece = weights.masters[start:stop].clone() if self.keeps_masters else shard
+            piece.grad = weights.main_grads[start:stop]
+            self.slices.append(piece)
         weights.release_masters()  # bf16: the fp32 masters now live in the slices alone
-        self.adamw = torch.optim.AdamW(self.slices, lr=lr, weight_decay=weight_decay)
+        self.adamw = adamw(self.slices, lr, weight_decay)
 
-    def pad(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` padded with zeros to a multiple of the shards."""
-        extra = -flat.numel() % self.shards
-        return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+    @property
+    def keeps_masters(self) -> bool:
+        """bf16: the slices are master copies (fp32: the weights themselves)."""
+        return self.weights.precision.master_weights
 
-    def my_slice(self, padded: torch.Tensor) -> torch.Tensor:
-        size = padded.numel() // self.shards
-        return padded[self.index * size : (self.index + 1) * size]
-
-    def set_grad(self, bucket: int, grad: torch.Tensor) -> None:
-        """The summed gradient of this rank's slice of ``bucket``."""
-        self.slices[bucket].grad = grad
+    def grad_shard(self, bucket: int) -> torch.Tensor:
+        """Where the gradient sync leaves this rank's shard of ``bucket``'s sum (a view of the
+        main gradients)."""
+        return self.slices[bucket].grad
 
     def step(self) -> None:
-        """Step the slices, all-gather them among the peers and write the weights."""
+        """Step the shards, all-gather them among the peers into the stage's weights."""
         self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
-        for _, param in self.weights.named:
-            param.grad = None  # the main gradients, summed into the slices' already
         with torch.no_grad():
-            for b, params in enumerate(self.buckets):
+            if self.keeps_masters:
+                torch._foreach_copy_(self.weight_shards, self.slices)
+            layout = self.weights.layout
+            for b, shard in enumerate(self.weight_shards):
                 # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32
-                # slice); the cast is elementwise, so it is the same as casting after the gather.
-                piece = self.slices[b].detach().to(self.weights.compute_dtype)
-                for (name, _), value in zip(params, self._gather(piece, b)):
-                    self.weights.write(name, value)
+                # shard), in place: the shard is its own part of the bucket.
+                whole = layout.bucket(self.weights.flat, b, padded=True)
+                self.comm.all_gather_into(whole, shard, self.peers)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Collective among the peers, between the sync and the step: every parameter's summed
-        gradient by full-model name, whole (gathered from the slices)."""
+        gradient by full-model name, whole (gathered from the shards)."""
         out = {}
-        for b, params in enumerate(self.buckets):
-            for (name, _), grad in zip(params, self._gather(self.slices[b].grad, b)):
-                out[name] = grad
+        for b, piece in enumerate(self.slices):
+            out.update(self._gather(piece.grad, b))
         return out
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank keeps: its slices' fp32 masters and moments."""
-        moments = sum(
-            t.nbytes for s in self.adamw.state.values() for t in s.values() if t.dim() > 0
-        )
-        return moments + sum(s.nbytes for s in self.slices)
+        """Bytes of optimizer state this rank keeps: its shards' moments, and in bf16 their
+        fp32 masters."""
+        masters = sum(s.nbytes for s in self.slices) if self.keeps_masters else 0
+        return _moments_bytes(self.adamw) + masters
 
     def local_state(self) -> dict[str, LocalState]:
         """Collective among the peers: every parameter's whole state by full-model name."""
         out = {}
-        for b, params in enumerate(self.buckets):
-            piece = self.slices[b]
+        for b, piece in enumerate(self.slices):
             state = self.adamw.state.get(piece) or {}
             gathered = [self._gather(piece.detach(), b)]
             for m in MOMENTS:
                 gathered.append(self._gather(state[m] if state else torch.zeros_like(piece), b))
             step = state["step"].clone() if state else torch.zeros(())
-            for k, (name, _) in enumerate(params):
-                out[name] = LocalState(*(g[k] for g in gathered), step)
+            for name in gathered[0]:
+                out[name] = LocalState(*(g[name] for g in gathered), step)
         return out
 
     def load_local_state(self, states: dict[str, LocalState]) -> None:
-        """Install ``states`` (every parameter's, by full-model name): this rank's slices."""
+        """Install ``states`` (every parameter's, by full-model name): this rank's shards."""
         state = {}
         with torch.no_grad():
-            for b, params in enumerate(self.buckets):
-
-                def part(field: str, params=params) -> torch.Tensor:
-                    flat = torch.cat([getattr(states[n], field).reshape(-1) for n, _ in params])
-                    return self.my_slice(self.pad(flat.float())).clone()
-
-                self.slices[b].copy_(part("value"))
-                state[b] = {
-                    "step": states[params[0][0]].step,
-                    "exp_avg": part("exp_avg"),
-                    "exp_avg_sq": part("exp_avg_sq"),
-                }
-                for name, _ in params:
+            for b, span in enumerate(self.weights.layout.buckets):
+                for name in span.names:
                     self.weights.write(name, states[name].value)
+                self.slices[b].copy_(self._shard_of(states, "value", b))
+                state[b] = {
+                    "step": states[span.names[0]].step,
+                    **{m: self._shard_of(states, m, b) for m in MOMENTS},
+                }
         full = self.adamw.state_dict()
         full["state"] = state
         self.adamw.load_state_dict(full)
 
-    def _gather(self, piece: torch.Tensor, bucket: int) -> list[torch.Tensor]:
-        """The bucket's full flat tensor from every peer's ``piece`` of it, split back into its
-        parameters' shapes."""
+    def _shard_of(self, states: dict[str, LocalState], field: str, bucket: int) -> torch.Tensor:
+        """This rank's shard of bucket ``bucket`` of the ``field`` of ``states``: fp32, its
+        padding zero."""
+        layout = self.weights.layout
+        span = layout.buckets[bucket]
+        flat = torch.zeros(span.stop - span.start, device=self.slices[bucket].device)
+        for name in span.names:
+            layout.view(flat, name, offset=span.start).copy_(getattr(states[name], field))
+        start, stop = layout.shard(bucket, self.index)
+        return flat[start - span.start : stop - span.start].clone()
+
+    def _gather(self, piece: torch.Tensor, bucket: int) -> dict[str, torch.Tensor]:
+        """The bucket's parameters by name, whole, from every peer's ``piece`` of it."""
         whole = self.comm.all_gather(piece, self.peers)
-        params = self.buckets[bucket]
-        sizes = [p.numel() for _, p in params]
-        pieces = whole[: sum(sizes)].split(sizes)
-        return [t.view(p.shape) for t, (_, p) in zip(pieces, params, strict=True)]
+        layout, span = self.weights.layout, self.weights.layout.buckets[bucket]
+        return {name: layout.view(whole, name, offset=span.start) for name in span.names}

@@ -71,13 +71,11 @@ class Precision(enum.StrEnum):
 
     def optimizer_bytes(self, shards: int) -> float:
         """Optimizer state per parameter on one of ``shards`` ranks sharing it: both fp32 Adam
-        moments and bf16's fp32 master weights. A sharded optimizer keeps an fp32 slice of the
-        weights it updates in fp32 training too (apart from the full weights), so its state is
-        12 / shards bytes in either precision."""
-        moments = 2 * FP32_BYTES
-        if shards == 1:
-            return moments + (FP32_BYTES if self.master_weights else 0)
-        return (moments + FP32_BYTES) / shards
+        moments and bf16's fp32 master weights, split over the shards: 12 / shards bytes in bf16,
+        8 / shards in fp32, where a sharded optimizer steps its shard of the weights themselves
+        and keeps no copy of it (as Megatron-LM's distributed optimizer does)."""
+        state = 2 * FP32_BYTES + (FP32_BYTES if self.master_weights else 0)
+        return state if shards == 1 else state / shards  # whole bytes when unsharded
 
     @property
     def optimizer_bytes_moved(self) -> int:
