@@ -69,7 +69,7 @@ def test_a_pipeline_rank_peaks_well_under_half_of_the_whole_model():
         # (runtime.flat_layout; ~4% of the whole here): a rank that made the whole model first,
         # as before, grew by more than the whole
         assert held < 0.3 * whole, rank
-        assert growth < 0.45 * whole, (rank, growth / 1e6, whole / 1e6)
+        assert growth < 0.4 * whole, (rank, growth / 1e6, whole / 1e6)
 
 
 def _count(shape):
