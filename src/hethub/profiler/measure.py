@@ -49,8 +49,10 @@ from hethub.profiles.store import (
 )
 from hethub.report.text import plural
 from hethub.runtime.model import Stage
+from hethub.runtime.optimizer import PlainAdamW
 from hethub.runtime.precision import COMPUTE_DTYPE, MasterWeights
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
+from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.runtime.spawn import run_ranks
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
@@ -433,17 +435,13 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 def _optimizer_seconds_per_param(
     weights: MasterWeights, barrier: Callable, repeats: int, clock: Clock | None = None
 ) -> float:
-    """The runtime's update (Engine.update: AdamW with its defaults on the fp32 weights, then,
-    in bf16, the copy into the stage's bf16 weights), per parameter."""
+    """The runtime's update, as Engine.update runs it (runtime.optimizer.PlainAdamW: AdamW,
+    fused where the device has it, over the rank's flat fp32 weights, then, in bf16, the copy
+    into the stage's bf16 weights), per parameter."""
     params = weights.parameters()
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-    def step() -> None:
-        optimizer.step()
-        weights.copy_to_model()
-
+    weights.main_grads.normal_()
+    optimizer = PlainAdamW(weights, DEFAULT_SETTINGS.lr, weight_decay=0.0)
+    step = optimizer.step
     step()  # allocates the moments
     clock = clock or Clock(torch.device("cpu"))
     clock.wait()
