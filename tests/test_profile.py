@@ -846,9 +846,9 @@ def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
         assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(param, master.to(torch.bfloat16)), name  # copied back
         assert not torch.equal(param, before[name]), name
-    # the device's queue drained before the first timed step, and the steps' span read after
-    # the last: the three steps run back to back between two marks, as a run's steps do
-    assert clock.log == ["wait", "mark", "mark", "wait"]
+    # the device's queue drained (at a mark) before the first timed step, and the steps' span
+    # read after the last: the three steps run back to back between two marks, as a run's do
+    assert clock.log == ["mark", "wait", "mark", "mark", "wait"]
 
 
 def test_a_gpu_is_measured_where_the_named_accelerator_is_and_refused_without_one(
@@ -908,7 +908,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
 
 
 class LoggingClock:
-    """A profiler clock (profiler.measure.Clock) that logs what it is asked: marks are the
+    """A step's clock (runtime.timeline.step_clock) that logs what it is asked: marks are the
     log's length, so the seconds between two are the entries logged between them."""
 
     def __init__(self) -> None:
@@ -918,7 +918,7 @@ class LoggingClock:
         self.log.append("mark")
         return len(self.log)
 
-    def wait(self) -> None:
+    def wait(self, mark: int) -> None:
         self.log.append("wait")
 
     def seconds(self, start: int, end: int) -> float:

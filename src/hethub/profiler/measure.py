@@ -54,6 +54,7 @@ from hethub.runtime.precision import COMPUTE_DTYPE, MasterWeights
 from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.runtime.spawn import run_ranks
+from hethub.runtime.timeline import DeviceClock, HostClock, step_clock
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 
@@ -119,37 +120,6 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cpu":
         return "CPU"
     return f"GPU ({torch.cuda.get_device_name(device)})"
-
-
-class Clock:
-    """Marks points in a device's stream of work and reads the seconds between them.
-
-    On a GPU the marks are device events, read once the last pass is done: no synchronize
-    between a forward and its backward, so the host queues a pass's kernels ahead of the device
-    as it does in a step (a synchronize in between priced an H200 step 17% above the run). On a
-    CPU the work is done when the call returns, and the marks are the host clock.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.events = device.type == "cuda"
-
-    def mark(self):
-        """A mark of the device's stream now."""
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def wait(self) -> None:
-        """Wait for the work marked so far (nothing on a CPU)."""
-        if self.events:
-            torch.cuda.synchronize(self.device)
-
-    def seconds(self, start, end) -> float:
-        """Seconds between two marks, once wait() has returned."""
-        return start.elapsed_time(end) / 1e3 if self.events else end - start
 
 
 # --- layers ------------------------------------------------------------------------------------
@@ -302,7 +272,7 @@ def _in_this_process(fn: Callable, threads: int, *args):
         torch.set_num_threads(previous)
 
 
-def _block_group(rank: int, world: int, size: int, role: Role):
+def _block_group(world: int, size: int, role: Role):
     """Collective: the groups of consecutive blocks of ``size`` ranks (process_groups.blocks);
     this rank's, or None when it is in none or alone in its block."""
     specs = [GroupSpec(role, ranks, "gloo") for ranks in blocks(world, size)]
@@ -322,9 +292,9 @@ def _measure_rank(
     """On one rank: the mean costs of each micro-batch size (all ranks measure at once), with the
     stage's weights and activations in ``dtype`` on device ``where``."""
     device, floating = torch.device(where), DTYPES[dtype]
-    group = _block_group(rank, world, tp, Role.TENSOR) if world > 1 else None
+    group = _block_group(world, tp, Role.TENSOR) if world > 1 else None
     barrier = dist.barrier if world > 1 else _nothing
-    clock = Clock(device)
+    clock = step_clock(device)
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
     layers, embed, head = (
@@ -385,17 +355,19 @@ def _nothing() -> None:
 
 
 def _time_passes(
-    run: Callable, barrier: Callable, repeats: int, clock: Clock | None = None
+    run: Callable, barrier: Callable, repeats: int, clock: HostClock | DeviceClock | None = None
 ) -> tuple[float, float]:
     """Mean forward and backward seconds of ``run()`` -> (output, backward function).
 
     The ranks start together and then run their passes back to back, as the runtime does: a
     barrier before every pass would stagger short passes so that they hardly overlap, and
-    contention for the cores would go unmeasured. ``clock`` marks each pass's start, the end of
-    its forward and its end (default: the host's, a CPU's); on a GPU they are read only after
-    the last pass, as the runtime reads its step's events.
+    contention for the cores would go unmeasured. ``clock`` (runtime.timeline.step_clock, the
+    one a run's step is timed by) marks each pass's start, the end of its forward and its end
+    (default: the host's, a CPU's); on an accelerator they are device events, read only after
+    the last pass, with no synchronize between a forward and its backward (one in between kept
+    the host from queueing kernels ahead as a step does, and priced an H200 step 17% slow).
     """
-    clock = clock or Clock(torch.device("cpu"))
+    clock = clock or HostClock()
     marks = []
     barrier()
     for i in range(WARMUP + repeats):
@@ -406,7 +378,7 @@ def _time_passes(
         ended = clock.mark()
         if i >= WARMUP:
             marks.append((started, middle, ended))
-    clock.wait()
+    clock.wait(marks[-1][2])
     forward = [clock.seconds(started, middle) for started, middle, _ in marks]
     backward = [clock.seconds(middle, ended) for _, middle, ended in marks]
     # The plain mean, stalls included: what a step adds up. With ranks sharing the cores an
@@ -433,7 +405,10 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def _optimizer_seconds_per_param(
-    weights: MasterWeights, barrier: Callable, repeats: int, clock: Clock | None = None
+    weights: MasterWeights,
+    barrier: Callable,
+    repeats: int,
+    clock: HostClock | DeviceClock | None = None,
 ) -> float:
     """The runtime's update, as Engine.update runs it (runtime.optimizer.PlainAdamW: AdamW,
     fused where the device has it, over the rank's flat fp32 weights, then, in bf16, the copy
@@ -443,14 +418,14 @@ def _optimizer_seconds_per_param(
     optimizer = PlainAdamW(weights, DEFAULT_SETTINGS.lr, weight_decay=0.0)
     step = optimizer.step
     step()  # allocates the moments
-    clock = clock or Clock(torch.device("cpu"))
-    clock.wait()
+    clock = clock or HostClock()
+    clock.wait(clock.mark())  # the first step's work done before the timed ones start
     barrier()
     started = clock.mark()
     for _ in range(repeats):
         step()
     ended = clock.mark()
-    clock.wait()
+    clock.wait(ended)
     return clock.seconds(started, ended) / repeats / sum(p.numel() for p in params)
 
 
@@ -569,7 +544,7 @@ def _link_rank(
         if rank < pairs and rank % 2 == 0:
             out.setdefault(("p2p", 2), {})[n] = seconds
     for r in ranks_list:
-        group = _block_group(rank, world, r, Role.MEASURE)
+        group = _block_group(world, r, Role.MEASURE)
         members = dist.get_process_group_ranks(group) if group is not None else None
         for kind in COLLECTIVES:
             for n in sizes:
