@@ -10,37 +10,14 @@ Usage: python benchmarks/layer_kernels.py [--model local-llama] [--micro-batch 1
 from __future__ import annotations
 
 import argparse
-import collections
 from typing import Self
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.model import Stage
 from hethub.runtime.precision import MasterWeights
 from hethub.spec import load_model
-
-# Not a view to the dispatcher, but an alias all the same: it launches nothing.
-NO_KERNEL = frozenset({"aten._unsafe_view"})
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten operations that run under it, views and aliases (which launch nothing)
-    aside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if not func.is_view and name not in NO_KERNEL:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
 
 
 class SavedBytes:
@@ -94,7 +71,7 @@ def main() -> None:
     for precision in ("fp32", "bf16"):
         ops, saved, forward = one_step(args.model, precision, args.micro_batch)
         print(
-            f"{args.model} {precision} mb={args.micro_batch}: {ops.total} aten ops "
+            f"{args.model} {precision} mb={args.micro_batch}: {ops.total} operations "
             f"({forward} forward, {ops.total - forward} backward), "
             f"{saved / 2**20:.2f} MiB saved for backward"
         )

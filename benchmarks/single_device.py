@@ -12,7 +12,7 @@ weights on the same batches: their first losses are printed side by side.
 Both run in one process, one step each in turn (the order swapped every round) after warm-up
 steps, so that both see the same moments of a shared machine; each figure is the median step.
 It prints the throughput ratio, the non-view aten operations and the host reads of one step of
-each (counted by StepOps), and on an accelerator the model FLOP utilisation (the predictor's
+each (counted by OpCounter), and on an accelerator the model FLOP utilisation (the predictor's
 model FLOPs over the catalog's peak, where the catalog knows the device) and the peak memory.
 
     python benchmarks/single_device.py [--precision bf16|fp32] [--steps N] [--device DEV]
@@ -32,11 +32,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from hethub.predictor import predict
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import full_state
@@ -59,53 +59,6 @@ MODEL = {  # local-llama's shape, with grouped-query attention (2 KV heads for 4
 BATCH = 8  # sequences a step, one micro-batch
 LR, SEED = 1e-3, 0
 WARMUP = 2  # steps of each before the timed ones (the first step's loss, the peak memory)
-
-aten = torch.ops.aten
-HOST_SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
-"""Operators whose result the host must wait for: a scalar read (item, bool, float) and the
-operators whose output's shape depends on the data."""
-
-
-class StepOps(TorchDispatchMode):
-    """Counts the aten operations dispatched while it is active: ``ops``, those that are not
-    views (a view launches no work), and ``host_reads``, the names of those that make the host
-    wait for data on ``device`` (reads_to_host)."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        self.device = torch.device(device)
-        self.ops = 0
-        self.host_reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "aten" and not func.is_view:
-            self.ops += 1
-        if reads_to_host(func, args, kwargs, self.device):
-            self.host_reads.append(str(func))
-        return func(*args, **kwargs)
-
-
-def reads_to_host(func, args: tuple, kwargs: dict, device: torch.device) -> bool:
-    """Whether the operator makes the host wait for data on ``device``: a host-syncing operator
-    on it, or a copy from it to the CPU. Where the device is the CPU itself, every tensor is on
-    it (AdamW's step counters too, which an accelerator's run keeps on the host), and a copy to
-    the CPU counts where it keeps the dtype (a transfer such as ``.to("cpu", copy=True)``, not
-    a cast, which names the device too); a read that dispatches nothing there (``tolist`` of a
-    CPU tensor) is seen only on an accelerator."""
-    if func in HOST_SYNCING:
-        return args[0].device.type == device.type
-    if func is aten._to_copy.default:
-        target, source = kwargs.get("device"), args[0]
-        if target is None or torch.device(target).type != "cpu":
-            return False
-        if device.type == "cpu":
-            return kwargs.get("dtype", source.dtype) == source.dtype
-        return source.device.type == device.type
-    if func is aten.copy_.default:
-        return args[0].device.type == "cpu" and args[1].device.type == device.type != "cpu"
-    return False
-
 
 # --- the reference: a plain torch trainer -------------------------------------------------------
 
@@ -254,9 +207,9 @@ def hethub_engine(spec: ModelSpec, plan: Plan, cluster, device: torch.device) ->
 # --- measuring ----------------------------------------------------------------------------------
 
 
-def counted(step, tokens: torch.Tensor, device: torch.device) -> StepOps:
+def counted(step, tokens: torch.Tensor, device: torch.device) -> OpCounter:
     """The operations of one step."""
-    with StepOps(device) as ops:
+    with OpCounter(device) as ops:
         step(tokens)
     return ops
 
@@ -337,7 +290,7 @@ def compare(precision: str, steps: int, device: torch.device) -> None:
         line = (
             f"{precision} {name:9}: {median[name] * 1e3:7.1f} ms/step, "
             f"{tokens_per_step / median[name]:9,.0f} tokens/s, "
-            f"{ops[name].ops} aten ops (non-view) and {len(ops[name].host_reads)} host reads "
+            f"{ops[name].total} ops (non-view) and {len(ops[name].host_reads)} host reads "
             f"a step"
         )
         if peak[name] is not None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.spawn import run_ranks
 
 CLUSTER = {
@@ -25,19 +25,6 @@ CLUSTER = {
 }
 KINDS = {"plain": (False, False), "overlapped": (False, True), "sharded": (True, True)}
 """Each kind of sync: (shard_optimizer, overlap_grad_sync)."""
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the operators torch dispatches inside it, by name (views left out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_step(rank: int, world: int, precision: str, kind: str) -> dict:

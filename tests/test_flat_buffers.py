@@ -8,6 +8,7 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.flat_layout import FlatLayout
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.optimizer import PlainAdamW
@@ -16,7 +17,6 @@ from hethub.spec import load_model
 
 SPEC = load_model("tiny-llama")
 MICRO_BATCHES = 3
-OpCounter = load_benchmark("step_op_counts").OpCounter
 
 
 def test_buckets_come_first_each_contiguous_and_padded_to_the_shards():

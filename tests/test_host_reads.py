@@ -1,5 +1,5 @@
 """The host reads the device once a step (issue 26): counted with a TorchDispatchMode
-(benchmarks/single_device.py's StepOps) around one step's schedule, gradient sync and loss
+(profiler.op_counts.OpCounter) around one step's schedule, gradient sync and loss
 report, on real ranks, so that the sends, receives and collectives run too. On the CPU a read
 shows as a scalar read (item, bool, float) or a copy to the host; before this, a step read every
 micro-batch's loss with .item() and then the reported loss: 5 reads on a last stage of 4
@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-from benchmark_scripts import load_benchmark
 
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.engine import Engine
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
@@ -44,16 +44,15 @@ def plan_of(layers: list[int], precision: str) -> dict:
 
 
 def _count_reads(rank, world, plan_dict):
-    StepOps = load_benchmark("single_device").StepOps
     spec, plan = load_model(PRESET), parse_plan(plan_dict)
     engine = Engine.for_job(plan, build_topology(plan, CLUSTER), spec, CLUSTER, seed=0)
     tokens = torch.randint(0, spec.vocab, (plan.global_batch, spec.seq_len + 1))
     engine.step(tokens)  # the first step makes the optimizer's state
-    with StepOps(engine.device) as schedule:
+    with OpCounter(engine.device) as schedule:
         loss = engine.gradients(tokens)
-    with StepOps(engine.device) as update:  # the optimizer's own, whatever they are
+    with OpCounter(engine.device) as update:  # the optimizer's own, whatever they are
         engine.update()
-    with StepOps(engine.device) as checked:
+    with OpCounter(engine.device) as checked:
         engine.step(tokens, check_weights=True)
     finite = engine.weights_finite
     name, weight = engine.weights.named[0]
@@ -82,9 +81,8 @@ def test_a_step_reads_the_device_once(layers, precision):
 
 
 def test_the_counter_sees_a_scalar_read_and_a_copy_to_the_host_not_a_cast():
-    StepOps = load_benchmark("single_device").StepOps
     x = torch.ones(3)
-    with StepOps() as ops:
+    with OpCounter() as ops:
         x.sum().item()
         bool(x[0] > 0)
         x.to("cpu", copy=True)
@@ -95,4 +93,4 @@ def test_the_counter_sees_a_scalar_read_and_a_copy_to_the_host_not_a_cast():
         "aten._local_scalar_dense.default",
         "aten._to_copy.default",
     ]
-    assert ops.ops == 8  # sum, item; gt, item; the copy; two casts; the add (select: a view)
+    assert ops.total == 8  # sum, item; gt, item; the copy; two casts; the add (select: a view)

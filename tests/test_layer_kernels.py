@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmark_scripts import load_benchmark
 from torch.nn import functional as F
 
+from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.model import Layer
 from hethub.spec import load_model
-
-OpCounter = load_benchmark("layer_kernels").OpCounter
 
 # How many operations more than the plain layer hethub's may ask for: none. Its rotation (a roll
 # and an addcmul on sign-folded tables, 3 operations forward) is shorter than the textbook
