@@ -122,7 +122,8 @@ class Rotary(nn.Module):
         self.sin = torch.cat([-sin, sin], dim=-1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x rotated by its positions: (B, heads, T, d) in, the same out."""
+        """x rotated by its positions: (..., T, d) in (the layer's queries come in as (B, kv,
+        queries, T, d)), the same out, laid out in memory as x is."""
         if self.cos.dtype != x.dtype:
             self.reset_tables(x.dtype)
         t = x.shape[-2]
@@ -187,7 +188,9 @@ class Layer(nn.Module):
         q = q.permute(0, 2, 3, 1, 4)  # (B, kv, queries, T, d)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # (B, kv, T, d)
         if self.spec.arch == "llama":
-            q, k = self.rotary(q), self.rotary(k)
+            # The rotations are new tensors: v would be the only view left of the projection's
+            # output, and the attention would keep all of it, not only v's rows, for backward.
+            q, k, v = self.rotary(q), self.rotary(k), v.contiguous()
         q = q.flatten(1, 2)  # (B, heads, T, d), head kv * queries + j: each KV head's queries
         # grouped-query attention: query head i attends with KV head i // queries, as
         # repeat_interleave would give, without the copies
