@@ -26,6 +26,7 @@ from torch.nn.utils import get_total_norm
 
 from hethub.comm import Communicator
 from hethub.report.timeline import TimelineEvent
+from hethub.runtime.compiled import compile_layers
 from hethub.runtime.grad_sync import Bucket, GradientSync, sync_buckets
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
@@ -98,6 +99,7 @@ class Engine:
         # What the optimizer, the gradient sync and checkpoints see: fp32 weights in either
         # precision (runtime.precision), in flat buffers laid out by the sync's buckets.
         self.weights = MasterWeights(self.stage, plan.precision, [b.names for b in held], shards)
+        compile_layers(self.stage, plan)  # after the weights are placed: runtime.compiled
         buckets = sync_buckets(held, self.weights)
         if sharded:
             self.optimizer = ShardedAdamW(self.weights, groups.data, lr, weight_decay, comm)

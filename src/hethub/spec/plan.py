@@ -172,6 +172,10 @@ class Plan:
     overlap_grad_sync: bool = False
     """Sync each gradient bucket as soon as the last backward writing it ends, during the
     backwards still to run, instead of after the last one."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (runtime.compiled), as torchtitan does
+    per block: the same training, in fewer and fused kernels, after a compilation at the first
+    step. Off by default: docs/runtime.md, "Compile", has where it pays."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
@@ -191,6 +195,7 @@ class Plan:
             "precision": self.precision.value,
             **({"shard_optimizer": True} if self.shard_optimizer else {}),
             **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
+            **({"compile": True} if self.compile else {}),
             "pipelines": [
                 {
                     "count": p.count,
@@ -221,6 +226,7 @@ class Plan:
                 (str(self.schedule), self.schedule != Schedule.ONE_F_ONE_B),
                 ("sharded optimizer", self.shard_optimizer),
                 ("overlapped grad sync", self.overlap_grad_sync),
+                ("compiled layers", self.compile),
             )
             if on
         )
@@ -249,6 +255,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "precision",
             "shard_optimizer",
             "overlap_grad_sync",
+            "compile",
             "pipelines",
         ),
     )
@@ -309,6 +316,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
         shard_optimizer=top.boolean("shard_optimizer", False),
         overlap_grad_sync=top.boolean("overlap_grad_sync", False),
+        compile=top.boolean("compile", False),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
@@ -385,6 +393,7 @@ def uniform_plan(
     virtual_stages: int = 1,
     shard_optimizer: bool = False,
     overlap_grad_sync: bool = False,
+    compile: bool = False,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
     ``group``, each stage holding ``virtual_stages`` chunks (Megatron's even split over the
@@ -401,6 +410,7 @@ def uniform_plan(
             "precision": precision,
             "shard_optimizer": shard_optimizer,
             "overlap_grad_sync": overlap_grad_sync,
+            "compile": compile,
             "pipelines": [
                 {
                     "count": dp,
