@@ -10,10 +10,11 @@ tests/test_layer_ops.py holds it to the runtime's own dispatch trace, operation 
 change to the layer that changes what it dispatches or keeps fails that test until this file
 says the same. It sits in spec, below both the predictor and the runtime, as the schedules do.
 
-The layer (fused GEMMs): norm, one QKV GEMM whose output is split into q, k and v views (per
-KV head: its queries, its key, its value; Llama rotates q and k), causal SDPA (grouped-query by ``enable_gqa``, no repeat of K and V), the output
-projection (row-parallel), residual add, norm, one gate|up GEMM chunked in two with SiLU(gate) *
-up (GPT: fc1, GELU, fc2), the down projection, residual add.
+The layer (fused GEMMs): norm; one QKV GEMM whose output is split into q, k and v views (per
+KV head: its queries, its key, its value; Llama rotates q and k); causal SDPA (grouped-query by
+``enable_gqa``, no repeat of K and V); the output projection (row-parallel); residual add; norm;
+one gate|up GEMM chunked in two with SiLU(gate) * up (GPT: fc1, GELU, fc2); the down
+projection; residual add.
 
 Bytes of an operation: each tensor it reads or writes, counted once for every element it
 addresses (a broadcast dimension, of stride 0, counts once). An operation writing in place
