@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run is the uninterrupted one (bit for bit under the same plan, within
-1e-5 under another plan), GPT's tied head round-trips, unfinished saves are never loaded, and a
-checkpoint of another model is refused with a clear message.
+1e-5 under another plan), GPT's tied head round-trips, unfinished saves are never loaded, a
+checkpoint of another model is refused with a clear message, and one written before the fused
+GEMMs (q, k, v, gate and up apart) loads as the same state as its fused twin.
 
 Three multi-process jobs (each costs seconds of process start), run once by a module fixture,
 each rank following a small script of actions; the tests check what they did.
@@ -30,7 +31,7 @@ from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
-from hethub.spec.parameters import parameter_table
+from hethub.spec.parameters import fused_parts, parameter_table
 from hethub.spec.topology import build_topology
 
 SEED, STEPS, LR = 7, 4, 1e-2
@@ -157,6 +158,8 @@ def _run(rank, label, plan, script):
         elif action == "load":
             out["meta"] = load_checkpoint(engine, Path(args[0]))
             out["loaded"] = _snapshot(engine)
+        elif action == "load unfused":  # a checkpoint written before the fused GEMMs
+            out["unfused"] = load_checkpoint(engine, Path(args[0])), _snapshot(engine)
         elif action == "refused":
             other = dataclasses.replace(spec, hidden=args[1]) if len(args) > 1 else None
             target = _engine(parsed, topology, other) if other else engine
@@ -188,6 +191,42 @@ def read(path):
     return state
 
 
+def unfused_parts(spec, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A full-model tensor of parameter ``name`` (its weight, a moment or its step) as hethub
+    saved it before the fused GEMMs, by the parameter names of then: a fused one's parts, sliced
+    out of its blocks here (qkv [kv, queries + 2, d, ...]: each KV head's queries, key, value;
+    gate_up [2, f, h]), each with the same step; anything else as it is."""
+    layer, _, local = name.removeprefix("layers.").partition(".")
+    if not name.startswith("layers.") or local not in fused_parts(spec):
+        return {name: tensor}
+    kind, suffix = local.split(".")
+    names = ("gate", "up") if kind == "gate_up" else ("q", "k", "v")
+    if tensor.dim() == 0:  # the step counter: each part's
+        slices = [tensor] * len(names)
+    elif kind == "gate_up":
+        slices = [tensor[0], tensor[1]]
+    else:
+        # (kv, queries | 1 | 1, d, ...) -> (heads * d | kv * d, ...)
+        slices = [t.flatten(0, 2) for t in (tensor[:, :-2], tensor[:, -2:-1], tensor[:, -1:])]
+    return {f"layers.{layer}.{n}.{suffix}": t.clone() for n, t in zip(names, slices, strict=True)}
+
+
+def write_unfused(saved, spec, path: Path, meta: dict, leave_out: tuple[str, ...] = ()) -> str:
+    """``saved`` (every tensor of a checkpoint) written at ``path`` as hethub wrote it before the
+    fused GEMMs, with DCP, the parameters ``leave_out`` left out; its path."""
+    state = {}
+    for key, tensor in saved.items():
+        kind, name, *field = key.split("/")
+        for part, value in unfused_parts(spec, name, tensor).items():
+            state["/".join([kind, part, *field])] = value
+    state = {k: v for k, v in state.items() if k.split("/")[1] not in leave_out}
+    with warnings.catch_warnings():  # DCP warns that it writes in one process: it is meant to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+    (path / "meta.json").write_text(json.dumps(meta))
+    return str(path)
+
+
 def step_dir(root, step):
     return Path(root) / f"step-{step:06d}"
 
@@ -207,10 +246,11 @@ def jobs(tmp_path_factory):
     """Two jobs of fresh processes.
     1. Llama A: 4 steps; again, saving after steps 2 and 4. GPT A: 2 steps, save, 2 steps,
        save, load its step 2 into the trained engine and train steps 3 and 4 again.
-    (Crash leftovers planted.)
-    2. Llama A, fresh: refused loads, then resume from step 2, 2 steps, save elsewhere.
+    (Crash leftovers planted; both step-2 checkpoints rewritten as before the fused GEMMs.)
+    2. Llama A, fresh: refused loads, load the unfused step 2, then resume from step 2, 2
+       steps, save elsewhere.
        Llama B: resume from A's step 2, 2 steps, save over A's step 4.
-       GPT B: resume from GPT A's step 2, 2 steps, save."""
+       GPT B: load GPT A's unfused step 2, then resume from its step 2, 2 steps, save."""
     root = tmp_path_factory.mktemp("checkpoints")
     a, again, gpt_a, gpt_b = (str(root / name) for name in ("a", "again", "gpt-a", "gpt-b"))
     plain, first, gpt_first = job(
@@ -240,6 +280,21 @@ def jobs(tmp_path_factory):
         shutil.copytree(step_dir(a, 2), Path(a) / leftover)
         (Path(a) / leftover / "meta.json").unlink()
     out["latest"] = latest_checkpoint(Path(a))
+    llama, gpt, meta = load_model("tiny-llama"), load_model("tiny-gpt"), {"plan": "A", "step": 2}
+    unfused = root / "unfused"
+    unfused.mkdir()
+    out["unfused"] = write_unfused(out["saved2"], llama, unfused / "llama", meta)
+    out["gpt_unfused"] = write_unfused(out["gpt_saved2"], gpt, unfused / "gpt", meta)
+    out["torn"] = write_unfused(
+        out["saved2"], llama, unfused / "torn", meta, ("layers.0.v.weight",)
+    )
+    out["neither"] = write_unfused(
+        out["saved2"],
+        llama,
+        unfused / "neither",
+        meta,
+        ("layers.0.q.weight", "layers.0.k.weight", "layers.0.v.weight"),
+    )
     out["again"], out["other"], out["gpt_other"] = job(
         root,
         [
@@ -251,6 +306,9 @@ def jobs(tmp_path_factory):
                     ("refused", f"{a}/step-000011"),
                     ("refused", str(step_dir(a, 99))),
                     ("refused", str(step_dir(a, 2)), 128),
+                    ("refused", out["torn"]),
+                    ("refused", out["neither"]),
+                    ("load unfused", out["unfused"]),
                     ("load", str(step_dir(a, 2))),
                 ]
                 + train(2, 3)
@@ -260,7 +318,9 @@ def jobs(tmp_path_factory):
             (
                 "gpt B",
                 GPT_B,
-                [("load", str(step_dir(gpt_a, 2)))] + train(2, 3) + [("save", gpt_b, 4)],
+                [("load unfused", out["gpt_unfused"]), ("load", str(step_dir(gpt_a, 2)))]
+                + train(2, 3)
+                + [("save", gpt_b, 4)],
             ),
         ],
     )
@@ -342,7 +402,7 @@ def test_unfinished_saves_are_never_loaded(jobs, tmp_path):
     ]
     incomplete = "is incomplete: no meta.json (its save did not finish)"
     for rank in jobs["again"]:
-        tmp, no_meta, missing, _ = rank["errors"]
+        tmp, no_meta, missing, *_ = rank["errors"]
         assert tmp == f"checkpoint {root / 'step-000009.tmp-x'} {incomplete}"
         assert no_meta == f"checkpoint {root / 'step-000011'} {incomplete}"
         assert missing == f"checkpoint {step_dir(root, 99)} does not exist"
@@ -497,3 +557,25 @@ def test_a_sharded_interleaved_run_resumes_under_plain_1f1b_and_back(sharded_job
         )
     # the sharded plan loads a plain checkpoint: every rank's whole state is the saved one
     assert_holds_shards(sharded_jobs["back"], sharded_jobs["plain4"], "loaded", 4)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_before_the_fused_gemms_loads_as_its_fused_twin(jobs):
+    # Llama (grouped-query heads) on a TP 2 stage and a TP 1 one; GPT (fused biases too) on two
+    # unlike replicas, TP 2 and TP 1: each rank's weights, moments and steps exactly as loaded
+    # from the checkpoint the unfused one was made from.
+    for run in ("again", "gpt_other"):
+        for rank in jobs[run]:
+            meta, state = rank["unfused"]
+            assert meta == {"plan": "A", "step": 2}
+            assert sorted(state) == sorted(rank["loaded"])
+            for name, tensors in rank["loaded"].items():
+                for got, want in zip(state[name], tensors, strict=True):
+                    assert torch.equal(got, want), name
+    torn = f"checkpoint {jobs['torn']} has no layers.0.v.weight"
+    neither = (
+        f"checkpoint {jobs['neither']} has no layers.0.qkv.weight (nor its parts before the "
+        "fused GEMMs, layers.0.q.weight, layers.0.k.weight and layers.0.v.weight)"
+    )
+    why = ": it was written for another model"
+    assert {tuple(rank["errors"][4:6]) for rank in jobs["again"]} == {(torn + why, neither + why)}

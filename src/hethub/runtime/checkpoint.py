@@ -11,6 +11,13 @@ and spreads the writes over the ranks. On load every rank reads the full tensors
 and keeps its TP shard. The weights are the fp32 master weights in either precision
 (runtime.precision), so a checkpoint resumes under another precision too.
 
+Checkpoints written before the fused GEMMs (issue 26) hold each layer's q, k and v (gate and up)
+separately: ``model/layers.{i}.q.weight``, its moments and step, and so on. They still load:
+where a checkpoint has no fused key but the parts (spec.parameters.fused_parts, the one table of
+renames), the parts' weights and both moments are read and fused (runtime.model.fuse) into the
+fused parameter's, and its step is the first part's (every parameter steps together). Saves
+always write the fused names.
+
 Cost: every TP rank gathers whole weights and moments (three times its stage's full size in
 memory for a moment), fine for the models this runs on CPU; big models would save a sharded
 DTensor layout instead, which DCP reshards on load by itself.
@@ -39,8 +46,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hethub.errors import HethubError
 from hethub.runtime.checkpoint_folders import META, keep_latest, read_meta
-from hethub.runtime.model import shard
+from hethub.runtime.model import fuse, shard
 from hethub.runtime.optimizer import MOMENTS, LocalState
+from hethub.spec.parameters import FusedParts, fused_parts
 
 if TYPE_CHECKING:  # the engine does not need this module; annotations only
     from hethub.runtime.engine import Engine
@@ -92,10 +100,10 @@ def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
     out = {}
     for name, _ in engine.weights.named:  # every TP rank gathers in this one order
         state = states[name]
-        out[f"model/{name}"] = engine.gather_full(name, state.value)
+        out[_key(name, "model")] = engine.gather_full(name, state.value)
         for moment in MOMENTS:
-            out[f"optim/{name}/{moment}"] = engine.gather_full(name, getattr(state, moment))
-        out[f"optim/{name}/step"] = state.step
+            out[_key(name, moment)] = engine.gather_full(name, getattr(state, moment))
+        out[_key(name, "step")] = state.step
     return out
 
 
@@ -151,6 +159,55 @@ def _read_meta(path: Path) -> tuple[dict, Metadata | None, str | None]:
         return {}, None, f"checkpoint {path} cannot be read: {error}"
 
 
+def _key(name: str, field: str) -> str:
+    """The checkpoint key of parameter ``name``'s ``field``: "model" (the weight), a moment or
+    "step"."""
+    return f"model/{name}" if field == "model" else f"optim/{name}/{field}"
+
+
+FIELDS = ("model", *MOMENTS)
+"""A parameter's full tensors in a checkpoint, of its full shape (its step counter aside)."""
+
+
+def _parts_before_fusion(engine: Engine, name: str) -> tuple[FusedParts, list[str]] | None:
+    """Where parameter ``name`` is a fused one (``layers.3.qkv.weight``): how it is made of the
+    parameters of the layers before the fused GEMMs, and their full-model names
+    (``layers.3.q.weight``, ...). None for any other parameter."""
+    outer, _, local = name.partition(".")
+    layer, _, local = local.partition(".")
+    parts = fused_parts(engine.spec).get(local) if outer == "layers" else None
+    if parts is None:
+        return None
+    return parts, [f"layers.{layer}.{part}" for part in parts.names]
+
+
+def _wanted(engine: Engine, name: str, saved: Metadata) -> dict[str, list[int]]:
+    """The keys this rank loads for parameter ``name`` with the full shape of each: its own,
+    or, where the checkpoint has them instead (written before the fused GEMMs), its parts' (the
+    first part's step counter stands for the fused one's: every parameter steps together)."""
+    shape = list(engine.parameter_table[name].shape)
+    own = {**{_key(name, field): shape for field in FIELDS}, _key(name, "step"): []}
+    before = _parts_before_fusion(engine, name)
+    if before is None or _key(name, "model") in saved.state_dict_metadata:
+        return own
+    parts, names = before
+    if not any(_key(part, "model") in saved.state_dict_metadata for part in names):
+        return own  # neither: refused for the fused parameter's absence
+    wanted = {_key(names[0], "step"): []}
+    for part, part_shape in zip(names, parts.shapes, strict=True):
+        wanted.update({_key(part, field): list(part_shape) for field in FIELDS})
+    return wanted
+
+
+def _nor_parts(engine: Engine, name: str) -> str:
+    """For a fused parameter missing from a checkpoint: that its parts are missing too."""
+    before = _parts_before_fusion(engine, name)
+    if before is None:
+        return ""
+    *others, last = before[1]
+    return f" (nor its parts before the fused GEMMs, {', '.join(others)} and {last})"
+
+
 def _buffers(
     engine: Engine, path: Path, metadata: Metadata
 ) -> tuple[dict[str, torch.Tensor], str | None]:
@@ -158,17 +215,14 @@ def _buffers(
     checkpoint's metadata; or the first mismatch, said for the user."""
     buffers = {}
     for name, param in engine.weights.named:
-        full = list(engine.parameter_table[name].shape)
-        wanted = {
-            f"model/{name}": full,
-            **{f"optim/{name}/{m}": full for m in MOMENTS},
-            f"optim/{name}/step": [],
-        }
-        for key, shape in wanted.items():
+        for key, shape in _wanted(engine, name, metadata).items():
             saved = metadata.state_dict_metadata.get(key)
             what = key.removeprefix("model/")
             if not isinstance(saved, TensorStorageMetadata):
-                return {}, f"checkpoint {path} has no {what}: it was written for another model"
+                return {}, (
+                    f"checkpoint {path} has no {what}{_nor_parts(engine, what)}: it was written "
+                    "for another model"
+                )
             if list(saved.size) != shape:
                 return {}, (
                     f"checkpoint {path} holds {what} of shape {list(saved.size)}, the model "
@@ -182,13 +236,17 @@ def _buffers(
 
 def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
     """Hand this rank's TP shard of the loaded full tensors to its optimizer, which sets the
-    weights too."""
+    weights too; a fused parameter loaded as its parts is fused first."""
     rank, tp = engine.me.tp_rank, engine.me.tp
     states = {}
     for name, _ in engine.weights.named:
         layout = engine.parameter_table[name]
-        full = [buffers[f"model/{name}"], *(buffers[f"optim/{name}/{m}"] for m in MOMENTS)]
-        states[name] = LocalState(
-            *(shard(layout, tensor, rank, tp) for tensor in full), buffers[f"optim/{name}/step"]
-        )
+        if _key(name, "model") in buffers:
+            full = [buffers[_key(name, field)] for field in FIELDS]
+            step = buffers[_key(name, "step")]
+        else:  # written before the fused GEMMs
+            parts, names = _parts_before_fusion(engine, name)
+            full = [fuse(parts, [buffers[_key(part, field)] for part in names]) for field in FIELDS]
+            step = buffers[_key(names[0], "step")]
+        states[name] = LocalState(*(shard(layout, tensor, rank, tp) for tensor in full), step)
     engine.optimizer.load_local_state(states)
