@@ -33,19 +33,21 @@ from hethub.spec.parameters import (
 )
 
 
-def initial_value(param: Parameter, seed: int) -> torch.Tensor:
+def initial_value(param: Parameter, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The whole of ``param``'s initial value (fp32, on the CPU), the same for every layout given
-    the seed. Each parameter draws from a generator of its own, seeded by its name: a rank makes
+    the seed: written into ``out`` (a CPU tensor of the full shape) where given, else a new
+    tensor. Each parameter draws from a generator of its own, seeded by its name: a rank makes
     the parameters it holds, one at a time, never the whole model. Drawn on the CPU so that ranks
     on different devices (whose generators differ) start from the same weights."""
+    out = torch.empty(param.shape) if out is None else out
     if param.init is Init.ONES:
-        return torch.ones(param.shape)
+        return out.fill_(1.0)
     if param.init is Init.ZEROS:
-        return torch.zeros(param.shape)
+        return out.zero_()
     seed_of_name = (seed * 1_000_003 + zlib.crc32(param.name.encode())) % 2**63
     gen = torch.Generator().manual_seed(seed_of_name)
     # in place: no second full-size tensor while a large parameter is made
-    return torch.randn(*param.shape, generator=gen).mul_(INIT_STD).mul_(param.scale)
+    return out.normal_(generator=gen).mul_(INIT_STD).mul_(param.scale)
 
 
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -122,7 +124,8 @@ class Rotary(nn.Module):
         self.sin = torch.cat([-sin, sin], dim=-1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x rotated by its positions: (B, heads, T, d) in, the same out."""
+        """x rotated by its positions: (..., T, d) in (the layer's queries come in as (B, kv,
+        queries, T, d)), the same out, laid out in memory as x is."""
         if self.cos.dtype != x.dtype:
             self.reset_tables(x.dtype)
         t = x.shape[-2]
@@ -187,7 +190,9 @@ class Layer(nn.Module):
         q = q.permute(0, 2, 3, 1, 4)  # (B, kv, queries, T, d)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # (B, kv, T, d)
         if self.spec.arch == "llama":
-            q, k = self.rotary(q), self.rotary(k)
+            # The rotations are new tensors: v would be the only view left of the projection's
+            # output, and the attention would keep all of it, not only v's rows, for backward.
+            q, k, v = self.rotary(q), self.rotary(k), v.contiguous()
         q = q.flatten(1, 2)  # (B, heads, T, d), head kv * queries + j: each KV head's queries
         # grouped-query attention: query head i attends with KV head i // queries, as
         # repeat_interleave would give, without the copies
@@ -285,9 +290,13 @@ class Stage(nn.Module):
         table = parameter_table(spec)
         with torch.no_grad():
             for name, param in stage.full_parameters():
-                full = initial_value(table[name], seed)
-                tp_dim = table[name].tp_dim
-                param.copy_(full if tp_dim is None else full.chunk(size, dim=tp_dim)[rank])
+                layout = table[name]
+                whole = layout.tp_dim is None or size == 1
+                if whole and param.device.type == "cpu":  # drawn in place: no temporary
+                    initial_value(layout, seed, out=param)
+                    continue
+                full = initial_value(layout, seed)
+                param.copy_(full if whole else full.chunk(size, dim=layout.tp_dim)[rank])
         return stage
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
