@@ -11,10 +11,10 @@ change to the layer that changes what it dispatches or keeps fails that test unt
 says the same. It sits in spec, below both the predictor and the runtime, as the schedules do.
 
 The layer (fused GEMMs): norm; one QKV GEMM whose output is split into q, k and v views (per
-KV head: its queries, its key, its value; Llama rotates q and k); causal SDPA (grouped-query by
-``enable_gqa``, no repeat of K and V); the output projection (row-parallel); residual add; norm;
-one gate|up GEMM chunked in two with SiLU(gate) * up (GPT: fc1, GELU, fc2); the down
-projection; residual add.
+KV head: its queries, its key, its value; Llama rotates q and k and copies v); causal SDPA
+(grouped-query by ``enable_gqa``, no repeat of K and V); the output projection (row-parallel);
+residual add; norm; one gate|up GEMM chunked in two with SiLU(gate) * up (GPT: fc1, GELU, fc2);
+the down projection; residual add.
 
 Bytes of an operation: each tensor it reads or writes, counted once for every element it
 addresses (a broadcast dimension, of stride 0, counts once). An operation writing in place
@@ -306,20 +306,18 @@ def _attention_kernel(x: _Shape) -> _Piece:
 
 
 def _attention(x: _Shape) -> _Piece:
-    """QKV GEMM, (rotary), SDPA, output projection. The QKV output is one tensor, which the
-    kernel keeps whole through its v (a view of it); Llama's rotated q and k are new tensors.
-    Backward: the three gradients are concatenated, read where they lie."""
+    """QKV GEMM, (rotary), SDPA, output projection. The kernel keeps q, k and v: GPT's are views
+    of the QKV output, which it keeps whole; Llama's rotated q and k are new tensors, and its v
+    is copied out of the QKV output, so that none of that output outlives the forward. Backward:
+    the three gradients are concatenated, read where they lie."""
     h, qkv = x.hidden, x.q + 2 * x.kv
     pieces = [_linear(x, h, qkv, row_parallel=False)]
     if not x.gpt:
-        pieces += [_rotary(x, x.q), _rotary(x, x.kv)]
+        copy_v = memory("clone", x.bytes(x.kv), x.bytes(x.kv))
+        pieces += [_rotary(x, x.q), _rotary(x, x.kv), _Piece((copy_v,), (), 0)]
     pieces += [_attention_kernel(x), _linear(x, x.q, h, row_parallel=True)]
     grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
-    backward = [memory("cat", grads, x.bytes(qkv))]
-    saved = x.bytes(qkv)
-    if not x.gpt:
-        saved += x.bytes(x.q) + x.bytes(x.kv)  # the rotated q and k
-    return _join(*pieces, _Piece((), tuple(backward), saved))
+    return _join(*pieces, _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv)))
 
 
 def _mlp(x: _Shape) -> _Piece:
