@@ -1,14 +1,17 @@
-"""Memory of one device of a pipeline stage at the peak of a step.
+"""Memory of one device of a pipeline stage at the peak of a step: what the runtime holds
+(benchmarks/memory_vs_runtime.py and tests/test_memory_vs_runtime.py count it, live).
 
-bf16 mixed precision with Adam (Megatron-LM's layout): bf16 weights (2 bytes per parameter), fp32
-main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 bytes. fp32:
-weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
-(Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
-the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 8 / d in
-fp32 (the ranks step their shard of the fp32 weights themselves, no copy of it); these bytes are
-spec.plan.Precision's. Activations follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models"), for the micro-batches a stage holds at once under
-its schedule.
+The state, kept across steps (spec.plan.Precision's bytes per parameter): the weights the stage
+computes with, the fp32 main gradients, bf16's bf16 gradient buffer (each backward's gradients,
+before the main gradients take them), and the optimizer's: both fp32 Adam moments and bf16's
+fp32 masters, split over the d ranks of a sharded optimizer (20 bytes a parameter in bf16, 16
+in fp32; sharded, 8 + 12 / d and 8 + 8 / d).
+
+Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
+for the micro-batches in flight under the schedule, or under full recomputation the chunk's
+inputs and one micro-batch's rebuilt layers (the runtime checkpoints each chunk whole); the
+stage's boundary tensors; and the highest moment of a backward: the last stage's loss, head and
+final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMemory).
 """
 
 from __future__ import annotations
