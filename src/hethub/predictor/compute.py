@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hethub.errors import HethubError
 from hethub.predictor.calibration import Calibration
 from hethub.spec.accelerator import AcceleratorSpec
+from hethub.spec.layer_ops import Kernels, Op, OpKind, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
@@ -37,15 +38,6 @@ def missing_fp32(accelerator: AcceleratorSpec) -> str:
     )
 
 
-# Operators launched per layer forward, as Megatron-LM's layers issue them (structure, not
-# hardware): gpt: LayerNorm, QKV GEMM, 3 layout changes, scores GEMM, fused softmax, dropout,
-# values GEMM, layout change, projection GEMM, bias-dropout-add, LayerNorm, fc1 GEMM, bias-GELU,
-# fc2 GEMM, bias-dropout-add; llama: RMSNorm (3 kernels), QKV GEMM, 2 rotary, attention,
-# projection GEMM, residual add, RMSNorm (3), gate/up GEMMs, SiLU-multiply, down GEMM, add.
-FORWARD_OPS = {"gpt": 18, "llama": 17}
-BACKWARD_OPS_PER_FORWARD_OP = 2
-
-
 @dataclass(frozen=True, slots=True)
 class WorkCost:
     """Seconds one micro-batch spends in a piece of the model on one device."""
@@ -54,7 +46,7 @@ class WorkCost:
     backward_s: float
     """Includes the recomputed forward when recomputation is on."""
     forward_flops: float
-    """Model FLOPs of the forward on this device (the backward's are twice these)."""
+    """FLOPs the forward's GEMMs and attention kernel run on this device."""
 
 
 def gemm_time(
@@ -79,46 +71,42 @@ def memory_time(bytes_moved: float, accelerator: AcceleratorSpec, cal: Calibrati
     return bytes_moved / (accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency)
 
 
+def kernels_of(accelerator: AcceleratorSpec) -> Kernels:
+    """The kernels torch runs a layer's norms and attention with on ``accelerator``."""
+    return Kernels.of_vendor(accelerator.vendor)
+
+
 def layer_gemms(model: ModelSpec, tp: int, micro_batch: int) -> list[tuple[float, int]]:
-    """(forward FLOPs, narrowest dimension) of each GEMM of one layer on one of ``tp`` devices."""
-    b, s, h, f, d = micro_batch, model.seq_len, model.hidden, model.ffn_hidden, model.head_dim
-    tokens = b * s
-    qkv = (h + 2 * model.kv_hidden) // tp
-    return [
-        (2 * tokens * h * qkv, min(tokens, h, qkv)),  # QKV projection
-        (2 * tokens * s * h / tp, min(s, d)),  # attention scores Q K^T, per head over d channels
-        (2 * tokens * s * h / tp, min(s, d)),  # attention-weighted values
-        (2 * tokens * h * h / tp, min(tokens, h // tp)),  # output projection
-        *[(2 * tokens * h * f / tp, min(tokens, h, f // tp))] * model.mlp_matrices,  # MLP
-    ]
+    """(forward FLOPs, narrowest dimension) of one layer's GEMMs on one of ``tp`` devices as
+    model FLOPs count them (MFU): spec.layer_ops' GEMMs, and attention's two products over all
+    seq^2 query-key pairs (Megatron-LM's and PaLM's convention), where the causal kernel that is
+    priced computes only seq (seq + 1) / 2 of them."""
+    ops = layer_ops(model, tp, micro_batch, Precision.BF16, Kernels.FUSED).forward
+    gemms = [(float(op.flops), op.narrowest) for op in ops if op.kind is OpKind.GEMM]
+    pairs = micro_batch * model.heads // tp * model.seq_len**2
+    products = [(2.0 * pairs * model.head_dim, min(model.seq_len, model.head_dim))] * 2
+    return gemms[:1] + products + gemms[1:]
 
 
-def layer_memory_bytes(model: ModelSpec, tp: int, micro_batch: int, precision: Precision) -> float:
-    """Bytes the memory-bound operators of one layer's forward move on one device.
-
-    gpt materialises the attention scores (Megatron-LM's fused softmax and dropout); llama uses a
-    fused (flash) attention kernel that never writes them to memory.
-    """
-    b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
-    tokens = b * s
-    if model.arch == "gpt":
-        scores = b * model.heads * s * s / tp
-        elements = (
-            2 * tokens * h * 2  # two LayerNorms: read and write
-            + 6 * tokens * h / tp  # Q, K, V layout changes
-            + 4.5 * scores  # softmax read/write, dropout read/write and its mask
-            + 2 * tokens * h / tp  # context layout change
-            + 3 * tokens * h * 2  # two bias-dropout-adds
-            + 2 * tokens * f / tp  # bias-GELU
-        )
-    else:
-        elements = (
-            2 * tokens * h * 2  # two RMSNorms
-            + 2 * tokens * (h + model.kv_hidden) / tp  # rotary on Q and K
-            + 3 * tokens * h * 2  # two residual adds
-            + 3 * tokens * f / tp  # SiLU(gate) * up
-        )
-    return elements * precision.element_bytes
+def pass_time(
+    ops: tuple[Op, ...],
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    precision: Precision,
+    tp_allreduce_s: float,
+) -> float:
+    """Seconds of one pass (forward or backward) over ``ops``: the larger of the host's time to
+    launch them and the device's to run them, GEMMs and attention at the GEMM efficiency, the
+    memory-bound operations by the bytes they move, each all-reduce ``tp_allreduce_s``."""
+    device = 0.0
+    for op in ops:
+        if op.kind is OpKind.MEMORY:
+            device += memory_time(op.bytes_moved, accelerator, cal)
+        elif op.kind is OpKind.COLLECTIVE:
+            device += tp_allreduce_s
+        else:
+            device += gemm_time(op.flops, op.narrowest, accelerator, cal, precision)
+    return max(len(ops) * cal.launch_us * 1e-6, device)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -132,26 +120,15 @@ def layer_cost(
     tp_allreduce_s: float,
     precision: Precision,
 ) -> WorkCost:
-    """One transformer layer, one micro-batch, on one of ``tp`` devices.
-
-    The host launches operators ahead of the device, so a layer takes the larger of its host time
-    and its device time; the device time includes the layer's tensor-parallel all-reduces
-    (Megatron's column/row-parallel pair: two forward, two backward, each ``tp_allreduce_s``).
-    """
-    gemms = layer_gemms(model, tp, micro_batch)
-    gemm_s = sum(
-        gemm_time(flops, narrowest, accelerator, cal, precision) for flops, narrowest in gemms
+    """One transformer layer, one micro-batch, on one of ``tp`` devices: spec.layer_ops'
+    inventory of the runtime's layer, priced pass by pass (pass_time). With full recomputation
+    the backward runs the forward again first."""
+    ops = layer_ops(model, tp, micro_batch, precision, kernels_of(accelerator), recompute)
+    return WorkCost(
+        pass_time(ops.forward, accelerator, cal, precision, tp_allreduce_s),
+        pass_time(ops.backward, accelerator, cal, precision, tp_allreduce_s),
+        sum(op.flops for op in ops.forward),
     )
-    memory_s = memory_time(layer_memory_bytes(model, tp, micro_batch, precision), accelerator, cal)
-    host_s = FORWARD_OPS[model.arch] * cal.launch_us * 1e-6
-    forward = max(host_s, gemm_s + memory_s + 2 * tp_allreduce_s)
-    # Backward: two GEMMs (input and weight gradient) per forward GEMM, twice the memory traffic.
-    backward = max(
-        BACKWARD_OPS_PER_FORWARD_OP * host_s, 2 * gemm_s + 2 * memory_s + 2 * tp_allreduce_s
-    )
-    if recompute == Recompute.FULL:
-        backward += forward
-    return WorkCost(forward, backward, sum(flops for flops, _ in gemms))
 
 
 @functools.lru_cache(maxsize=65536)

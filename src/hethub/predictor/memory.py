@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.stage import StagePosition
+from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
@@ -78,25 +79,16 @@ def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
 
 
 def layer_activation_bytes(
-    model: ModelSpec, tp: int, micro_batch: int, precision: Precision
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    precision: Precision,
+    kernels: Kernels = Kernels.FUSED,
 ) -> float:
-    """Activations one layer keeps for its backward, one micro-batch, no recomputation."""
-    b, s, h, f = micro_batch, model.seq_len, model.hidden, model.ffn_hidden
-    tokens = b * s
-    element = precision.element_bytes
-    if model.arch == "gpt":
-        # Korthikanti et al., eq. 2 with tensor parallelism, no sequence parallelism, in bytes of
-        # 2-byte elements and 1-byte dropout masks: replicated 10 = 8 in elements + 2 masks;
-        # sharded 24 in elements; per score 5 = 4 in elements + 1 mask. The masks stay 1 byte.
-        replicated = 8 * element // 2 + 2
-        sharded = 24 * element // 2
-        per_score = 4 * element // 2 + 1
-        return tokens * h * (replicated + sharded / tp + per_score * model.heads * s / (h * tp))
-    # llama with flash attention: norm inputs and outputs (replicated), Q/K/V and the attention
-    # output (sharded), gate, up and SwiGLU output (sharded), all in the activation dtype.
-    replicated = 4 * tokens * h
-    sharded = tokens * (h + 2 * model.kv_hidden + h + 3 * f) / tp
-    return (replicated + sharded) * element
+    """Activations one layer keeps for its backward, one micro-batch, no recomputation: what
+    spec.layer_ops says the runtime's layer saves on ``kernels`` (an accelerator's unless told:
+    a CPU's RMSNorm keeps fp32 copies besides)."""
+    return float(layer_ops(model, tp, micro_batch, precision, kernels).saved_bytes)
 
 
 def stage_memory(

@@ -1,0 +1,391 @@
+"""What one transformer layer of the runtime (runtime.model.Layer) asks of a device, forward and
+backward, for one micro-batch on one of ``tp`` ranks: every operation torch dispatches, by its
+aten name as the dispatcher sees it (views and aliases aside, as profiler.op_counts counts them),
+with the bytes it reads and writes, the FLOPs of each GEMM and of the attention kernel, and the
+bytes the forward keeps for the backward.
+
+One description, two readers: the predictor prices it (GEMMs and attention at the device's GEMM
+efficiency, the rest by bytes at its memory bandwidth, the host by the operation count), and
+tests/test_layer_ops.py holds it to the runtime's own dispatch trace, operation by operation. A
+change to the layer that changes what it dispatches or keeps fails that test until this file
+says the same. It sits in spec, below both the predictor and the runtime, as the schedules do.
+
+The layer (fused GEMMs): norm; one QKV GEMM whose output is split into q, k and v views (per
+KV head: its queries, its key, its value; Llama rotates q and k); causal SDPA (grouped-query by
+``enable_gqa``, no repeat of K and V); the output projection (row-parallel); residual add; norm;
+one gate|up GEMM chunked in two with SiLU(gate) * up (GPT: fc1, GELU, fc2); the down
+projection; residual add.
+
+Bytes of an operation: each tensor it reads or writes, counted once for every element it
+addresses (a broadcast dimension, of stride 0, counts once). An operation writing in place
+writes its input. Structure only: shapes and dtypes; no device speed lives here.
+
+Kernels: on the CPU (torch 2.13), RMSNorm runs as separate operations in fp32 (upcast from bf16
+and back) and LayerNorm keeps its statistics in the input's dtype; on an accelerator RMSNorm is
+one fused kernel each way (aten._fused_rms_norm) and both norms keep fp32 statistics. Only the
+CPU's side is checked against a trace here (no GPU in CI); the accelerator's norm and attention
+names follow torch's CUDA dispatch (flash attention in bf16, memory-efficient attention in fp32).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+from dataclasses import dataclass
+
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Precision, Recompute
+
+FP32_BYTES = 4
+"""Norm statistics, the CPU RMSNorm's working copy and the attention's log-sum-exp are fp32."""
+
+
+class Kernels(enum.StrEnum):
+    """Which kernels torch dispatches a layer's norms and attention to."""
+
+    CPU = "cpu"
+    """torch's CPU kernels: RMSNorm as separate fp32 operations, flash attention for the CPU."""
+    FUSED = "fused"
+    """An accelerator's: fused RMSNorm, flash (bf16) or memory-efficient (fp32) attention."""
+
+    @classmethod
+    def of_vendor(cls, vendor: str) -> Kernels:
+        """The kernels of a device of ``vendor`` (spec.accelerator.VENDORS)."""
+        return cls.CPU if vendor == "cpu" else cls.FUSED
+
+
+class OpKind(enum.StrEnum):
+    """How the predictor prices an operation."""
+
+    GEMM = "gemm"
+    """By its FLOPs at the device's GEMM efficiency for its narrowest dimension."""
+    ATTENTION = "attention"
+    """The fused attention kernel: by its FLOPs, as GEMMs over head_dim channels."""
+    MEMORY = "memory"
+    """Memory-bound: by the bytes it moves at the device's memory bandwidth."""
+    COLLECTIVE = "collective"
+    """A tensor-parallel all-reduce: by the communicator's cost for its bytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One dispatched operation."""
+
+    name: str
+    """Its aten name (the overload packet's), as profiler.op_counts.OpCounter counts it."""
+    kind: OpKind
+    read: int
+    """Bytes of its inputs."""
+    written: int
+    """Bytes of its outputs."""
+    flops: int = 0
+    """GEMM and attention FLOPs (2 per multiply-add); 0 for the others."""
+    narrowest: int = 0
+    """A GEMM's narrowest dimension (attention: the head's channels), what its efficiency
+    rises with; 0 for the others."""
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.read + self.written
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """One layer, one micro-batch, one rank."""
+
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+    """With full recomputation, the forward run again inside the backward comes first."""
+    saved_bytes: int
+    """Bytes of the distinct tensors (storages) the forward keeps for the backward, the
+    parameters and the rotary tables (a stage's, shared by its layers) aside; 0 under full
+    recomputation, where the recomputed chunk keeps only its input, the stage's."""
+
+
+def op_counts(ops: tuple[Op, ...]) -> collections.Counter[str]:
+    """How many operations of each name ``ops`` holds."""
+    return collections.Counter(op.name for op in ops)
+
+
+def memory(name: str, read: int, written: int) -> Op:
+    return Op(name, OpKind.MEMORY, read, written)
+
+
+def gemm(rows: int, inner: int, cols: int, element: int, bias: bool = False) -> Op:
+    """(rows x inner) @ (inner x cols), as aten.mm, or aten.addmm adding a bias of ``cols``."""
+    read = (rows * inner + inner * cols + (cols if bias else 0)) * element
+    return Op(
+        "addmm" if bias else "mm",
+        OpKind.GEMM,
+        read,
+        rows * cols * element,
+        2 * rows * inner * cols,
+        min(rows, inner, cols),
+    )
+
+
+def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Forward FLOPs of causal attention's two products (Q K^T, then by V) over the query-key
+    pairs a causal kernel computes: seq (seq + 1) / 2 per head, not seq^2."""
+    return 2 * 2 * batch * heads * head_dim * seq * (seq + 1) // 2
+
+
+ATTENTION_BACKWARD_FLOPS = 2.5
+"""Backward of flash attention per forward FLOP: five products (Q K^T again, dV, dP, dQ, dK)
+against the forward's two."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The layer's dimensions on one rank, and the bytes of one element."""
+
+    tokens: int
+    batch: int
+    seq: int
+    hidden: int
+    head_dim: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tp: int
+    element: int
+    kernels: Kernels
+    gpt: bool
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def bytes(self, width: int, element: int | None = None) -> int:
+        """Bytes of a (tokens, width) tensor."""
+        return self.tokens * width * (self.element if element is None else element)
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+    saved: int
+
+
+def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool) -> _Piece:
+    """A linear of ``inputs`` -> ``outputs`` features on this rank (GPT's have biases): its
+    GEMM, its tensor-parallel all-reduce (row-parallel: of the output, forward, before the bias
+    is added; column-parallel: of the input's gradient, backward), and its gradients. What its
+    GEMM keeps (the input) is counted where the input is made."""
+    e, collective = x.element, x.tp > 1
+    separate_bias = x.gpt and row_parallel and collective
+    forward = [gemm(x.tokens, inputs, outputs, e, bias=x.gpt and not separate_bias)]
+    if row_parallel and collective:
+        forward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(outputs), x.bytes(outputs)))
+    if separate_bias:
+        forward.append(memory("add", x.bytes(outputs) + outputs * e, x.bytes(outputs)))
+    backward = [gemm(x.tokens, outputs, inputs, e), gemm(outputs, x.tokens, inputs, e)]
+    if x.gpt:  # the bias's gradient: the output's gradient summed over the tokens
+        backward.append(memory("sum", x.bytes(outputs), outputs * e))
+    if not row_parallel and collective:
+        backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
+    return _Piece(tuple(forward), tuple(backward), 0)
+
+
+def _norm(x: _Shape) -> _Piece:
+    """LayerNorm (GPT) or RMSNorm (Llama) over the hidden features, with its weight's (and
+    bias's) gradient, and what it and its output keep: its input and statistics (RMSNorm on the
+    CPU: its fp32 input and the normalised input, which its weight's gradient needs), and its
+    output, which the next GEMM keeps."""
+    h, e, rows = x.hidden, x.element, x.tokens
+    act, stat_bytes = x.bytes(h), (e if x.kernels is Kernels.CPU else FP32_BYTES)
+    if x.gpt:
+        stats = 2 * rows * stat_bytes  # mean and 1/std per token
+        forward = (memory("native_layer_norm", act + 2 * h * e, act + stats),)
+        backward = (
+            memory("native_layer_norm_backward", 2 * act + stats + 2 * h * e, act + 2 * h * e),
+        )
+        return _Piece(forward, backward, act + stats + act)
+    rstd = rows * FP32_BYTES
+    if x.kernels is Kernels.FUSED:
+        forward = (memory("_fused_rms_norm", act + h * e, act + rstd),)
+        backward = (memory("_fused_rms_norm_backward", 2 * act + rstd + h * e, act + h * e),)
+        return _Piece(forward, backward, act + rstd + act)
+    return _cpu_rms_norm(x)
+
+
+def _cpu_rms_norm(x: _Shape) -> _Piece:
+    """torch's CPU RMSNorm (F.rms_norm's composite): x^2, mean, + eps, rsqrt, x * rstd, * w, in
+    fp32 (a bf16 input is cast up first and the output cast back), and autograd's backward of
+    each of those operations."""
+    h, e = x.hidden, x.element
+    full, row, weight = x.bytes(h, FP32_BYTES), x.tokens * FP32_BYTES, h * e
+    cast = e != FP32_BYTES
+    forward = [
+        memory("pow", full, full),
+        memory("mean", full, row),
+        memory("add_", row, row),
+        memory("rsqrt", row, row),
+        memory("mul", full + row, full),  # x * rstd
+        memory("mul", full + weight, full),  # * w
+    ]
+    backward = [
+        memory("mul", 2 * full, full),  # dy * normalised: the weight's gradient, per token
+        memory("mul", full + weight, full),  # dy * w
+        memory("sum", full, h * FP32_BYTES),
+        memory("mul", 2 * full, full),  # (dy w) * x
+        memory("mul", full + row, full),  # (dy w) * rstd
+        memory("sum", full, row),
+        memory("pow", row, row),  # rstd^3
+        memory("mul", row, row),  # * -1/2
+        memory("mul", 2 * row, row),
+        memory("div", row, full),  # spread over the mean's features
+        memory("pow", full, full),  # x^1, the square's derivative
+        memory("mul", full, full),  # * 2
+        memory("mul", 2 * full, full),
+        memory("add", 2 * full, full),  # x's two gradients: through the mean and through x*rstd
+    ]
+    if cast:
+        low = x.bytes(h)
+        forward = [memory("_to_copy", low, full), *forward, memory("_to_copy", full, low)]
+        backward = [
+            memory("_to_copy", low, full),
+            *backward,
+            memory("_to_copy", h * FP32_BYTES, weight),  # the weight's gradient
+            memory("_to_copy", full, low),
+        ]
+    # Its fp32 input (the layer's own in fp32), rstd, x * rstd, and its output.
+    return _Piece(tuple(forward), tuple(backward), 2 * full + row + x.bytes(h))
+
+
+def _rotary(x: _Shape, width: int) -> _Piece:
+    """x * cos + roll(x) * sin over ``width`` features (Rotary.forward's mul, roll, addcmul);
+    backward: the two products' gradients, rolled back, summed. Keeps only the tables."""
+    act, table = x.bytes(width), x.seq * x.head_dim * x.element
+    forward = (
+        memory("mul", act + table, act),
+        memory("roll", act, act),
+        memory("addcmul", 2 * act + table, act),
+    )
+    backward = (
+        memory("mul", table, table),  # addcmul's value times its table
+        memory("mul", act + table, act),
+        memory("roll", act, act),
+        memory("mul", act + table, act),
+        memory("add", 2 * act, act),
+    )
+    return _Piece(forward, backward, 0)
+
+
+def _attention_kernel(x: _Shape) -> _Piece:
+    """Causal SDPA over q (heads) and k, v (kv_heads): it keeps q, k, v, its output and the
+    fp32 log-sum-exp per query (the saving of q, k and v is counted where they are made)."""
+    lse = x.batch * x.heads * x.seq * FP32_BYTES
+    q, kv = x.bytes(x.q), x.bytes(x.kv)
+    flops = causal_attention_flops(x.batch, x.heads, x.seq, x.head_dim)
+    narrowest = min(x.seq, x.head_dim)
+    cpu, bf16 = x.kernels is Kernels.CPU, x.element != FP32_BYTES
+    name = (
+        "_scaled_dot_product_flash_attention_for_cpu"
+        if cpu
+        else "_scaled_dot_product_flash_attention"
+        if bf16
+        else "_scaled_dot_product_efficient_attention"
+    )
+    forward = Op(name, OpKind.ATTENTION, q + 2 * kv, q + lse, flops, narrowest)
+    backward = Op(
+        f"{name}_backward",
+        OpKind.ATTENTION,
+        3 * q + 2 * kv + lse,  # output's gradient, q, k, v, output, log-sum-exp
+        q + 2 * kv,
+        int(ATTENTION_BACKWARD_FLOPS * flops),
+        narrowest,
+    )
+    return _Piece((forward,), (backward,), q + lse)
+
+
+def _attention(x: _Shape) -> _Piece:
+    """QKV GEMM, (rotary), SDPA, output projection. The QKV output is one tensor, which the
+    kernel keeps whole through its v (a view of it); Llama's rotated q and k are new tensors.
+    Backward: the three gradients are concatenated, read where they lie."""
+    h, qkv = x.hidden, x.q + 2 * x.kv
+    pieces = [_linear(x, h, qkv, row_parallel=False)]
+    if not x.gpt:
+        pieces += [_rotary(x, x.q), _rotary(x, x.kv)]
+    pieces += [_attention_kernel(x), _linear(x, x.q, h, row_parallel=True)]
+    grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
+    backward = [memory("cat", grads, x.bytes(qkv))]
+    saved = x.bytes(qkv)
+    if not x.gpt:
+        saved += x.bytes(x.q) + x.bytes(x.kv)  # the rotated q and k
+    return _join(*pieces, _Piece((), tuple(backward), saved))
+
+
+def _mlp(x: _Shape) -> _Piece:
+    """GPT: fc1, GELU, fc2; it keeps fc1's output and GELU's. Llama: one gate|up GEMM chunked
+    in two, SiLU(gate) * up, down; it keeps the gate|up output (whole, through its views), the
+    SiLU output and the product."""
+    h, f, act = x.hidden, x.ffn, x.bytes(x.ffn)
+    if x.gpt:
+        gelu = _Piece((memory("gelu", act, act),), (memory("gelu_backward", 2 * act, act),), 0)
+        first, second = _linear(x, h, f, row_parallel=False), _linear(x, f, h, row_parallel=True)
+        return _join(first, gelu, second, _Piece((), (), 2 * act))
+    swiglu = _Piece(
+        (memory("silu", act, act), memory("mul", 2 * act, act)),
+        (
+            memory("mul", 2 * act, act),  # d silu = dy * up
+            memory("mul", 2 * act, act),  # d up = dy * silu
+            memory("silu_backward", 2 * act, act),
+            memory("cat", 2 * act, 2 * act),  # the chunks' gradients, one tensor
+        ),
+        2 * act + act + act,  # gate|up, SiLU(gate), the product
+    )
+    first, second = _linear(x, h, 2 * f, row_parallel=False), _linear(x, f, h, row_parallel=True)
+    return _join(first, swiglu, second)
+
+
+def _residual(x: _Shape) -> _Piece:
+    """x + block(norm(x)): the add, and backward the sum of x's two gradients (through the
+    block and straight through). It keeps nothing."""
+    act = x.bytes(x.hidden)
+    return _Piece((memory("add", 2 * act, act),), (memory("add", 2 * act, act),), 0)
+
+
+def _join(*pieces: _Piece) -> _Piece:
+    return _Piece(
+        tuple(op for p in pieces for op in p.forward),
+        tuple(op for p in pieces for op in p.backward),
+        sum(p.saved for p in pieces),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_ops(
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    precision: Precision,
+    kernels: Kernels,
+    recompute: Recompute = Recompute.NONE,
+) -> LayerOps:
+    """The operations of one layer of ``model`` on one of ``tp`` ranks, one micro-batch of
+    ``micro_batch`` sequences, computing in ``precision``'s dtype on ``kernels``."""
+    x = _Shape(
+        tokens=micro_batch * model.seq_len,
+        batch=micro_batch,
+        seq=model.seq_len,
+        hidden=model.hidden,
+        head_dim=model.head_dim,
+        heads=model.heads // tp,
+        kv_heads=model.kv_heads // tp,
+        ffn=model.ffn_hidden // tp,
+        tp=tp,
+        element=precision.element_bytes,
+        kernels=kernels,
+        gpt=model.arch == "gpt",
+    )
+    layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
+    if recompute is Recompute.FULL:
+        return LayerOps(layer.forward, layer.forward + layer.backward, 0)
+    return LayerOps(layer.forward, layer.backward, layer.saved)
