@@ -1,7 +1,8 @@
 """The runtime's layer asks the device for no more operations than the textbook one: a Llama layer
-at TP 1, forward and backward, against the same math written with plain torch (F.rms_norm,
-F.linear for each projection, rotary positions, causal SDPA, F.silu(gate) * up, the residuals),
-counted by the dispatcher (views aside) as benchmarks/layer_kernels.py counts a whole stage."""
+at TP 1, forward and backward, against the same math written with plain torch as a fused trainer
+writes it (F.rms_norm, one GEMM for [q; k; v] and one for [gate; up], rotary positions, causal
+SDPA with grouped-query heads, F.silu(gate) * up, the residuals), counted by the dispatcher
+(views aside) as benchmarks/layer_kernels.py counts a whole stage."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ import torch
 from torch.nn import functional as F
 
 from hethub.profiler.op_counts import OpCounter
-from hethub.runtime.model import Layer
+from hethub.runtime.model import Layer, unfuse
 from hethub.spec import load_model
+from hethub.spec.parameters import fused_parts
 
 # How many operations more than the plain layer hethub's may ask for: none. Its rotation (a roll
 # and an addcmul on sign-folded tables, 3 operations forward) is shorter than the textbook
 # rotate_half (neg, cat, two products and a sum), and nothing else may be longer. Measured with
-# torch 2.13 on the CPU: 94-109 operations against the plain layer's 108-124 (122-140 before
-# issue 26's layer work).
+# torch 2.13 on the CPU: 81-91 operations against the plain layer's 93-103 (94-109 against
+# 108-124 with separate q, k, v, gate and up GEMMs; 122-140 before issue 26's layer work).
 EXTRA_OPS = 0
 
 
 def plain_layer(x: torch.Tensor, p: dict[str, torch.Tensor], spec, cos, sin) -> torch.Tensor:
-    """A Llama layer in plain torch from ``p``, hethub's parameters by name, with rotary tables
-    ``cos`` and ``sin`` (T, d) made beforehand, as a fused trainer's are."""
+    """A Llama layer in plain torch from ``p``, its parameters in a plain fused trainer's layout
+    (``qkv.weight`` [q; k; v], ``gate_up.weight`` [gate; up]), with rotary tables ``cos`` and
+    ``sin`` (T, d) made beforehand, as a fused trainer's are."""
     b, t, h = x.shape
     d, heads, kv_heads = spec.head_dim, spec.heads, spec.kv_heads
 
@@ -32,18 +35,25 @@ def plain_layer(x: torch.Tensor, p: dict[str, torch.Tensor], spec, cos, sin) -> 
         return y * cos + half * sin
 
     n = F.rms_norm(x, (h,), p["norm1.weight"], 1e-5)
-    q = F.linear(n, p["q.weight"]).view(b, t, heads, d).transpose(1, 2)
-    k = F.linear(n, p["k.weight"]).view(b, t, kv_heads, d).transpose(1, 2)
-    v = F.linear(n, p["v.weight"]).view(b, t, kv_heads, d).transpose(1, 2)
+    q, k, v = F.linear(n, p["qkv.weight"]).split([heads * d, kv_heads * d, kv_heads * d], -1)
+    q = q.view(b, t, heads, d).transpose(1, 2)
+    k = k.view(b, t, kv_heads, d).transpose(1, 2)
+    v = v.view(b, t, kv_heads, d).transpose(1, 2)
     q, k = rotate(q), rotate(k)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, d)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, heads, T, d)
     x = x + F.linear(a.transpose(1, 2).reshape(b, t, h), p["o.weight"])
     n = F.rms_norm(x, (h,), p["norm2.weight"], 1e-5)
-    mlp = F.silu(F.linear(n, p["gate.weight"])) * F.linear(n, p["up.weight"])
-    return x + F.linear(mlp, p["down.weight"])
+    gate, up = F.linear(n, p["gate_up.weight"]).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, p["down.weight"])
+
+
+def plain_parameters(layer: Layer, spec) -> dict[str, torch.Tensor]:
+    """``layer``'s parameters as a plain fused trainer lays them out: its q, k and v rows one
+    after the other, then gate's and up's (spec.parameters.fused_parts' parts, concatenated)."""
+    params = {name: p for name, p in layer.named_parameters()}
+    for name, parts in fused_parts(spec).items():
+        params[name] = torch.cat(unfuse(parts, params[name].detach())).requires_grad_()
+    return params
 
 
 def count_ops(forward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -67,7 +77,7 @@ def test_a_tp1_llama_layer_asks_for_no_more_operations_than_a_plain_torch_one(pr
         for param in layer.parameters():
             param.normal_(0.0, 0.5 if param.dim() == 1 else 0.1)
     x = torch.randn(2, spec.seq_len, spec.hidden, dtype=dtype)
-    params = dict(layer.named_parameters())
+    params = plain_parameters(layer, spec)
     # hethub's tables, its sine with the textbook's signs: [-s, s] becomes [s, s]
     sine = layer.rotary.sin[:, spec.head_dim // 2 :]
     cos, sin = layer.rotary.cos, torch.cat([sine, sine], dim=-1)

@@ -70,8 +70,8 @@ def test_hetero_plan_ranks_by_group_then_device():
     assert topo.stage_ranks(0, 1) == (8,) and topo.stage_ranks(1, 1) == (9,)
     holders = parameter_holders(topo, MODEL)
     # Each layer's gradient is summed over the leaders of every replica's stage holding it.
-    assert holders["layers.6.q.weight"] == (4, 8, 9)
-    assert holders["layers.0.q.weight"] == holders["embed.weight"] == (0, 2, 4)
+    assert holders["layers.6.qkv.weight"] == (4, 8, 9)
+    assert holders["layers.0.qkv.weight"] == holders["embed.weight"] == (0, 2, 4)
     assert holders["head.weight"] == (4, 8, 9)
     assert {r.micro_batches for r in topo.ranks if r.replica == 2} == {2}
 

@@ -22,7 +22,15 @@ from hethub.runtime.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hethub.spec.model import ModelSpec
-from hethub.spec.parameters import INIT_STD, Init, Parameter, parameter_table
+from hethub.spec.parameters import (
+    INIT_STD,
+    FusedParts,
+    Init,
+    Parameter,
+    gate_up_blocks,
+    parameter_table,
+    qkv_blocks,
+)
 
 
 def initial_value(param: Parameter, seed: int) -> torch.Tensor:
@@ -57,6 +65,26 @@ def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch
     if param.tp_dim is None:
         return tensor.clone()
     return tensor.chunk(size, dim=param.tp_dim)[rank].clone()
+
+
+def fuse(parts: FusedParts, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The fused full-model tensor from its parts' full-model ``tensors`` (q, k and v; gate and
+    up), in spec.parameters.fused_parts' order: a new tensor."""
+    blocks = []
+    for tensor, name, shape, size in zip(
+        tensors, parts.names, parts.shapes, parts.sizes, strict=True
+    ):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} of shape {list(tensor.shape)}, not {list(shape)}")
+        blocks.append(tensor.view(*parts.shape[: parts.dim], size, *parts.shape[parts.dim + 1 :]))
+    return torch.cat(blocks, dim=parts.dim)
+
+
+def unfuse(parts: FusedParts, fused: torch.Tensor) -> list[torch.Tensor]:
+    """The parts' full-model tensors (each in its own shape; new tensors) of the fused
+    full-model tensor ``fused``: fuse's inverse."""
+    pieces = fused.split(list(parts.sizes), dim=parts.dim)
+    return [piece.reshape(shape).clone() for piece, shape in zip(pieces, parts.shapes, strict=True)]
 
 
 class Rotary(nn.Module):
@@ -102,52 +130,75 @@ class Rotary(nn.Module):
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
 
 
+class ColumnParallelBlocks(nn.Module):
+    """A column-parallel linear whose output features are ``blocks`` (spec.parameters' qkv and
+    gate_up), split over TP along block dimension ``tp_dim``: one GEMM, y_shard = x W_shard^T
+    (+ b_shard), (..., in) -> (..., this rank's blocks, flattened). Its weight is its blocks
+    then the input features, as the parameter table lays them out, and its shard a contiguous
+    slice of them."""
+
+    def __init__(
+        self, in_features: int, blocks: tuple[int, ...], tp_dim: int, bias: bool, group
+    ) -> None:
+        super().__init__()
+        self.group = parallel_group(group)
+        local = list(blocks)
+        local[tp_dim] //= tp_size(group)
+        self.weight = nn.Parameter(torch.empty(*local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # flattened views: one GEMM over every block, no copy of the weight
+        bias = self.bias.flatten() if self.bias is not None else None
+        return F.linear(copy_to(x, self.group), self.weight.flatten(0, -2), bias)
+
+
 class Layer(nn.Module):
-    """One transformer layer, Megatron-style: attention heads and the MLP split over TP. A Llama
-    layer rotates with ``rotary``, its stage's (shared by the stage's layers), or one of its own.
+    """One transformer layer, Megatron-style: attention heads and the MLP split over TP, one GEMM
+    for q, k and v and one for gate and up. A Llama layer rotates with ``rotary``, its stage's
+    (shared by the stage's layers), or one of its own.
     """
 
     def __init__(self, spec: ModelSpec, group, rotary: Rotary | None = None) -> None:
         super().__init__()
         self.spec = spec
-        size, gpt, h, d = tp_size(group), spec.arch == "gpt", spec.hidden, spec.head_dim
+        size, gpt, h = tp_size(group), spec.arch == "gpt", spec.hidden
         norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: nn.RMSNorm(h, eps=NORM_EPS))
         self.norm1, self.norm2 = norm(), norm()
         if not gpt:
-            self.rotary = rotary if rotary is not None else Rotary(d, spec.seq_len)
+            self.rotary = rotary if rotary is not None else Rotary(spec.head_dim, spec.seq_len)
         self.heads, self.kv_heads = spec.heads // size, spec.kv_heads // size
-        self.q = ColumnParallelLinear(h, spec.heads * d, gpt, group)
-        self.k = ColumnParallelLinear(h, spec.kv_heads * d, gpt, group)
-        self.v = ColumnParallelLinear(h, spec.kv_heads * d, gpt, group)
+        # TP splits q, k and v by KV head, each with its query heads; gate and up by ffn feature
+        self.qkv = ColumnParallelBlocks(h, qkv_blocks(spec), 0, gpt, group)
         self.o = RowParallelLinear(h, h, gpt, group)
         if gpt:
             self.fc1 = ColumnParallelLinear(h, spec.ffn_hidden, True, group)
             self.fc2 = RowParallelLinear(spec.ffn_hidden, h, True, group)
         else:
-            self.gate = ColumnParallelLinear(h, spec.ffn_hidden, False, group)
-            self.up = ColumnParallelLinear(h, spec.ffn_hidden, False, group)
+            self.gate_up = ColumnParallelBlocks(h, gate_up_blocks(spec), 1, False, group)
             self.down = RowParallelLinear(spec.ffn_hidden, h, False, group)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        d = self.spec.head_dim
-        q = self.q(x).view(b, t, self.heads, d).transpose(1, 2)  # (B, heads, T, d)
-        k = self.k(x).view(b, t, self.kv_heads, d).transpose(1, 2)  # (B, kv, T, d)
-        v = self.v(x).view(b, t, self.kv_heads, d).transpose(1, 2)
+        d, kv = self.spec.head_dim, self.kv_heads
+        queries = self.heads // kv  # query heads per KV head
+        qkv = self.qkv(x).view(b, t, kv, queries + 2, d)  # per KV head: its queries, key, value
+        q, k, v = qkv.split([queries, 1, 1], dim=3)
+        q = q.permute(0, 2, 3, 1, 4)  # (B, kv, queries, T, d)
+        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # (B, kv, T, d)
         if self.spec.arch == "llama":
             q, k = self.rotary(q), self.rotary(k)
-        if (
-            self.kv_heads != self.heads
-        ):  # grouped-query attention: each KV head serves several queries
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = q.flatten(1, 2)  # (B, heads, T, d), head kv * queries + j: each KV head's queries
+        # grouped-query attention: query head i attends with KV head i // queries, as
+        # repeat_interleave would give, without the copies
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=queries > 1)
         return self.o(out.transpose(1, 2).reshape(b, t, self.heads * d))  # (B, T, h)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
             return self.fc2(F.gelu(self.fc1(x)))
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, f/tp) each
+        return self.down(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))

@@ -7,15 +7,25 @@ Full-model names are the checkpoint's keys, whatever the layout:
 
   embed.weight [vocab, h]; pos.weight [seq, h] (gpt)
   layers.{i}.norm1 / norm2 (.weight, .bias for gpt)
-  layers.{i}.q / k / v (.weight [heads*d | kv*d, h], .bias for gpt)
+  layers.{i}.qkv (.weight [kv, heads/kv + 2, d, h], .bias [kv, heads/kv + 2, d] for gpt)
   layers.{i}.o (.weight [h, h], .bias for gpt)
-  layers.{i}.gate / up (.weight [f, h], llama), layers.{i}.down (.weight [h, f], llama)
+  layers.{i}.gate_up (.weight [2, f, h], llama), layers.{i}.down (.weight [h, f], llama)
   layers.{i}.fc1 (.weight [f, h], .bias), layers.{i}.fc2 (.weight [h, f], .bias) (gpt)
   final_norm (.weight, .bias for gpt); head.weight [vocab, h] (llama; gpt ties it to embed.weight)
 
-Megatron's split: column-parallel linears (q, k, v, gate, up, fc1) and the vocabulary (embedding,
-head) are split over their output rows (dim 0), row-parallel linears (o, down, fc2) over their
-input columns (dim 1); norms, positions and row-parallel biases are whole on every TP rank.
+The fused projections, one GEMM each, keep their output features in blocks: qkv, per KV head
+(Megatron-LM's grouped layout), its heads/kv query heads, then its key, then its value (with
+heads == kv, GPT's: [heads, 3, d, h]); gate_up, the gate's rows then the up projection's. A
+layer flattens the blocks into one weight. They were separate parameters (q, k, v; gate, up)
+before issue 26: ``FUSED_PARTS`` says how those make these (checkpoints of then still load).
+
+Megatron's split: column-parallel linears (qkv, gate_up, fc1) and the vocabulary (embedding, head)
+are split over their output features, row-parallel linears (o, down, fc2) over their input
+columns (dim 1); norms, positions and row-parallel biases are whole on every TP rank. The
+blocks make the split exact on every TP degree with a plain contiguous slice: qkv is split over
+its KV heads (dim 0), so a rank holds whole groups, each KV head with its own query heads;
+gate_up over the ffn features (dim 1), so a rank holds the same gate and up rows, and the
+full-model tensor is the same whatever the TP degree.
 Pure Python: the predictor may read it too.
 """
 
@@ -31,7 +41,6 @@ from types import MappingProxyType
 from hethub.spec.model import ModelSpec
 
 INIT_STD = 0.02
-COLUMN = ("q", "k", "v", "gate", "up", "fc1")  # split over output features (dim 0)
 ROW = ("o", "down", "fc2")  # split over input features (dim 1)
 
 
@@ -88,9 +97,32 @@ def _embedding(spec: ModelSpec) -> list[Parameter]:
     return embedding
 
 
+def qkv_blocks(spec: ModelSpec) -> tuple[int, int, int]:
+    """The fused QKV projection's output features as blocks (kv, heads/kv + 2, d): per KV head,
+    its query heads, its key and its value."""
+    return (spec.kv_heads, spec.heads // spec.kv_heads + 2, spec.head_dim)
+
+
+def gate_up_blocks(spec: ModelSpec) -> tuple[int, int]:
+    """The fused gate|up projection's output features as blocks (2, f): gate, then up."""
+    return (2, spec.ffn_hidden)
+
+
+def _linears(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], int]]:
+    """A layer's linears: each weight's full shape (its output features, in blocks, then its
+    input features) and the dimension TP splits it along."""
+    h, f = spec.hidden, spec.ffn_hidden
+    linears = {"qkv": ((*qkv_blocks(spec), h), 0), "o": ((h, h), 1)}
+    if spec.arch == "gpt":
+        linears.update(fc1=((f, h), 0), fc2=((h, f), 1))
+    else:
+        linears.update(gate_up=((*gate_up_blocks(spec), h), 1), down=((h, f), 1))
+    return linears
+
+
 def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
     """Transformer layer ``i``'s parameters: every layer has the same shapes."""
-    h, d, f = spec.hidden, spec.head_dim, spec.ffn_hidden
+    h = spec.hidden
     gpt = spec.arch == "gpt"
     params = []
     for norm in ("norm1", "norm2"):
@@ -99,13 +131,9 @@ def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
             params.append(
                 Parameter(f"layers.{i}.{norm}.bias", (h,), Owner.LAYER, i, None, Init.ZEROS)
             )
-    linears = {"q": (spec.heads * d, h), "k": (spec.kv_heads * d, h), "v": (spec.kv_heads * d, h)}
-    linears["o"] = (h, h)
-    mlp = {"fc1": (f, h), "fc2": (h, f)} if gpt else {"gate": (f, h), "up": (f, h), "down": (h, f)}
-    linears.update(mlp)
     # Output projections scaled down with depth (GPT-2), so deep models start stable.
     row_scale = 1 / math.sqrt(2 * spec.layers)
-    for kind, shape in linears.items():
+    for kind, (shape, tp_dim) in _linears(spec).items():
         row = kind in ROW
         params.append(
             Parameter(
@@ -113,7 +141,7 @@ def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
                 shape,
                 Owner.LAYER,
                 i,
-                1 if row else 0,
+                tp_dim,
                 Init.NORMAL,
                 row_scale if row else 1.0,
             )
@@ -122,14 +150,54 @@ def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
             params.append(
                 Parameter(
                     f"layers.{i}.{kind}.bias",
-                    shape[:1],
+                    shape[:-1],
                     Owner.LAYER,
                     i,
-                    None if row else 0,
+                    None if row else tp_dim,
                     Init.ZEROS,
                 )
             )
     return params
+
+
+@dataclass(frozen=True, slots=True)
+class FusedParts:
+    """How a fused parameter of a layer is made of the separate parameters a layer had before
+    (and most trainers have): each part, in its own shape, viewed as the fused tensor's shape
+    with ``sizes[j]`` along ``dim``, and the parts concatenated along ``dim``."""
+
+    shape: tuple[int, ...]
+    """The fused parameter's full shape."""
+    names: tuple[str, ...]
+    """The parts' names in a layer (``q.weight``), in the fused tensor's order."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Each part's own full shape."""
+    dim: int
+    """The fused tensor's dimension the parts are concatenated along."""
+    sizes: tuple[int, ...]
+    """Each part's extent along ``dim``."""
+
+
+@functools.lru_cache(maxsize=16)
+def fused_parts(spec: ModelSpec) -> Mapping[str, FusedParts]:
+    """The fused parameters of a layer by their name in it (``qkv.weight``), with their parts:
+    the table of renames from the layers before the fused GEMMs. Read-only."""
+    h, d, f = spec.hidden, spec.head_dim, spec.ffn_hidden
+    q, kv = spec.heads * d, spec.kv_heads * d
+    queries = spec.heads // spec.kv_heads
+
+    def qkv(suffix: str, features: tuple[int, ...]) -> FusedParts:
+        names = tuple(f"{part}.{suffix}" for part in ("q", "k", "v"))
+        shapes = tuple((n, *features) for n in (q, kv, kv))
+        return FusedParts((*qkv_blocks(spec), *features), names, shapes, 1, (queries, 1, 1))
+
+    parts = {"qkv.weight": qkv("weight", (h,))}
+    if spec.arch == "gpt":
+        parts["qkv.bias"] = qkv("bias", ())
+    else:
+        names, shapes = ("gate.weight", "up.weight"), ((f, h), (f, h))
+        parts["gate_up.weight"] = FusedParts((*gate_up_blocks(spec), h), names, shapes, 0, (1, 1))
+    return MappingProxyType(parts)
 
 
 def _head(spec: ModelSpec) -> list[Parameter]:
