@@ -261,20 +261,28 @@ def test_last_stage_prices_its_loss_at_its_highest_moment():
     for t, precision in ((1, BF16), (2, Precision.FP32)):
         element = precision.element_bytes
         logits = tokens * v / t * element
-        # RMSNorm (fp32 on the CPU, the runtime's kernels here): its fp32 input, normalised
-        # input and rstd, and its output in the compute dtype
+        # RMSNorm on the CPU (torch's fp32 composite): its fp32 input, normalised input and
+        # rstd, and its output in the compute dtype
         norm = tokens * h * (8 + element) + tokens * 4
         cast = logits if element == 2 else 0
         loss = norm + logits + tokens * 4 + tokens * v / t * 4 + cast
         head = norm + 2 * logits + v / t * h * element + tokens * h * element
         final_norm = logits + tokens * h * 4 + 5 * tokens * h * 4
+        # then a layer's MLP backward: two (N, ffn/t) gradients and the layer's output's
+        layer = logits + 2 * tokens * LLAMA.ffn_hidden / t * element + tokens * h * element
+        assert memory.loss_bytes(LLAMA, t, b, precision, kernels=Kernels.CPU) == pytest.approx(
+            max(loss, head, final_norm, layer)
+        )
+        # One fused RMSNorm kernel each way: it keeps its input, rstd and output, and its
+        # backward makes the input's gradient.
+        fused = tokens * h * 2 * element + tokens * 4
         assert memory.loss_bytes(LLAMA, t, b, precision) == pytest.approx(
-            max(loss, head, final_norm)
+            max(loss - norm + fused, head - norm + fused, layer)
         )
     # fp32 at TP 1: F.cross_entropy keeps the fp32 log-softmax, and its backward makes two more
     fp32 = tokens * v * 4
     norm = tokens * h * 12 + tokens * 4
-    assert memory.loss_bytes(LLAMA, 1, b, Precision.FP32) == pytest.approx(
+    assert memory.loss_bytes(LLAMA, 1, b, Precision.FP32, kernels=Kernels.CPU) == pytest.approx(
         max(norm + 4 * fp32, norm + 2 * fp32 + v * h * 4 + tokens * h * 4)
     )
 

@@ -168,27 +168,34 @@ def activation_bytes(
     return held + (loss_bytes(model, tp, micro_batch, precision) if last else 0)
 
 
-def _norm_bytes(model: ModelSpec, tokens: int, precision: Precision) -> tuple[float, float]:
+def _norm_bytes(
+    model: ModelSpec, tokens: int, precision: Precision, kernels: Kernels
+) -> tuple[float, float]:
     """(kept, backward) bytes of one of the model's norms over ``tokens`` rows: what its forward
-    keeps for its backward, its output included (the next GEMM keeps it); what its backward
-    holds at once besides. Llama's RMSNorm is F.rms_norm, which torch (2.13) runs on the CPU as
-    separate operations in fp32 (runtime.model.NORM_EPS): it keeps its input in fp32 (an fp32
-    input itself, a bf16 one as an fp32 copy), the normalised input (fp32) and the per-row
-    rstd (fp32), and its backward holds five fp32 (tokens, h) tensors at once (the gradient and
-    the pow, div and mul terms of the rstd's). GPT's LayerNorm is one kernel each way: it keeps
-    its input and per-row mean and rstd, and its backward makes the input's gradient."""
+    keeps for its backward, its output included (the next GEMM keeps it), as spec.layer_ops
+    counts a layer's norms; what its backward holds at once besides. One kernel each way
+    (LayerNorm; RMSNorm on an accelerator): it keeps its input and per-row statistics (fp32; in
+    the input's dtype for LayerNorm on the CPU), and its backward makes the input's gradient.
+    RMSNorm on the CPU is torch's composite in fp32 (runtime.model.NORM_EPS): it keeps its input
+    in fp32 (an fp32 input itself, a bf16 one as an fp32 copy), the normalised input (fp32) and
+    the fp32 rstd, and its backward holds five fp32 (tokens, h) tensors at once (the gradient,
+    and the pow, div and mul terms of the rstd's)."""
     rows = tokens * model.hidden
     element = precision.element_bytes
-    if model.arch == "gpt":
-        return rows * 2 * element + tokens * 2 * FP32_BYTES, rows * element
+    cpu = kernels is Kernels.CPU
+    if model.arch == "gpt" or not cpu:
+        stats = (2 if model.arch == "gpt" else 1) * tokens
+        stat_bytes = element if cpu else FP32_BYTES
+        return rows * 2 * element + stats * stat_bytes, rows * element
     return rows * (2 * FP32_BYTES + element) + tokens * FP32_BYTES, 5 * rows * FP32_BYTES
 
 
-def _layer_keeps_its_input(model: ModelSpec, precision: Precision) -> bool:
+def _layer_keeps_its_input(model: ModelSpec, precision: Precision, kernels: Kernels) -> bool:
     """A layer's first norm keeps the layer's input itself (_norm_bytes), so a stage's received
-    activation is among its layers' saved bytes: not where llama's norm keeps an fp32 copy of a
-    bf16 input."""
-    return model.arch == "gpt" or precision.element_bytes == FP32_BYTES
+    activation is among its layers' saved bytes: not where llama's norm on the CPU keeps an fp32
+    copy of a bf16 input."""
+    cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
+    return not cpu_copy or precision.element_bytes == FP32_BYTES
 
 
 def loss_bytes(
@@ -198,11 +205,13 @@ def loss_bytes(
     precision: Precision,
     *,
     rebuilt: float | None = None,
+    kernels: Kernels = Kernels.FUSED,
 ) -> float:
     """The last stage's peak above its layers' activations, one micro-batch in its backward: the
     highest of its moments (_LastStageMoments). ``rebuilt``: under full recomputation, the
-    bytes the backward rebuilds (its chunk's layers' activations of one micro-batch)."""
-    moments = _LastStageMoments.of(model, tp, micro_batch, precision)
+    bytes the backward rebuilds (its chunk's layers' activations of one micro-batch);
+    ``kernels``: the device's (spec.layer_ops)."""
+    moments = _LastStageMoments.of(model, tp, micro_batch, precision, kernels)
     loss = moments.loss
     if rebuilt is not None:
         # The loss's backward runs before the checkpointed chunk is rebuilt: its layers'
@@ -226,13 +235,13 @@ class _LastStageMoments:
 
     @classmethod
     def of(
-        cls, model: ModelSpec, tp: int, micro_batch: int, precision: Precision
+        cls, model: ModelSpec, tp: int, micro_batch: int, precision: Precision, kernels: Kernels
     ) -> _LastStageMoments:
         tokens = micro_batch * model.seq_len
         element, vocab = precision.element_bytes, model.vocab / tp
         logits = tokens * vocab * element
         hidden = tokens * model.hidden * element
-        norm_kept, norm_backward = _norm_bytes(model, tokens, precision)
+        norm_kept, norm_backward = _norm_bytes(model, tokens, precision, kernels)
         if tp == 1 and element == FP32_BYTES:
             # F.cross_entropy: it keeps the fp32 log-softmax; its backward makes the gradient
             # of the log-probabilities, then that of the logits.
@@ -246,9 +255,10 @@ class _LastStageMoments:
         # The head's backward: the logits' gradient, the head's weight gradient before it is
         # added into the gradient buffer, the final norm's output gradient.
         head = logits + vocab * model.hidden * element + hidden
-        # The final norm's backward: of what it kept, its input (fp32 for llama: _norm_bytes)
-        # is held to the end.
-        norm_input = tokens * model.hidden * (FP32_BYTES if model.arch == "llama" else element)
+        # The final norm's backward: of what it kept, its input (an fp32 copy for llama on the
+        # CPU: _norm_bytes) is held to the end.
+        cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
+        norm_input = tokens * model.hidden * (FP32_BYTES if cpu_copy else element)
         return cls(
             norm_kept=norm_kept,
             loss=norm_kept + logits + loss,
@@ -280,6 +290,7 @@ def buffer_bytes(
     precision: Precision,
     *,
     rebuilt: float,
+    kernels: Kernels,
 ) -> float:
     """What a stage holds at the schedule's peak besides its layers' activations and its state:
     its boundary tensors for the micro-batches in flight (runtime.pipeline) and the peak of a
@@ -291,11 +302,12 @@ def buffer_bytes(
     if not position.first and recompute != Recompute.FULL:
         # The received activations, kept until their backward (a checkpointed chunk's are
         # counted by layers_bytes), where the first layer keeps no copy of them itself.
-        boundary += 0 if _layer_keeps_its_input(model, precision) else in_flight * hidden
+        keeps = _layer_keeps_its_input(model, precision, kernels)
+        boundary += 0 if keeps else in_flight * hidden
     if position.last:
         full = recompute == Recompute.FULL
         return boundary + loss_bytes(
-            model, tp, micro_batch, precision, rebuilt=rebuilt if full else None
+            model, tp, micro_batch, precision, rebuilt=rebuilt if full else None, kernels=kernels
         )
     # The outputs sent, kept until their backward, and the gradient received for the backward
     # under way (its layer's output gradient).
@@ -314,12 +326,14 @@ def stage_memory_at(
     recompute: Recompute,
     precision: Precision,
     optimizer_shards: int = 1,
+    kernels: Kernels = Kernels.FUSED,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
-    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer)."""
+    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer), on a
+    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator)."""
     return stage_memory_of(
         model,
-        per_layer=layer_activation_bytes(model, tp, micro_batch, precision),
+        per_layer=layer_activation_bytes(model, tp, micro_batch, precision, kernels),
         layers=layers,
         tp=tp,
         position=position,
@@ -328,6 +342,7 @@ def stage_memory_at(
         recompute=recompute,
         precision=precision,
         optimizer_shards=optimizer_shards,
+        kernels=kernels,
     )
 
 
@@ -343,6 +358,7 @@ def stage_memory_of(
     recompute: Recompute,
     precision: Precision,
     optimizer_shards: int = 1,
+    kernels: Kernels = Kernels.FUSED,
 ) -> StageMemory:
     """stage_memory_at's, from what one layer keeps for its backward, one micro-batch
     (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
@@ -366,6 +382,7 @@ def stage_memory_of(
         recompute,
         precision,
         rebuilt=layers * per_layer,
+        kernels=kernels,
     )
     return StageMemory(
         weights_gb=params * precision.weight_bytes / GB,
