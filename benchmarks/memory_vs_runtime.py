@@ -5,36 +5,56 @@ middle and last stages).
 Usage: python benchmarks/memory_vs_runtime.py [--model NAME]
 
 Each plan runs one step to make the optimizer's state, then a second one counted by
-profiler.live_bytes: every storage alive at its start (weights, masters, moments, gradients) and
-every one an operation makes until it is freed; the peak is the stage's memory. The prediction
-is `hethub predict`'s analytic stage memory of the same plan (hethub.predictor.predict).
+profiler.live_bytes: every storage alive at its start (weights, masters, moments, gradient
+buffers) and every one an operation makes until it is freed. Two windows, one after the other:
+the schedule (forwards, backwards, the gradient sync) and the optimizer step; the stage's memory
+is the higher of their peaks. The prediction is `hethub predict`'s analytic stage memory of the
+same plan (hethub.predictor.predict), term by term:
+
+  state      weights, gradient buffers and optimizer state (measured: alive at the step's start)
+  schedule   above the state at the schedule's peak: the layers' saved activations of the
+             micro-batches in flight, the stage's boundary tensors, the loss's buffers and the
+             backward's gradients then (measured: the first window's peak less the state);
+             "layers" is its part the layers save (measured: profiler.measure.saved_bytes of one
+             of the stage's layers, times its layers and the micro-batches in flight)
+  update     above the state at the optimizer step's peak (measured: the second window's)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from hethub.predictor import predict
+from hethub.predictor.memory import layers_bytes
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
+from hethub.spec.schedules import in_flight_micro_batches
 
-CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 4}]}
+CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 8}]}
 TARGET = 5.0  # percent
+MB = 1e6
 
 
-def plan_fields(precision: str, recompute: str, tp: int, stages: int, layers: int) -> dict:
+def plan_fields(
+    precision: str, recompute: str, tp: int, stages: int, layers: int, replicas: int = 1
+) -> dict:
+    """A plan of ``replicas`` pipelines of ``stages`` stages of TP ``tp`` over a model of
+    ``layers`` layers (split as evenly as they go), 2 micro-batches of 2 sequences each; more
+    than one replica shards the optimizer."""
     split = [layers // stages + (s < layers % stages) for s in range(stages)]
     return {
-        "global_batch": 4,
+        "global_batch": 4 * replicas,
         "micro_batch": 2,
         "precision": precision,
         "recompute": recompute,
+        "shard_optimizer": replicas > 1,
         "pipelines": [
             {
-                "count": 1,
+                "count": replicas,
                 "micro_batches": 2,
                 "stages": [{"group": "cpu", "tp": tp, "layers": n} for n in split],
             }
@@ -46,13 +66,29 @@ PLANS = {
     "fp32 pp1": ("fp32", "none", 1, 1),
     "bf16 pp1": ("bf16", "none", 1, 1),
     "fp32 pp1 recompute": ("fp32", "full", 1, 1),
-    "bf16 pp3 (first, middle, last)": ("bf16", "none", 1, 3),
+    "bf16 pp3": ("bf16", "none", 1, 3),
     "fp32 tp2": ("fp32", "none", 2, 1),
     "bf16 tp2 pp2 recompute": ("bf16", "full", 2, 2),
 }
 
 
-def _peak(rank: int, world: int, model_name: str, fields: dict) -> int:
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Bytes one rank held in a counted step (see the module's docstring)."""
+
+    state: int
+    schedule_peak: int
+    update_peak: int
+    layer_saved: int
+    """What one of the rank's layers saves for its backward, one micro-batch (0: no layers)."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.schedule_peak, self.update_peak)
+
+
+def measure_rank(rank: int, world: int, model_name: str, fields: dict) -> Held:
+    """Run by each rank (run_ranks): one step to make the optimizer's state, then one counted."""
     from hethub.profiler.live_bytes import LiveBytes
     from hethub.runtime.engine import Engine
     from hethub.spec.topology import build_topology
@@ -63,10 +99,79 @@ def _peak(rank: int, world: int, model_name: str, fields: dict) -> int:
     tokens = torch.randint(0, spec.vocab, (plan.global_batch, spec.seq_len + 1))
     engine.gradients(tokens)
     engine.update()  # the optimizer's state exists from here on, as in every later step
-    with LiveBytes() as live:
+    with LiveBytes() as schedule:
+        state = schedule.current
         engine.gradients(tokens)
+    with LiveBytes() as update:
         engine.update()
-    return live.peak
+    layers = [layer for chunk in engine.stage.chunks for layer in chunk.layers.values()]
+    x = torch.randn(plan.micro_batch, spec.seq_len, spec.hidden, dtype=engine.weights.compute_dtype)
+    return Held(
+        state=state,
+        schedule_peak=schedule.peak,
+        update_peak=update.peak,
+        layer_saved=_saved_bytes(layers[0], x) if layers else 0,
+    )
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages a forward of ``module`` on ``x`` keeps for its backward,
+    its input included, its parameters and buffers not (profiler.measure.saved_bytes counts the
+    buffers: a llama layer's rotary tables, which its stage holds once, in its state)."""
+    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x.detach().requires_grad_())
+    return sum(kept.values())
+
+
+def measured_layers_bytes(plan, model, stage, held: Held, in_flight: float) -> float:
+    """The layers' activations with a layer's measured saved bytes, held as the runtime holds
+    them (the predictor's rule, which the schedule's measured peak checks)."""
+    return layers_bytes(
+        model,
+        per_layer=held.layer_saved,
+        bytes_per_element=plan.precision.element_bytes,
+        layers=stage.layers,
+        first=stage.position == 0,
+        in_flight=in_flight,
+        micro_batch=plan.micro_batch,
+        recompute=plan.recompute,
+    )
+
+
+def rest_prediction(plan, model, stage, held: Held, in_flight: float) -> float:
+    """The stage's predicted bytes with its layers' activations priced at a layer's measured
+    saved bytes: how well the rest (state, boundary tensors, loss, backward peaks) is priced."""
+    memory = stage.memory
+    layers = measured_layers_bytes(plan, model, stage, held, in_flight)
+    schedule = memory.schedule_gb * 1e9 - memory.activations_gb * 1e9 + layers
+    return memory.state_gb * 1e9 + schedule
+
+
+def _row(name: str, plan, model, stage, held: Held, in_flight: float) -> tuple[str, float]:
+    """The table's line for one stage (measured / predicted MB of each term), its error, and
+    the error of rest_prediction."""
+    memory = stage.memory
+    predicted = memory.total_gb * 1e9
+    error = 100 * (predicted - held.peak) / held.peak
+    rest = 100 * (rest_prediction(plan, model, stage, held, in_flight) - held.peak) / held.peak
+    cells = [
+        (held.state, memory.state_gb * 1e9),
+        (measured_layers_bytes(plan, model, stage, held, in_flight), memory.activations_gb * 1e9),
+        (held.schedule_peak - held.state, memory.schedule_gb * 1e9),
+        (held.update_peak - held.state, 0.0),  # the predictor: nothing (StageMemory)
+        (held.peak, predicted),
+    ]
+    text = " ".join(f"{m / MB:7.2f}/{p / MB:<7.2f}" for m, p in cells)
+    return f"{name:24} {stage.position:>2} {text} {error:+6.1f}% {rest:+6.1f}%", error
 
 
 def main() -> int:
@@ -76,22 +181,19 @@ def main() -> int:
     model = load_model(args.model)
     cluster = parse_cluster(CLUSTER, "benchmark")
     errors = []
-    print(f"model {model.name}; measured: the peak bytes of tensors a rank holds in a step")
-    print(f"{'plan':32} {'stage':>5} {'measured MB':>12} {'predicted MB':>13} {'error':>7}")
+    print(f"model {model.name}; MB measured/predicted (see the docstring for each term)")
+    heads = ("state", "layers", "schedule", "update", "peak")
+    print(f"{'plan':24} st " + " ".join(f"{h:^15}" for h in heads) + "  error   rest")
     for name, (precision, recompute, tp, stages) in PLANS.items():
         fields = plan_fields(precision, recompute, tp, stages, model.layers)
         plan = parse_plan({"model": model.name, **fields})
-        peaks = run_ranks(_peak, tp * stages, model.name, fields, timeout_s=300)
+        held = run_ranks(measure_rank, tp * stages, model.name, fields, timeout_s=300)
         prediction = predict(plan, cluster, model)
         for stage in prediction.stages:
-            measured = peaks[stage.position * tp]  # the stage's first TP rank
-            predicted = stage.memory.total_gb * 1e9
-            error = 100 * (predicted - measured) / measured
+            in_flight = in_flight_micro_batches(plan.schedule, stage.position, stages, 2)
+            line, error = _row(name, plan, model, stage, held[stage.position * tp], in_flight)
             errors.append(abs(error))
-            print(
-                f"{name:32} {stage.position:>5} {measured / 1e6:>12.2f} {predicted / 1e6:>13.2f}"
-                f" {error:>+6.1f}%"
-            )
+            print(line)
     worst = max(errors)
     print(
         f"mean absolute error {statistics.fmean(errors):.1f}%, worst {worst:.1f}% "

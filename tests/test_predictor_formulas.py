@@ -220,50 +220,71 @@ def test_stage_memory_by_hand():
     b, s, h, a, t = 2, 512, 1024, 16, 2
     per_layer = s * b * h * (8 + 24 / t) + s * b * (16 + 4 * a / t)
     assert memory.layer_activation_bytes(GPT, t, b, BF16) == pytest.approx(per_layer)
+    shape = {"layers": 2, "tp": t, "stages": 2, "micro_batches": 8, "micro_batch": b}
+    shape["precision"] = BF16
     mem = memory.stage_memory(
-        GPT,
-        layers=2,
-        tp=t,
-        position=0,
-        stages=2,
-        micro_batches=8,
-        micro_batch=b,
-        recompute=Recompute.NONE,
-        schedule=Schedule.ONE_F_ONE_B,
-        precision=BF16,
+        GPT, position=0, recompute=Recompute.NONE, schedule=Schedule.ONE_F_ONE_B, **shape
     )
     params = (2 * parameter_counts(GPT).layer + parameter_counts(GPT).embedding) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
     assert mem.weights_gb + mem.grads_gb + mem.optimizer_gb == pytest.approx(params * 18 / 1e9)
-    assert mem.activations_gb == pytest.approx(
-        2 * 2 * per_layer / 1e9
-    )  # 1F1B: stage 0 of 2 holds 2
+    assert mem.grad_buffer_gb == pytest.approx(params * 2 / 1e9)  # bf16's own gradients
+    assert mem.state_gb == pytest.approx(params * 20 / 1e9)
+    assert mem.activations_gb == pytest.approx(2 * 2 * per_layer / 1e9)  # stage 0 of 2 holds 2
+    # Its two outputs kept until their backward, the gradient received for the one under way,
+    # and the MLP's backward: fc2's input gradient and GELU's, (N, 4h/t) each.
+    hidden, ffn = b * s * h * 2, b * s * 4 * h / t * 2
+    assert mem.buffers_gb == pytest.approx((2 * hidden + hidden + 2 * ffn) / 1e9)
+    # The runtime checkpoints the chunk whole: the first stage keeps its tokens (a view), and a
+    # backward rebuilds both layers of one micro-batch.
     recomputed = memory.stage_memory(
-        GPT,
-        layers=2,
-        tp=t,
-        position=0,
-        stages=2,
-        micro_batches=8,
-        micro_batch=b,
-        recompute=Recompute.FULL,
-        schedule=Schedule.ONE_F_ONE_B,
-        precision=BF16,
+        GPT, position=0, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
     )
-    assert recomputed.activations_gb == pytest.approx((2 * 2 * s * b * h * 2 + per_layer) / 1e9)
+    assert recomputed.activations_gb == pytest.approx(2 * per_layer / 1e9)
+    # A later stage keeps each received activation as the checkpoint's input.
+    later = memory.stage_memory(
+        GPT, position=1, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
+    )
+    assert later.activations_gb == pytest.approx((hidden + 2 * per_layer) / 1e9)
     gpipe = memory.stage_memory(
-        GPT,
-        layers=2,
-        tp=t,
-        position=0,
-        stages=2,
-        micro_batches=8,
-        micro_batch=b,
-        recompute=Recompute.NONE,
-        schedule=Schedule.GPIPE,
-        precision=BF16,
+        GPT, position=0, recompute=Recompute.NONE, schedule=Schedule.GPIPE, **shape
     )
     assert gpipe.activations_gb == pytest.approx(8 * 2 * per_layer / 1e9)
+    assert mem.total_gb == pytest.approx(mem.state_gb + mem.activations_gb + mem.buffers_gb)
+
+
+def test_last_stage_prices_its_loss_at_its_highest_moment():
+    """Llama's last stage, one micro-batch: the loss's backward is its peak where the vocabulary
+    is wide; bf16 (or TP > 1) keeps the logits in their dtype and makes one fp32 softmax."""
+    b, s, h, v = 1, 512, 1024, 1000
+    tokens = b * s
+    for t, precision in ((1, BF16), (2, Precision.FP32)):
+        element = precision.element_bytes
+        logits = tokens * v / t * element
+        # RMSNorm on the CPU (torch's fp32 composite): its fp32 input, normalised input and
+        # rstd, and its output in the compute dtype
+        norm = tokens * h * (8 + element) + tokens * 4
+        cast = logits if element == 2 else 0
+        loss = norm + logits + tokens * 4 + tokens * v / t * 4 + cast
+        head = norm + 2 * logits + v / t * h * element + tokens * h * element
+        final_norm = logits + tokens * h * 4 + 5 * tokens * h * 4
+        # then a layer's MLP backward: two (N, ffn/t) gradients and the layer's output's
+        layer = logits + 2 * tokens * LLAMA.ffn_hidden / t * element + tokens * h * element
+        assert memory.loss_bytes(LLAMA, t, b, precision, kernels=Kernels.CPU) == pytest.approx(
+            max(loss, head, final_norm, layer)
+        )
+        # One fused RMSNorm kernel each way: it keeps its input, rstd and output, and its
+        # backward makes the input's gradient.
+        fused = tokens * h * 2 * element + tokens * 4
+        assert memory.loss_bytes(LLAMA, t, b, precision) == pytest.approx(
+            max(loss - norm + fused, head - norm + fused, layer)
+        )
+    # fp32 at TP 1: F.cross_entropy keeps the fp32 log-softmax, and its backward makes two more
+    fp32 = tokens * v * 4
+    norm = tokens * h * 12 + tokens * 4
+    assert memory.loss_bytes(LLAMA, 1, b, Precision.FP32, kernels=Kernels.CPU) == pytest.approx(
+        max(norm + 4 * fp32, norm + 2 * fp32 + v * h * 4 + tokens * h * 4)
+    )
 
 
 def test_in_flight_micro_batches():

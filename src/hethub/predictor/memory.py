@@ -1,14 +1,17 @@
-"""Memory of one device of a pipeline stage at the peak of a step.
+"""Memory of one device of a pipeline stage at the peak of a step: what the runtime holds
+(benchmarks/memory_vs_runtime.py and tests/test_memory_vs_runtime.py count it, live).
 
-bf16 mixed precision with Adam (Megatron-LM's layout): bf16 weights (2 bytes per parameter), fp32
-main gradients (4), fp32 master weights (4) and two fp32 Adam moments (8): 18 bytes. fp32:
-weights (4), gradients (4) and the two moments (8), no master copy: 16 bytes. A sharded optimizer
-(Megatron's distributed optimizer) splits the optimizer's part (master weights and moments) over
-the d data-parallel ranks holding the same parameters: 6 + 12 / d bytes in bf16, 8 + 8 / d in
-fp32 (the ranks step their shard of the fp32 weights themselves, no copy of it); these bytes are
-spec.plan.Precision's. Activations follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models"), for the micro-batches a stage holds at once under
-its schedule.
+The state, kept across steps (spec.plan.Precision's bytes per parameter): the weights the stage
+computes with, the fp32 main gradients, bf16's bf16 gradient buffer (each backward's gradients,
+before the main gradients take them), and the optimizer's: both fp32 Adam moments and bf16's
+fp32 masters, split over the d ranks of a sharded optimizer (20 bytes a parameter in bf16, 16
+in fp32; sharded, 8 + 12 / d and 8 + 8 / d).
+
+Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
+for the micro-batches in flight under the schedule, or under full recomputation the chunk's
+inputs and one micro-batch's rebuilt layers (the runtime checkpoints each chunk whole); the
+stage's boundary tensors; and the highest moment of a backward: the last stage's loss, head and
+final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMemory).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hethub.predictor.stage import StagePosition
 from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameter_count
-from hethub.spec.plan import Precision, Recompute
+from hethub.spec.plan import FP32_BYTES, Precision, Recompute
 from hethub.spec.schedules import Schedule, in_flight_micro_batches
 
 GB = 1e9
@@ -33,16 +36,40 @@ def state_bytes(precision: Precision) -> tuple[int, int, float]:
 
 @dataclass(frozen=True, slots=True)
 class StageMemory:
-    """GB on one device of a stage."""
+    """GB on one device of a stage at the peak of a step: the state it keeps across steps and,
+    above it, the schedule's peak. The optimizer step, after the schedule has freed its tensors,
+    holds nothing above the state: fused AdamW steps the flat buffers in place, and bf16's copy
+    back and a sharded optimizer's all-gather write into the weights' own buffer
+    (runtime.optimizer; benchmarks/memory_vs_runtime.py measures it)."""
 
     weights_gb: float
+    """The weights the stage computes with."""
     grads_gb: float
+    """The fp32 main gradients."""
     optimizer_gb: float
+    """The Adam moments and bf16's fp32 master weights, on this rank (a sharded optimizer's
+    share)."""
     activations_gb: float
+    """What the layers keep for their backward at the schedule's peak (layers_bytes)."""
+    grad_buffer_gb: float = 0.0
+    """bf16's bf16 gradients, which each backward fills before the main gradients take them."""
+    buffers_gb: float = 0.0
+    """The rest of the schedule's peak (buffer_bytes): the stage's boundary tensors, the last
+    stage's final norm, logits and loss buffers, and the gradients of the backward under way."""
+
+    @property
+    def state_gb(self) -> float:
+        """What the stage keeps across steps."""
+        return self.weights_gb + self.grads_gb + self.grad_buffer_gb + self.optimizer_gb
+
+    @property
+    def schedule_gb(self) -> float:
+        """Above the state at the schedule's peak."""
+        return self.activations_gb + self.buffers_gb
 
     @property
     def total_gb(self) -> float:
-        return self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+        return self.state_gb + self.schedule_gb
 
 
 @functools.lru_cache(maxsize=65536)
@@ -90,6 +117,29 @@ def stage_memory(
     )
 
 
+def layers_bytes(
+    model: ModelSpec,
+    *,
+    per_layer: float,
+    bytes_per_element: int,
+    layers: int,
+    first: bool,
+    in_flight: float,
+    micro_batch: int,
+    recompute: Recompute,
+) -> float:
+    """What a stage's layers keep for their backward at the schedule's peak, from what one
+    layer keeps for one micro-batch (``per_layer`` bytes)."""
+    if recompute == Recompute.FULL:
+        # The runtime checkpoints each model chunk whole (runtime.pipeline): a micro-batch in
+        # flight keeps only the chunk's input (a received activation; the first stage's tokens,
+        # a view of the step's), and a backward rebuilds the activations of all the chunk's
+        # layers for its micro-batch at once.
+        held_input = 0 if first else micro_batch * model.seq_len * model.hidden * bytes_per_element
+        return in_flight * held_input + layers * per_layer
+    return in_flight * layers * per_layer
+
+
 def activation_bytes(
     model: ModelSpec,
     *,
@@ -103,18 +153,166 @@ def activation_bytes(
     recompute: Recompute,
     precision: Precision,
 ) -> float:
-    """Activations a stage's device holds at its peak, from one layer's (``per_layer`` bytes)
-    and ``bytes_per_element`` of a layer's input."""
-    if recompute == Recompute.FULL:
-        # Only each layer's input survives the forward; one layer's activations are rebuilt at a
-        # time.
-        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
-        activations = in_flight * layers * layer_input + per_layer
-    else:
-        activations = in_flight * layers * per_layer
-    if last:  # fp32 logits and their gradient, one micro-batch at a time
-        activations += 2 * micro_batch * model.seq_len * model.vocab / tp * precision.loss_bytes
-    return activations
+    """The layers' activations at the schedule's peak (layers_bytes of a stage past the first)
+    and, on the last stage, its loss's (loss_bytes)."""
+    held = layers_bytes(
+        model,
+        per_layer=per_layer,
+        bytes_per_element=bytes_per_element,
+        layers=layers,
+        first=False,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
+    )
+    return held + (loss_bytes(model, tp, micro_batch, precision) if last else 0)
+
+
+def _norm_bytes(
+    model: ModelSpec, tokens: int, precision: Precision, kernels: Kernels
+) -> tuple[float, float]:
+    """(kept, backward) bytes of one of the model's norms over ``tokens`` rows: what its forward
+    keeps for its backward, its output included (the next GEMM keeps it), as spec.layer_ops
+    counts a layer's norms; what its backward holds at once besides. One kernel each way
+    (LayerNorm; RMSNorm on an accelerator): it keeps its input and per-row statistics (fp32; in
+    the input's dtype for LayerNorm on the CPU), and its backward makes the input's gradient.
+    RMSNorm on the CPU is torch's composite in fp32 (runtime.model.NORM_EPS): it keeps its input
+    in fp32 (an fp32 input itself, a bf16 one as an fp32 copy), the normalised input (fp32) and
+    the fp32 rstd, and its backward holds five fp32 (tokens, h) tensors at once (the gradient,
+    and the pow, div and mul terms of the rstd's)."""
+    rows = tokens * model.hidden
+    element = precision.element_bytes
+    cpu = kernels is Kernels.CPU
+    if model.arch == "gpt" or not cpu:
+        stats = (2 if model.arch == "gpt" else 1) * tokens
+        stat_bytes = element if cpu else FP32_BYTES
+        return rows * 2 * element + stats * stat_bytes, rows * element
+    return rows * (2 * FP32_BYTES + element) + tokens * FP32_BYTES, 5 * rows * FP32_BYTES
+
+
+def _layer_keeps_its_input(model: ModelSpec, precision: Precision, kernels: Kernels) -> bool:
+    """A layer's first norm keeps the layer's input itself (_norm_bytes), so a stage's received
+    activation is among its layers' saved bytes: not where llama's norm on the CPU keeps an fp32
+    copy of a bf16 input."""
+    cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
+    return not cpu_copy or precision.element_bytes == FP32_BYTES
+
+
+def loss_bytes(
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    precision: Precision,
+    *,
+    rebuilt: float | None = None,
+    kernels: Kernels = Kernels.FUSED,
+) -> float:
+    """The last stage's peak above its layers' activations, one micro-batch in its backward: the
+    highest of its moments (_LastStageMoments). ``rebuilt``: under full recomputation, the
+    bytes the backward rebuilds (its chunk's layers' activations of one micro-batch);
+    ``kernels``: the device's (spec.layer_ops)."""
+    moments = _LastStageMoments.of(model, tp, micro_batch, precision, kernels)
+    loss = moments.loss
+    if rebuilt is not None:
+        # The loss's backward runs before the checkpointed chunk is rebuilt: its layers'
+        # activations and its final norm's kept tensors are not held then.
+        loss -= rebuilt + moments.norm_kept
+    return max(loss, moments.head, moments.final_norm, moments.layer)
+
+
+@dataclass(frozen=True, slots=True)
+class _LastStageMoments:
+    """What the last stage holds besides its layers' activations at each moment of a
+    micro-batch's backward: through its loss, head and final norm, then through its layers
+    (runtime.tensor_parallel's loss, runtime.model.Stage). The logits (N, V/tp) live through
+    all of them: the pipeline keeps them until its next forward."""
+
+    norm_kept: float
+    loss: float
+    head: float
+    final_norm: float
+    layer: float
+
+    @classmethod
+    def of(
+        cls, model: ModelSpec, tp: int, micro_batch: int, precision: Precision, kernels: Kernels
+    ) -> _LastStageMoments:
+        tokens = micro_batch * model.seq_len
+        element, vocab = precision.element_bytes, model.vocab / tp
+        logits = tokens * vocab * element
+        hidden = tokens * model.hidden * element
+        norm_kept, norm_backward = _norm_bytes(model, tokens, precision, kernels)
+        if tp == 1 and element == FP32_BYTES:
+            # F.cross_entropy: it keeps the fp32 log-softmax; its backward makes the gradient
+            # of the log-probabilities, then that of the logits.
+            loss = 3 * logits
+        else:
+            # _VocabParallelCrossEntropy keeps the logits (the pipeline's) and each row's fp32
+            # log-sum-exp; its backward makes the fp32 softmax, then the gradient in the
+            # logits' dtype (the same tensor in fp32).
+            softmax = tokens * vocab * FP32_BYTES
+            loss = tokens * FP32_BYTES + softmax + (logits if element != FP32_BYTES else 0)
+        # The head's backward: the logits' gradient, the head's weight gradient before it is
+        # added into the gradient buffer, the final norm's output gradient.
+        head = logits + vocab * model.hidden * element + hidden
+        # The final norm's backward: of what it kept, its input (an fp32 copy for llama on the
+        # CPU: _norm_bytes) is held to the end.
+        cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
+        norm_input = tokens * model.hidden * (FP32_BYTES if cpu_copy else element)
+        return cls(
+            norm_kept=norm_kept,
+            loss=norm_kept + logits + loss,
+            head=norm_kept + logits + head,
+            final_norm=logits + norm_input + norm_backward,
+            layer=logits + _layer_backward_bytes(model, tp, micro_batch, precision),
+        )
+
+
+def _layer_backward_bytes(
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision
+) -> float:
+    """What a layer's backward holds at its peak besides the activations: the MLP's, whose
+    output GEMM's input gradient and the two it makes of it (llama: the gate's and the up's
+    outputs' gradients; gpt: GELU's input gradient), each (N, ffn/tp), while the layer's
+    output gradient (N, h) is alive."""
+    tokens = micro_batch * model.seq_len
+    ffn = tokens * model.ffn_hidden / tp * precision.element_bytes
+    return 2 * ffn + tokens * model.hidden * precision.element_bytes
+
+
+def buffer_bytes(
+    model: ModelSpec,
+    tp: int,
+    position: StagePosition,
+    in_flight: float,
+    micro_batch: int,
+    recompute: Recompute,
+    precision: Precision,
+    *,
+    rebuilt: float,
+    kernels: Kernels,
+) -> float:
+    """What a stage holds at the schedule's peak besides its layers' activations and its state:
+    its boundary tensors for the micro-batches in flight (runtime.pipeline) and the peak of a
+    backward (the last stage's loss, head and final norm: loss_bytes; a layer's:
+    _layer_backward_bytes). ``rebuilt``: the layers' activations a backward rebuilds under full
+    recomputation."""
+    hidden = micro_batch * model.seq_len * model.hidden * precision.element_bytes
+    boundary = 0.0
+    if not position.first and recompute != Recompute.FULL:
+        # The received activations, kept until their backward (a checkpointed chunk's are
+        # counted by layers_bytes), where the first layer keeps no copy of them itself.
+        keeps = _layer_keeps_its_input(model, precision, kernels)
+        boundary += 0 if keeps else in_flight * hidden
+    if position.last:
+        full = recompute == Recompute.FULL
+        return boundary + loss_bytes(
+            model, tp, micro_batch, precision, rebuilt=rebuilt if full else None, kernels=kernels
+        )
+    # The outputs sent, kept until their backward, and the gradient received for the backward
+    # under way (its layer's output gradient).
+    boundary += in_flight * hidden
+    return boundary + _layer_backward_bytes(model, tp, micro_batch, precision)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -128,25 +326,69 @@ def stage_memory_at(
     recompute: Recompute,
     precision: Precision,
     optimizer_shards: int = 1,
+    kernels: Kernels = Kernels.FUSED,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
-    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer)."""
-    params = stage_params(model, layers, position) / tp
-    activations = activation_bytes(
+    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer), on a
+    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator)."""
+    return stage_memory_of(
         model,
-        per_layer=layer_activation_bytes(model, tp, micro_batch, precision),
-        bytes_per_element=precision.element_bytes,
+        per_layer=layer_activation_bytes(model, tp, micro_batch, precision, kernels),
         layers=layers,
         tp=tp,
-        last=position.last,
+        position=position,
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
         precision=precision,
+        optimizer_shards=optimizer_shards,
+        kernels=kernels,
+    )
+
+
+def stage_memory_of(
+    model: ModelSpec,
+    *,
+    per_layer: float,
+    layers: int,
+    tp: int,
+    position: StagePosition,
+    in_flight: float,
+    micro_batch: int,
+    recompute: Recompute,
+    precision: Precision,
+    optimizer_shards: int = 1,
+    kernels: Kernels = Kernels.FUSED,
+) -> StageMemory:
+    """stage_memory_at's, from what one layer keeps for its backward, one micro-batch
+    (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
+    params = stage_params(model, layers, position) / tp
+    activations = layers_bytes(
+        model,
+        per_layer=per_layer,
+        bytes_per_element=precision.element_bytes,
+        layers=layers,
+        first=position.first,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
+    )
+    buffers = buffer_bytes(
+        model,
+        tp,
+        position,
+        in_flight,
+        micro_batch,
+        recompute,
+        precision,
+        rebuilt=layers * per_layer,
+        kernels=kernels,
     )
     return StageMemory(
-        params * precision.weight_bytes / GB,
-        params * precision.main_grad_bytes / GB,
-        params * precision.optimizer_bytes(optimizer_shards) / GB,
-        activations / GB,
+        weights_gb=params * precision.weight_bytes / GB,
+        grads_gb=params * precision.main_grad_bytes / GB,
+        optimizer_gb=params * precision.optimizer_bytes(optimizer_shards) / GB,
+        activations_gb=activations / GB,
+        grad_buffer_gb=params * precision.grad_buffer_bytes / GB,
+        buffers_gb=buffers / GB,
     )
