@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
+from hethub.predictor.compute import embedding_cost, head_cost, kernels_of, layer_cost
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
@@ -204,6 +204,7 @@ class AnalyticPricing(Pricing):
             shape.recompute,
             shape.precision,
             optimizer_shards,
+            kernels_of(group.accelerator),
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
@@ -270,7 +271,6 @@ class ProfiledPricing(AnalyticPricing):
         return profiled.profiled_memory(
             profile,
             shape.model,
-            bytes_per_element=self.profiles.bytes_per_element,
             layers=shape.layers,
             tp=shape.tp,
             position=shape.position,
@@ -279,6 +279,7 @@ class ProfiledPricing(AnalyticPricing):
             recompute=shape.recompute,
             precision=shape.precision,
             optimizer_shards=optimizer_shards,
+            kernels=kernels_of(group.accelerator),
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:

@@ -23,13 +23,14 @@ import math
 import statistics
 from typing import NamedTuple
 
-from hethub.predictor.memory import GB, StageMemory, activation_bytes, stage_params
+from hethub.predictor.memory import StageMemory, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.buckets import MAIN_GRAD_BYTES, SyncBucket, rank_buckets
 from hethub.spec.cluster import ClusterSpec
+from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -239,7 +240,6 @@ def profiled_memory(
     profile: LayerProfile,
     model: ModelSpec,
     *,
-    bytes_per_element: int,
     layers: int,
     tp: int,
     position: StagePosition,
@@ -248,29 +248,24 @@ def profiled_memory(
     recompute: Recompute,
     precision: Precision,
     optimizer_shards: int = 1,
+    kernels: Kernels = Kernels.FUSED,
 ) -> StageMemory:
     """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
-    the measured activations of a layer, and the state the runtime keeps per parameter under
-    ``precision`` (runtime.precision: bf16 weights on fp32 masters, main grads and moments), the
-    optimizer's split over ``optimizer_shards`` ranks."""
-    params = stage_params(model, layers, position) / tp
-    activations = activation_bytes(
+    the measured activations of a layer and everything else as the analytic model prices what
+    the runtime holds (memory.stage_memory_of: the state per parameter under ``precision``, the
+    optimizer's split over ``optimizer_shards`` ranks, the stage's buffers on ``kernels``)."""
+    return stage_memory_of(
         model,
         per_layer=profile.layer_activation_bytes,
-        bytes_per_element=bytes_per_element,
         layers=layers,
         tp=tp,
-        last=position.last,
+        position=position,
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
         precision=precision,
-    )
-    return StageMemory(
-        params * precision.weight_bytes / GB,
-        params * precision.main_grad_bytes / GB,
-        params * precision.optimizer_bytes(optimizer_shards) / GB,
-        activations / GB,
+        optimizer_shards=optimizer_shards,
+        kernels=kernels,
     )
 
 

@@ -389,8 +389,10 @@ def _time_passes(
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes of the distinct tensors a forward of ``module`` on ``x`` keeps for its backward
-    (its input included, its parameters not)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    (its input included; its parameters and buffers not: a stage holds those once, whatever
+    the micro-batches in flight, e.g. a Llama stage's rotary tables)."""
+    held = [*module.parameters(), *module.buffers()]
+    params = {p.untyped_storage().data_ptr() for p in held}
     kept: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
