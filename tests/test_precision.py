@@ -51,8 +51,10 @@ def test_state_bytes_per_parameter(precision, state_bytes):
 
 def test_fp32_doubles_the_activations():
     bf16, fp32 = (predict(plan_of(p), A100, MODEL).stages[0] for p in ("bf16", "fp32"))
-    # The first of two stages: no fp32 logits, which are fp32 in both.
-    assert fp32.memory.activations_gb == pytest.approx(2 * bf16.memory.activations_gb)
+    # The first of two stages: no logits. Every saved tensor doubles but the norms' per-token
+    # statistics, fp32 in both (a few bytes a token against thousands).
+    ratio = fp32.memory.activations_gb / bf16.memory.activations_gb
+    assert 1.99 < ratio < 2
 
 
 def test_fp32_computes_slower_by_about_the_peak_ratio():
