@@ -98,6 +98,10 @@ def test_micro_batch_gradients_sum_in_fp32_into_the_flat_main_gradients(precisio
                 if p.grad is not None:
                     expected[name] += p.grad.float()
                 p.grad = None
+    # The main gradients are never zeroed: a step's first backward copies its gradients in.
+    # Garbage left from a "last step" must not leak into this one.
+    for name, _ in weights.named:
+        weights.grad(name).fill_(float("nan"))
     weights.zero_grad()
     for j in range(MICRO_BATCHES):
         for c in (1, 0):
@@ -105,13 +109,30 @@ def test_micro_batch_gradients_sum_in_fp32_into_the_flat_main_gradients(precisio
     for name, master in weights.named:
         assert torch.equal(weights.grad(name), expected[name]), name
         assert master.grad.data_ptr() == weights.grad(name).data_ptr(), name  # still views
-    if weights.grads is not None:  # bf16: each backward's own gradients flushed and zeroed
-        assert not weights.grads.any()
-    # only one hook a chunk (the bf16 flush's); none in fp32, where autograd adds in place
+    for name, param in stage.full_parameters():
+        if precision == "bf16":  # each backward's own gradients dropped once moved
+            assert param.grad is None, name
+        else:  # the main gradient itself, into which autograd adds the later micro-batches'
+            assert param.grad.data_ptr() == weights.grad(name).data_ptr(), name
+    for start, stop in weights.layout.padding():  # what a sharded sync sums and steps: zeros
+        assert not weights.main_grads[start:stop].any()
+    # only one hook a chunk, the flush's
     hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in stage.parameters())
-    assert hooks == (2 if precision == "bf16" else 0)
+    assert hooks == 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_weight_given_no_gradient_has_a_zero_main_gradient_not_the_last_step_s(precision):
+    stage = two_chunks()
+    weights = MasterWeights(stage, precision)
+    frozen = "layers.4.norm2.weight"
+    dict(stage.full_parameters())[frozen].requires_grad_(False)
+    weights.main_grads.fill_(float("nan"))
     weights.zero_grad()
-    assert not weights.main_grads.any()
+    for j in range(2):
+        backward(stage, 1, j, weights.compute_dtype)
+    assert not weights.grad(frozen).any()
+    assert weights.grad("layers.4.norm1.weight").isfinite().all()
 
 
 def test_a_bucket_done_mid_step_is_left_alone_by_later_flushes():
@@ -171,9 +192,9 @@ def test_a_data_parallel_step_calls_no_hook_nor_operator_per_parameter(precision
         for kind in ("plain", "overlapped", "sharded")
     )
     params, micro_batches = plain["parameters"], 2
-    # accumulation: no hook in fp32, one a backward in bf16 (its flush); an overlapped sync
-    # hooks each parameter once a step, in its chunk's last backward
-    flushes = micro_batches if precision == "bf16" else 0
+    # accumulation: one hook a backward (its flush); an overlapped sync hooks each parameter
+    # once a step, in its chunk's last backward
+    flushes = micro_batches
     assert plain["hook_calls"] == flushes
     assert overlapped["hook_calls"] == sharded["hook_calls"] == flushes + params
     # the sync sums buckets in place: one all-reduce (started during the backwards if

@@ -14,13 +14,17 @@ parameter, its master and their grads are views of them. So the gradient sync su
 place, a sharded optimizer steps its shard of the weights in place, and bf16's copy back is one
 copy.
 
-Accumulation, without a Python call per parameter per micro-batch: in fp32 every weight's .grad
-is its span of the main gradients, and autograd adds each micro-batch's gradient into it in
-place. A bf16 weight cannot have an fp32 .grad, so its .grad is its span of a bf16 buffer, into
-which autograd writes each micro-batch's gradient (onto zeros: exactly the gradient), and at the
-end of each backward that chunk's bf16 gradients are added into the fp32 main gradients and
-zeroed: a few foreach operations per backward, not a hook per parameter. The sum over the
-micro-batches is taken in fp32 as before (Megatron's main_grad).
+Accumulation, without a Python call per parameter per micro-batch and without zeroing the main
+gradients: each backward's gradients are autograd's own tensors, as a plain trainer's (the
+weights have no .grad when it starts, so autograd hands each one its new gradient, no copy nor
+add), and at the end of each backward of a chunk one foreach operation moves them into the fp32
+main gradients: a copy (with bf16's cast) at the chunk's first backward of the step, an add at
+the later ones. bf16 does so at every backward, then drops them (Megatron's main_grad: the sum
+over the micro-batches is taken in fp32). fp32 makes each weight's .grad its span of the main
+gradients after the first, so that autograd adds the later micro-batches' in place, as torch's
+own accumulation does, keeping no second copy of the gradients. So a step of one micro-batch
+moves its gradients once, as a plain trainer's cast to its fp32 masters does, and never zeroes
+a buffer. An overlapped sync moves a bucket's as soon as they are final (``bucket_done``).
 """
 
 from __future__ import annotations
@@ -40,22 +44,23 @@ COMPUTE_DTYPE = {precision: getattr(torch, precision.dtype_name) for precision i
 read the same facts)."""
 
 
-class _Piece(NamedTuple):
-    """A run of one chunk's parameters, consecutive in the buffers and within one bucket: what
-    the end of its backward adds from the bf16 gradients into the main ones."""
+class _Slot(NamedTuple):
+    """A weight the stage computes with, where its gradient goes."""
 
-    bucket: int | None
-    """Its bucket (None: parameters in no bucket)."""
+    param: nn.Parameter
+    """The weight (bf16 in bf16), whose .grad autograd gives each backward's gradient."""
     main: torch.Tensor
     """Its span of the main gradients."""
-    grad: torch.Tensor
-    """Its span of the bf16 gradients."""
+    chunk: int
+    """The model chunk (StageChunks) whose backwards give it."""
+    bucket: int | None
+    """Its gradient sync bucket (None: in no bucket)."""
 
 
 class MasterWeights:
     """The trained parameters of ``stage`` under ``precision``, by full-model name: the stage's
     own in fp32; fp32 masters of its (then bf16) weights in bf16. Their main gradients start
-    each step from ``zero_grad``."""
+    each step afresh from ``zero_grad``."""
 
     def __init__(
         self,
@@ -77,22 +82,21 @@ class MasterWeights:
         self.masters = torch.empty(numel, device=device) if bf16 else None
         """bf16: the fp32 master weights, flat (None once a sharded optimizer has taken its
         shards of them); fp32: None, the weights are their own masters."""
-        # Left unwritten until zero_grad, before the first backward: their memory is first
-        # touched then, as a model's gradients first appear in its first backward.
+        # Written by the first backward (its gradients are copied in, not added): their memory
+        # is first touched then, as a model's gradients first appear in its first backward.
+        # Only the padding, which no gradient covers, is zeroed here, once.
         self.main_grads = torch.empty(numel, device=device)
         """The fp32 main gradients, flat."""
-        self.grads = torch.empty_like(self.flat) if bf16 else None
-        """bf16: the bf16 weights' own gradients, flat: one backward's, zero between them."""
-        self._final: set[int] = set()  # buckets whose main gradients are final this step
         self._move_into_buffers(named)
         if bf16:
-            self.named = [(name, self._master_of(name, param)) for name, param in named]
-            self._hook_flushes(stage)
+            self.named = [(name, self._master_of(name)) for name, _ in named]
         else:
             self.named = named
-            for name, param in named:
-                param.grad = self.grad(name)
         self.by_name = dict(self.named)
+        self._slots = self._slots_of(stage)  # per chunk
+        self._taken = [False] * len(self._slots)  # chunks whose gradients the step has taken
+        self._final: set[int] = set()  # buckets whose main gradients are final this step
+        self._hook_flushes(stage)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -122,20 +126,20 @@ class MasterWeights:
         return 0 if self.masters is None else self.masters.nbytes
 
     def zero_grad(self) -> None:
-        """Before a step's first backward: every main gradient zero, in place."""
-        self.main_grads.zero_()
-        if self.grads is not None:
-            self.grads.zero_()
+        """Before a step's first backward: the step's gradients start afresh. Nothing is
+        written: each chunk's first backward copies its gradients into the main gradients (a
+        parameter it gives none, zeros), and until then they hold the last step's."""
+        self.stage.zero_grad(set_to_none=True)  # autograd hands over the first backward's
+        self._taken = [False] * len(self._slots)
         self._final.clear()
 
     def bucket_done(self, index: int) -> None:
         """Every gradient of bucket ``index`` has been given this step (its chunks' last
-        backwards): bf16 adds its last ones into its main gradients now, and the flushes at the
-        end of later backwards leave it alone, as an overlapped sync sums it meanwhile."""
-        if self.grads is not None:
-            grads = self.layout.bucket(self.grads, index)
-            self.bucket_grads(index).add_(grads)
-            grads.zero_()
+        backwards): those not yet in the main gradients go there now, and the flushes at the
+        end of later backwards leave the bucket alone, as an overlapped sync sums it
+        meanwhile."""
+        for chunk, slots in enumerate(self._slots):
+            self._take(chunk, [s for s in slots if s.bucket == index])
         self._final.add(index)
 
     def release_masters(self) -> None:
@@ -166,10 +170,11 @@ class MasterWeights:
     def _move_into_buffers(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Each parameter becomes a view of the weights' buffer, its value copied there (and to
         the masters'). One at a time, into buffers made empty: each leaves its own memory as it
-        goes, so no moment holds the stage's weights twice, only one parameter of them."""
+        goes, so no moment holds the stage's weights twice, only one parameter of them. Every
+        buffer's padding is zeroed (a sharded optimizer steps and gathers it)."""
         with torch.no_grad():
             for start, stop in self.layout.padding():
-                for flat in (self.flat, self.masters):
+                for flat in (self.flat, self.masters, self.main_grads):
                     if flat is not None:
                         flat[start:stop].zero_()
             for name, param in named:
@@ -179,37 +184,32 @@ class MasterWeights:
                 view.copy_(param)
                 param.data = view
 
-    def _master_of(self, name: str, param: nn.Parameter) -> nn.Parameter:
+    def _master_of(self, name: str) -> nn.Parameter:
         """bf16: parameter ``name``'s master, a view of the masters' buffer whose grad is its
-        span of the main gradients; ``param``'s own grad is its span of the bf16 ones."""
+        span of the main gradients."""
         master = nn.Parameter(self.layout.view(self.masters, name))
         master.grad = self.grad(name)
-        param.grad = self.layout.view(self.grads, name)
         return master
 
-    def _hook_flushes(self, stage: nn.Module) -> None:
-        """bf16: at the end of each backward of a chunk, add the chunk's bf16 gradients into
-        the main gradients and zero them (``_flush``). Every parameter of a chunk takes a
-        gradient in each of its backwards, so one parameter's hook, which runs once in each,
-        queues the flush to run when the backward has given all of them."""
+    def _slots_of(self, stage: nn.Module) -> list[list[_Slot]]:
+        """Per chunk, its weights and where their gradients go."""
         chunks = list(stage.chunks) if isinstance(stage, StageChunks) else [stage]
-        self._pieces = [self._pieces_of([n for n, _ in c.full_parameters()]) for c in chunks]
-        for c, chunk in enumerate(chunks):
-            _, first = chunk.full_parameters()[0]
-            first.register_post_accumulate_grad_hook(self._flush_hook(c))
-
-    def _pieces_of(self, names: list[str]) -> list[_Piece]:
-        """The parameters ``names`` as runs of consecutive spans, each within one bucket."""
         bucket_of = {n: b for b, span in enumerate(self.layout.buckets) for n in span.names}
-        runs: list[list] = []  # [bucket, start, stop]
-        for name in sorted(names, key=lambda n: self.layout.spans[n]):
-            start, stop = self.layout.spans[name]
-            bucket = bucket_of.get(name)
-            if runs and runs[-1][0] == bucket and runs[-1][2] == start:
-                runs[-1][2] = stop
-            else:
-                runs.append([bucket, start, stop])
-        return [_Piece(b, self.main_grads[lo:hi], self.grads[lo:hi]) for b, lo, hi in runs]
+        return [
+            [
+                _Slot(param, self.grad(name), c, bucket_of.get(name))
+                for name, param in chunk.full_parameters()
+            ]
+            for c, chunk in enumerate(chunks)
+        ]
+
+    def _hook_flushes(self, stage: nn.Module) -> None:
+        """At the end of each backward of a chunk, move its gradients into the main gradients
+        (``_flush``). Every parameter of a chunk takes a gradient in each of its backwards, so
+        one parameter's hook, which runs once in each, queues the flush to run when the
+        backward has given all of them."""
+        for c, slots in enumerate(self._slots):
+            slots[0].param.register_post_accumulate_grad_hook(self._flush_hook(c))
 
     def _flush_hook(self, chunk: int):
         def hook(_: torch.Tensor) -> None:
@@ -218,14 +218,30 @@ class MasterWeights:
         return hook
 
     def _flush(self, chunk: int) -> None:
-        """Add ``chunk``'s bf16 gradients of the backward just done into the main gradients
-        (but those of buckets already final, which an overlapped sync may be summing), and zero
-        them."""
-        pieces = [p for p in self._pieces[chunk] if p.bucket not in self._final]
-        if pieces:
-            grads = [p.grad for p in pieces]
-            torch._foreach_add_([p.main for p in pieces], grads)
-            torch._foreach_zero_(grads)
+        """After a backward of ``chunk``: its gradients into the main gradients (but those of
+        buckets already final, which an overlapped sync may be summing)."""
+        slots = self._slots[chunk]
+        if self._final:
+            slots = [s for s in slots if s.bucket not in self._final]
+        self._take(chunk, slots)
+        self._taken[chunk] = True
+
+    def _take(self, chunk: int, slots: list[_Slot]) -> None:
+        """The gradients the backward just done gave ``slots`` (of ``chunk``) into their main
+        gradients, in one foreach operation: copied at the chunk's first backward of the step
+        (a parameter given none gets zeros), added at the later ones. bf16 then drops them;
+        fp32 makes each .grad its main gradient, into which autograd adds the later ones."""
+        first, bf16 = not self._taken[chunk], self.precision.master_weights
+        if not (first or bf16) or not slots:
+            return  # fp32 after the first: autograd has added them in place
+        given = [s for s in slots if s.param.grad is not None]
+        if given:
+            move = torch._foreach_copy_ if first else torch._foreach_add_
+            move([s.main for s in given], [s.param.grad for s in given])
+        if first and len(given) < len(slots):
+            torch._foreach_zero_([s.main for s in slots if s.param.grad is None])
+        for s in slots:
+            s.param.grad = None if bf16 else s.main
 
 
 def cpu_has_bf16_kernels() -> bool:
