@@ -16,11 +16,16 @@ each (counted by OpCounter), and on an accelerator the model FLOP utilisation (t
 model FLOPs over the catalog's peak, where the catalog knows the device) and the peak memory.
 
     python benchmarks/single_device.py [--precision bf16|fp32] [--steps N] [--device DEV]
+        [--model PRESET|JSON] [--batch N]
+
+--model: a Llama preset's name (tiny-llama, local-llama, llama-7b, ...) or a model spec in JSON
+(the fields of a model file, docs/formats.md), instead of the default below.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -35,12 +40,13 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from hethub.errors import HethubError
 from hethub.predictor import predict
 from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import full_state
-from hethub.spec import parse_cluster, parse_model, parse_plan
+from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
@@ -56,7 +62,7 @@ MODEL = {  # local-llama's shape, with grouped-query attention (2 KV heads for 4
     "vocab": 256,
     "seq_len": 128,
 }
-BATCH = 8  # sequences a step, one micro-batch
+BATCH = 8  # sequences a step, one micro-batch (--batch)
 LR, SEED = 1e-3, 0
 WARMUP = 2  # steps of each before the timed ones (the first step's loss, the peak memory)
 
@@ -176,18 +182,22 @@ class Reference:
 # --- hethub ------------------------------------------------------------------------------------
 
 
-def hethub_plan(precision: str, accelerator: str) -> tuple[Plan, object]:
+def hethub_plan(
+    precision: str, accelerator: str, layers: int, batch: int = BATCH
+) -> tuple[Plan, object]:
+    """A one-rank plan of one stage of ``layers`` layers training ``batch`` sequences a step as
+    one micro-batch, on one ``accelerator``; and its cluster."""
     plan = parse_plan(
         {
             "model": "bench",
             "precision": precision,
-            "global_batch": BATCH,
-            "micro_batch": BATCH,
+            "global_batch": batch,
+            "micro_batch": batch,
             "pipelines": [
                 {
                     "count": 1,
                     "micro_batches": 1,
-                    "stages": [{"group": "one", "tp": 1, "layers": MODEL["layers"]}],
+                    "stages": [{"group": "one", "tp": 1, "layers": layers}],
                 }
             ],
         }
@@ -259,12 +269,27 @@ def accelerator_of(device: torch.device) -> str | None:
     return best if matched(best)[0] else None
 
 
-def compare(precision: str, steps: int, device: torch.device) -> None:
-    spec = parse_model(MODEL, "bench", "bench")
+def model_spec(text: str | None) -> ModelSpec:
+    """The model to train: the default (MODEL), a preset's by name, or a JSON model spec."""
+    if text is None:
+        return parse_model(MODEL, "bench", "bench")
+    if text.lstrip().startswith("{"):
+        data = json.loads(text)
+        spec = parse_model(data, "--model", data.get("name", "custom"))
+    else:
+        spec = load_model(text)
+    if spec.arch != "llama":
+        raise ValueError(f"--model {spec.name} is a {spec.arch}: the reference trainer is a Llama")
+    return spec
+
+
+def compare(
+    precision: str, steps: int, device: torch.device, spec: ModelSpec, batch: int = BATCH
+) -> None:
     accelerator = accelerator_of(device)
-    plan, cluster = hethub_plan(precision, accelerator or "h100")
+    plan, cluster = hethub_plan(precision, accelerator or "h100", spec.layers, batch)
     corpus = builtin_corpus()
-    batches = [global_batch(corpus, s, BATCH, spec.seq_len, SEED) for s in range(WARMUP + steps)]
+    batches = [global_batch(corpus, s, batch, spec.seq_len, SEED) for s in range(WARMUP + steps)]
     # Built one after the other, each warmed up before the next exists: the two first losses
     # (the same weights, the same batch) agree, and each one's peak memory is its own.
     builders = {
@@ -282,7 +307,7 @@ def compare(precision: str, steps: int, device: torch.device) -> None:
             times[name].append(timed(trainers[name], tokens, device))
     ops = {name: counted(step, batches[-1], device) for name, step in trainers.items()}
     median = {name: statistics.median(t) for name, t in times.items()}
-    tokens_per_step = BATCH * spec.seq_len
+    tokens_per_step = batch * spec.seq_len
     print(
         f"{precision}: first loss hethub {first['hethub']:.6f}, reference {first['reference']:.6f}"
     )
@@ -326,21 +351,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", help="torch device (default: the accelerator where there is one, else cpu)"
     )
+    parser.add_argument(
+        "--model", help="a Llama preset's name or a JSON model spec (default: the one above)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=BATCH, help=f"sequences a step (default {BATCH})"
+    )
     args = parser.parse_args(argv)
+    try:
+        spec = model_spec(args.model)
+    except (ValueError, HethubError) as error:
+        parser.error(str(error))
     default = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     device = torch.device(args.device or default or "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a run's worker does; the machine is shared
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     print(
-        f"model: llama hidden {MODEL['hidden']}, {MODEL['layers']} layers, "
-        f"{MODEL['heads']} heads ({MODEL['kv_heads']} KV), seq {MODEL['seq_len']}, "
-        f"batch {BATCH}; device {device} (torch {torch.__version__}, "
+        f"model: llama hidden {spec.hidden}, {spec.layers} layers, "
+        f"{spec.heads} heads ({spec.kv_heads} KV), seq {spec.seq_len}, "
+        f"batch {args.batch}; device {device} (torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads)",
         flush=True,
     )
     for precision in [args.precision] if args.precision else ["bf16", "fp32"]:
-        compare(precision, args.steps, device)
+        compare(precision, args.steps, device, spec, args.batch)
     dist.destroy_process_group()
     return 0
 

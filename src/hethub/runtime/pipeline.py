@@ -74,7 +74,7 @@ class Pipeline:
         order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
         last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
         inputs, outputs, sends = {}, {}, []
-        loss_sum = torch.zeros((), device=self.device)  # summed where the losses are
+        loss_sum = None  # this rank's share of the loss, summed where the losses are
         held = peak = 0  # layers' activations awaiting their backward
         for i, (kind, c, j) in enumerate(order):
             chunk, key = chunks[c], (c, j)
@@ -85,10 +85,14 @@ class Pipeline:
                 with self.timeline.timed("forward", j, self.stretch):
                     out = self._forward(c, x)
                     if chunk.is_last:
-                        outputs[key] = self.stage.chunks[c].loss(out, micro[j][:, 1:]) / total
+                        loss = self.stage.chunks[c].loss(out, micro[j][:, 1:])
+                        # one micro-batch in all: the scale is 1, and two operations (forward
+                        # and backward) would multiply by it
+                        outputs[key] = loss / total if total > 1 else loss
                 if chunk.is_last:
                     if self.links.leads:
-                        loss_sum += outputs[key].detach()
+                        share = outputs[key].detach()
+                        loss_sum = share if loss_sum is None else loss_sum + share
                 else:
                     outputs[key] = out
                     sends += self.links.send(out.detach(), forward=True)
@@ -106,7 +110,7 @@ class Pipeline:
         self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
             self.links.wait(sends)
-        return loss_sum
+        return loss_sum if loss_sum is not None else torch.zeros((), device=self.device)
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """This replica's micro-batches, on the device: replicas take consecutive slices of the

@@ -152,25 +152,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         peak = _all_reduce(logits.amax(dim=-1).float(), group, dist.ReduceOp.MAX)  # (N,)
         # bf16 logits minus fp32 peaks: fp32 values in one pass, with no fp32 copy of the logits
         total = _all_reduce((logits - peak.unsqueeze(-1)).exp_().sum(dim=-1), group)  # (N,)
+        log_sum_exp = peak.add_(total.log_())  # (N,), fp32
         index, inside = _target_slots(targets, start, logits.shape[-1], group)
-        picked = logits.gather(-1, index).squeeze(-1) - peak  # (N,), fp32
-        if inside is not None:
-            picked = _all_reduce(picked.masked_fill_(~inside, 0.0), group)
-        log_total = total.log_()
-        # -1 at the targets this rank holds, 0 elsewhere: the one-hot the backward takes from
-        # the softmax
+        target_logit = logits.gather(-1, index).squeeze(-1)  # (N,)
         if inside is None:
-            hits = logits.new_full(index.shape, -1.0, dtype=torch.float32)
-        else:
+            ctx.save_for_backward(logits, log_sum_exp, index)
+        else:  # the rank holding a row's target gives its logit; the others, 0
+            target_logit = _all_reduce(target_logit.float().masked_fill_(~inside, 0.0), group)
+            # -1 at the targets this rank holds, 0 elsewhere: the one-hot the backward takes
+            # from the softmax
             hits = inside.unsqueeze(-1).to(torch.float32).neg_()
-        ctx.save_for_backward(logits, peak.add_(log_total), index, hits)
-        return (log_total - picked).mean()
+            ctx.save_for_backward(logits, log_sum_exp, index, hits)
+        return (log_sum_exp - target_logit).mean()
 
     @staticmethod
     def backward(ctx, grad):
-        logits, log_sum_exp, index, hits = ctx.saved_tensors
+        logits, log_sum_exp, index, *hits = ctx.saved_tensors
         # softmax - one_hot(target) on the rank holding the target, softmax elsewhere
-        grad_logits = (logits - log_sum_exp.unsqueeze(-1)).exp_().scatter_add_(-1, index, hits)
+        grad_logits = (logits - log_sum_exp.unsqueeze(-1)).exp_()
+        if hits:
+            grad_logits.scatter_add_(-1, index, hits[0])
+        else:  # every target is here: a scalar -1 at each, no one-hot tensor made or kept
+            grad_logits.scatter_(-1, index, -1.0, reduce="add")
         scale = grad / len(index)
         return grad_logits.mul_(scale).to(logits.dtype), None, None, None
 
