@@ -51,8 +51,6 @@ class _Slot(NamedTuple):
     """The weight (bf16 in bf16), whose .grad autograd gives each backward's gradient."""
     main: torch.Tensor
     """Its span of the main gradients."""
-    chunk: int
-    """The model chunk (StageChunks) whose backwards give it."""
     bucket: int | None
     """Its gradient sync bucket (None: in no bucket)."""
 
@@ -197,10 +195,10 @@ class MasterWeights:
         bucket_of = {n: b for b, span in enumerate(self.layout.buckets) for n in span.names}
         return [
             [
-                _Slot(param, self.grad(name), c, bucket_of.get(name))
+                _Slot(param, self.grad(name), bucket_of.get(name))
                 for name, param in chunk.full_parameters()
             ]
-            for c, chunk in enumerate(chunks)
+            for chunk in chunks
         ]
 
     def _hook_flushes(self, stage: nn.Module) -> None:
