@@ -3,8 +3,9 @@ device (issue 26: hethub/reference >= 0.95x in bf16 and in fp32).
 
 hethub: its Engine on a one-stage, one-rank plan (one micro-batch of the whole batch). The
 reference, written here as a plain torch trainer would be: a Llama (RMSNorm, RoPE, SwiGLU,
-grouped-query attention) through F.rms_norm, F.scaled_dot_product_attention (causal, GQA) and
-F.cross_entropy, with its rotary tables made once; AdamW fused where the device has the kernel,
+grouped-query attention) through F.rms_norm, one GEMM for [q; k; v] and one for [gate; up] (as a
+fused trainer writes them), F.scaled_dot_product_attention (causal, GQA) and F.cross_entropy,
+with its rotary tables made once; AdamW fused where the device has the kernel,
 else foreach; in bf16, bf16 weights with fp32 master weights and fp32 main gradients, as hethub's
 recipe. It starts from hethub's initial weights (its full state dict), so both train the same
 weights on the same batches: their first losses are printed side by side.
@@ -45,10 +46,11 @@ from hethub.predictor import predict
 from hethub.profiler.op_counts import OpCounter
 from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.engine import Engine
-from hethub.runtime.model import full_state
+from hethub.runtime.model import full_state, unfuse
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import fused_parts
 from hethub.spec.plan import Plan
 from hethub.spec.topology import build_topology
 
@@ -101,30 +103,30 @@ class Layer(nn.Module):
         h, d = spec.hidden, spec.head_dim
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, d
         self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
-        self.q = nn.Linear(h, spec.heads * d, bias=False)
-        self.k = nn.Linear(h, spec.kv_heads * d, bias=False)
-        self.v = nn.Linear(h, spec.kv_heads * d, bias=False)
+        self.split = [spec.heads * d, spec.kv_heads * d, spec.kv_heads * d]  # [q; k; v] rows
+        self.qkv = nn.Linear(h, sum(self.split), bias=False)
         self.o = nn.Linear(spec.heads * d, h, bias=False)
-        self.gate = nn.Linear(h, spec.ffn_hidden, bias=False)
-        self.up = nn.Linear(h, spec.ffn_hidden, bias=False)
+        self.gate_up = nn.Linear(h, 2 * spec.ffn_hidden, bias=False)  # [gate; up] rows
         self.down = nn.Linear(spec.ffn_hidden, h, bias=False)
 
     def forward(self, x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         y = self.norm1(x)
-        q = self.q(y).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
-        k = self.k(y).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, d)
-        v = self.v(y).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(y).split(self.split, dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, d)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             rotate(q, tables), rotate(k, tables), v, is_causal=True, enable_gqa=True
         )
         x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))  # (B, T, h)
-        y = self.norm2(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)  # (B, T, f) each
+        return x + self.down(F.silu(gate) * up)
 
 
 class Llama(nn.Module):
-    """The whole model, its parameters named as hethub's full state dict names them."""
+    """The whole model, its parameters named as hethub's full state dict names them, its fused
+    projections laid out as a plain fused trainer's (``plain_state``)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -140,6 +142,17 @@ class Llama(nn.Module):
         return self.head(self.final_norm(x))  # (B, T, vocab)
 
 
+def plain_state(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hethub's full state dict with each fused projection in a plain fused trainer's layout: the
+    rows of its parts one after the other ([q; k; v], [gate; up]), not hethub's blocks."""
+    plain = dict(state)
+    for i in range(spec.layers):
+        for name, parts in fused_parts(spec).items():
+            key = f"layers.{i}.{name}"
+            plain[key] = torch.cat(unfuse(parts, state[key]))
+    return plain
+
+
 class Reference:
     """A plain torch trainer of ``spec`` from hethub's initial weights: in bf16, bf16 weights
     computing, fp32 masters (and their fp32 gradients) stepped by AdamW and copied back."""
@@ -150,7 +163,7 @@ class Reference:
         with torch.device("meta"):
             model = Llama(spec)
         model.to_empty(device=device)
-        model.load_state_dict(full_state(spec, SEED))
+        model.load_state_dict(plain_state(spec, full_state(spec, SEED)))
         self.params = list(model.parameters())
         self.masters = self.params  # fp32: the weights are their own masters
         if self.dtype != torch.float32:  # the masters keep the fp32 initial values

@@ -35,8 +35,8 @@ BATCH = 2
 
 EXTRA_OPS = 0
 """How many operations more than the plain trainer a step may ask for: none. Measured with torch
-2.13 on the CPU: fp32 236 against 236, bf16 274 against 280 (before issue 26's gradient work,
-261 and 304). What hethub asks for more, by place:
+2.13 on the CPU: fp32 204 against 216, bf16 242 against 254 (with the main gradients zeroed and
+added into, and the loss's one-hot, 223 and 266). What hethub asks for more, by place:
 - the step's start (runtime.engine): a barrier that lines up the ranks' timelines (``barrier``
   and its ``empty`` tensor; a one-rank world could skip it), +2;
 - the step's one read (runtime.engine): the loss stacked with the weights' check and copied to
@@ -44,19 +44,20 @@ EXTRA_OPS = 0
 - the gradients (runtime.precision): fp32, autograd's copied into the flat main gradients that
   the sync sums in place and AdamW steps (``_foreach_copy_``), +1, where the plain trainer
   steps them where autograd left them; bf16 makes this one copy its cast to fp32, where the
-  plain trainer casts each parameter's gradient (21 here, 75 in the benchmark's model), -20;
+  plain trainer casts each parameter's gradient (6 a layer and 3 more), -3 and -6 a layer;
+  bf16's copy of the masters back into the weights is one ``copy_`` of the flat buffer beside
+  the gradients' ``_foreach_copy_``, where the plain trainer's is its only foreach copy, +1;
 - bf16's loss (runtime.tensor_parallel): computed in fp32 from the bf16 logits, keeping no fp32
   copy of them for the backward, 16 operations against F.cross_entropy's 6 on an fp32 copy
   (the casts, log-softmax, NLL and their backwards), +10;
-- each layer (runtime.model): grouped-query attention by repeat_interleave of k and v where the
-  plain trainer passes SDPA enable_gqa: two copies forward and two sums backward, and with k and
-  v contiguous SDPA's output and k's and v's gradients are laid out so that three reshapes copy,
-  +7; in bf16 each norm's weight gradient is cast from fp32 (its weight applies in fp32, where
-  the plain trainer's applies in bf16), +2 (+1 the final norm); the rotation, a roll and an
+- each layer (runtime.model): v copied out of the QKV output (else SDPA would keep all of it
+  for the backward), +1; in bf16 each norm's weight gradient cast from fp32 (its weight applies
+  in fp32, the plain trainer's in bf16), +2 (+1 the final norm); the rotation, a roll and an
   addcmul on sign-folded tables against rotate_half's negations, concatenation and slice
   gradients, -8;
 - the optimizer: the plain trainer's profiling marks of step and zero_grad, -2.
-So fp32: 2 + 1 + 1 - 2 * 1 - 2 = 0; bf16: 2 + 1 - 20 + 10 + 2 * 1 + 1 - 2 = -6.
+So fp32: 2 + 1 + 1 + 2 * (1 - 8) - 2 = -12; bf16: 2 + 1 - 3 + 1 + 10 + 1 + 2 * (1 + 2 - 8 - 6)
+- 2 = -12.
 """
 
 
