@@ -17,10 +17,10 @@ each (counted by OpCounter), and on an accelerator the model FLOP utilisation (t
 model FLOPs over the catalog's peak, where the catalog knows the device) and the peak memory.
 
     python benchmarks/single_device.py [--precision bf16|fp32] [--steps N] [--device DEV]
-        [--model PRESET|JSON] [--batch N]
+        [--model PRESET|FILE|JSON] [--batch N]
 
---model: a Llama preset's name (tiny-llama, local-llama, llama-7b, ...) or a model spec in JSON
-(the fields of a model file, docs/formats.md), instead of the default below.
+--model: a Llama preset's name (tiny-llama, local-llama, llama-7b, ...), a model file's path or
+a model spec in JSON (a model file's fields, docs/formats.md), instead of the default below.
 """
 
 from __future__ import annotations
@@ -283,7 +283,8 @@ def accelerator_of(device: torch.device) -> str | None:
 
 
 def model_spec(text: str | None) -> ModelSpec:
-    """The model to train: the default (MODEL), a preset's by name, or a JSON model spec."""
+    """The model to train: the default (MODEL), a preset's by name, a model file's by path, or
+    a JSON model spec."""
     if text is None:
         return parse_model(MODEL, "bench", "bench")
     if text.lstrip().startswith("{"):
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "--device", help="torch device (default: the accelerator where there is one, else cpu)"
     )
     parser.add_argument(
-        "--model", help="a Llama preset's name or a JSON model spec (default: the one above)"
+        "--model", help="a Llama preset, model file or JSON model spec (default: the one above)"
     )
     parser.add_argument(
         "--batch", type=int, default=BATCH, help=f"sequences a step (default {BATCH})"
