@@ -25,9 +25,6 @@ def test_bytes_per_parameter_and_per_element(precision, element, state, moved) -
         assert precision.optimizer_bytes(shards) == (state - element - 4) / shards
     assert precision.optimizer_bytes_moved == moved
     assert precision.loss_bytes == 4
-    # bf16's weights take each backward's gradients in their own dtype, a buffer kept beside
-    # the main gradients; fp32's gradients are the main gradients
-    assert precision.grad_buffer_bytes == (element if precision.master_weights else 0)
     # the runtime computes in the dtype torch names so, and a profile of it has its element size
     assert getattr(torch, precision.dtype_name).itemsize == element
     assert DTYPE_BYTES[precision.value] == element

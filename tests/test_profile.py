@@ -236,7 +236,6 @@ def test_stage_times_come_from_the_profile():
     # highest moment of a backward), which a layer profile does not measure.
     in_flight = 2
     expected = 16 * params + in_flight * 5 * lp.layer_activation_bytes
-    assert first.memory.grad_buffer_gb == 0  # fp32 accumulates straight into the main grads
     assert first.memory.buffers_gb > 0
     assert first.memory.total_gb * 1e9 == pytest.approx(expected + first.memory.buffers_gb * 1e9)
 

@@ -51,8 +51,6 @@ class StageMemory:
     share)."""
     activations_gb: float
     """What the layers keep for their backward at the schedule's peak (layers_bytes)."""
-    grad_buffer_gb: float = 0.0
-    """bf16's bf16 gradients, which each backward fills before the main gradients take them."""
     buffers_gb: float = 0.0
     """The rest of the schedule's peak (buffer_bytes): the stage's boundary tensors, the last
     stage's final norm, logits and loss buffers, and the gradients of the backward under way."""
@@ -60,7 +58,7 @@ class StageMemory:
     @property
     def state_gb(self) -> float:
         """What the stage keeps across steps."""
-        return self.weights_gb + self.grads_gb + self.grad_buffer_gb + self.optimizer_gb
+        return self.weights_gb + self.grads_gb + self.optimizer_gb
 
     @property
     def schedule_gb(self) -> float:
@@ -252,19 +250,23 @@ class _LastStageMoments:
             # logits' dtype (the same tensor in fp32).
             softmax = tokens * vocab * FP32_BYTES
             loss = tokens * FP32_BYTES + softmax + (logits if element != FP32_BYTES else 0)
-        # The head's backward: the logits' gradient, the head's weight gradient before it is
-        # added into the gradient buffer, the final norm's output gradient.
+        # The head's backward: the logits' gradient, the head's weight gradient, the final
+        # norm's output gradient.
         head = logits + vocab * model.hidden * element + hidden
         # The final norm's backward: of what it kept, its input (an fp32 copy for llama on the
         # CPU: _norm_bytes) is held to the end.
         cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
         norm_input = tokens * model.hidden * (FP32_BYTES if cpu_copy else element)
+        # From the head's backward on, its weight's gradient is autograd's own tensor until the
+        # backward's end, when the main gradients take it (runtime.precision: every backward in
+        # bf16, a step's first in fp32).
+        head_grad = vocab * model.hidden * element
         return cls(
             norm_kept=norm_kept,
             loss=norm_kept + logits + loss,
             head=norm_kept + logits + head,
-            final_norm=logits + norm_input + norm_backward,
-            layer=logits + _layer_backward_bytes(model, tp, micro_batch, precision),
+            final_norm=logits + norm_input + norm_backward + head_grad,
+            layer=logits + _layer_backward_bytes(model, tp, micro_batch, precision) + head_grad,
         )
 
 
@@ -389,6 +391,5 @@ def stage_memory_of(
         grads_gb=params * precision.main_grad_bytes / GB,
         optimizer_gb=params * precision.optimizer_bytes(optimizer_shards) / GB,
         activations_gb=activations / GB,
-        grad_buffer_gb=params * precision.grad_buffer_bytes / GB,
         buffers_gb=buffers / GB,
     )

@@ -96,7 +96,6 @@ class Prediction:
                         "weights": s.memory.weights_gb,
                         "grads": s.memory.grads_gb,
                         "optimizer": s.memory.optimizer_gb,
-                        "grad_buffer": s.memory.grad_buffer_gb,
                         "activations": s.memory.activations_gb,
                         "buffers": s.memory.buffers_gb,
                     },

@@ -65,14 +65,6 @@ class Precision(enum.StrEnum):
         return MAIN_GRAD_BYTES
 
     @property
-    def grad_buffer_bytes(self) -> int:
-        """Bytes per parameter of the gradients autograd writes, where they are not the main
-        gradients: bf16's bf16 buffer, which each backward fills and the main gradients take
-        the sum of (runtime.precision), kept across steps; none in fp32, whose weights'
-        gradients are their main gradients."""
-        return self.element_bytes if self.master_weights else 0
-
-    @property
     def master_weights(self) -> bool:
         """The optimizer updates an fp32 copy of the weights (bf16), not the weights (fp32)."""
         return self is Precision.BF16
