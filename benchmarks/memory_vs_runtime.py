@@ -40,14 +40,20 @@ MB = 1e6
 
 
 def plan_fields(
-    precision: str, recompute: str, tp: int, stages: int, layers: int, replicas: int = 1
+    precision: str,
+    recompute: str,
+    tp: int,
+    stages: int,
+    layers: int,
+    replicas: int = 1,
+    micro_batches: int = 2,
 ) -> dict:
     """A plan of ``replicas`` pipelines of ``stages`` stages of TP ``tp`` over a model of
-    ``layers`` layers (split as evenly as they go), 2 micro-batches of 2 sequences each; more
-    than one replica shards the optimizer."""
+    ``layers`` layers (split as evenly as they go), ``micro_batches`` micro-batches of 2
+    sequences each; more than one replica shards the optimizer."""
     split = [layers // stages + (s < layers % stages) for s in range(stages)]
     return {
-        "global_batch": 4 * replicas,
+        "global_batch": 2 * micro_batches * replicas,
         "micro_batch": 2,
         "precision": precision,
         "recompute": recompute,
@@ -55,7 +61,7 @@ def plan_fields(
         "pipelines": [
             {
                 "count": replicas,
-                "micro_batches": 2,
+                "micro_batches": micro_batches,
                 "stages": [{"group": "cpu", "tp": tp, "layers": n} for n in split],
             }
         ],

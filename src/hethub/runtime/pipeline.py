@@ -74,6 +74,10 @@ class Pipeline:
         order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
         last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
         inputs, outputs, sends = {}, {}, []
+        # An activation's send, by micro-batch: its work holds the tensor until it goes, so it
+        # is finished once the gradient comes back (the next stage received the activation
+        # before its backward), rather than held with every other to the step's end.
+        activation_sends: dict[tuple[int, int], list] = {}
         loss_sum = None  # this rank's share of the loss, summed where the losses are
         held = peak = 0  # layers' activations awaiting their backward
         for i, (kind, c, j) in enumerate(order):
@@ -95,12 +99,13 @@ class Pipeline:
                         loss_sum = share if loss_sum is None else loss_sum + share
                 else:
                     outputs[key] = out
-                    sends += self.links.send(out.detach(), forward=True)
+                    activation_sends[key] = self.links.send(out.detach(), forward=True)
                 inputs[key] = x
                 held += chunk.layers
                 peak = max(peak, held)
             else:
                 grad = None if chunk.is_last else self._receive(shape, False, j)
+                self.links.wait(activation_sends.pop(key, []))  # done: its gradient is here
                 with self.timeline.timed("backward", j, self.stretch):
                     outputs[key].backward(grad)
                 if not chunk.is_first:
@@ -109,7 +114,7 @@ class Pipeline:
                 held -= chunk.layers
         self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
-            self.links.wait(sends)
+            self.links.wait(sends + [w for ws in activation_sends.values() for w in ws])
         return loss_sum if loss_sum is not None else torch.zeros((), device=self.device)
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
