@@ -53,6 +53,7 @@ class Communicator:
         timeout; a point-to-point wait in gloo does not, and would wait forever on a peer
         that stopped (SIGSTOP, a hung device) without dying."""
         self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         self.timeout = timeout
         self.vendor = list(vendors)
         self.bytes = {NATIVE: 0, BRIDGE: 0}
@@ -101,8 +102,9 @@ class Communicator:
     # --- collectives ---------------------------------------------------------------------------
 
     def barrier(self) -> None:
-        """Every rank of the job meets here (no data moves)."""
-        dist.barrier()
+        """Every rank of the job meets here (no data moves); alone, nothing to meet."""
+        if self.world_size > 1:
+            dist.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Sum ``tensor`` in place over ``group`` (this rank among its ranks)."""

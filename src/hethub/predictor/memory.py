@@ -2,10 +2,10 @@
 (benchmarks/memory_vs_runtime.py and tests/test_memory_vs_runtime.py count it, live).
 
 The state, kept across steps (spec.plan.Precision's bytes per parameter): the weights the stage
-computes with, the fp32 main gradients, bf16's bf16 gradient buffer (each backward's gradients,
-before the main gradients take them), and the optimizer's: both fp32 Adam moments and bf16's
-fp32 masters, split over the d ranks of a sharded optimizer (20 bytes a parameter in bf16, 16
-in fp32; sharded, 8 + 12 / d and 8 + 8 / d).
+computes with, the fp32 main gradients, and the optimizer's: both fp32 Adam moments and bf16's
+fp32 masters, split over the d ranks of a sharded optimizer (18 bytes a parameter in bf16, 16
+in fp32; sharded, 6 + 12 / d and 8 + 8 / d). Autograd's own gradients of a backward live only
+until its end, when the main gradients take them (runtime.precision): the buffers' moment.
 
 Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
 for the micro-batches in flight under the schedule, or under full recomputation the chunk's

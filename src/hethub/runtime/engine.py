@@ -220,7 +220,7 @@ class Engine:
         values = [loss, self._largest_weight()] if check_weights else [loss]
         # The host waits for the device here. A copy on the CPU too: there it costs nothing, and
         # a count of the dispatched operations sees the read as it would on an accelerator.
-        read = torch.stack(values).to("cpu", copy=True)
+        read = (torch.stack(values) if check_weights else loss.reshape(1)).to("cpu", copy=True)
         own, *largest = read.tolist()
         self.own_loss = own
         self.weights_finite = math.isfinite(largest[0]) if largest else None
