@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vtrain_rows import load_rows
+from vtrain_rows import load_rows, predict_row
 
-from hethub.predictor import Calibration, default_calibration, predict
+from hethub.predictor import Calibration, default_calibration
 from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
 
 FRACTIONS = {"matmul_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency"}
@@ -29,7 +29,7 @@ FRACTIONS = {"matmul_efficiency", "memory_efficiency", "link_efficiency", "netwo
 def per_file_mape(cal: Calibration, rows) -> dict[str, float]:
     errors = defaultdict(list)
     for row in rows:
-        predicted = predict(row.plan, row.cluster, row.model, calibration=cal).iteration_time_s
+        predicted = predict_row(row, cal).iteration_time_s
         errors[row.file].append(abs(predicted - row.measured_s) / row.measured_s)
     return {name: 100 * sum(e) / len(e) for name, e in errors.items()}
 
@@ -56,9 +56,11 @@ def main() -> int:
         mapes = per_file_mape(to_cal(x), rows)
         return sum(mapes.values()) / len(mapes)
 
+    # A fraction fitted to its bound prints as 1 (4 digits): start just inside it.
     x0 = [
         math.log(v / (1 - v)) if n in FRACTIONS else math.log(v)
         for n, v in ((n, getattr(start, n)) for n in names)
+        for v in [min(v, 1 - 1e-4) if n in FRACTIONS else v]
     ]
     print(f"start: {per_file_mape(start, rows)}", file=sys.stderr)
     result = minimize(

@@ -14,9 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vtrain_rows import load_rows
-
-from hethub.predictor import predict
+from vtrain_rows import load_rows, predict_row
 
 
 def main() -> int:
@@ -28,7 +26,7 @@ def main() -> int:
     started = time.perf_counter()
     errors = defaultdict(list)
     for row in load_rows():
-        predicted = predict(row.plan, row.cluster, row.model).iteration_time_s
+        predicted = predict_row(row).iteration_time_s
         errors[row.file].append((abs(predicted - row.measured_s) / row.measured_s, predicted, row))
     ok = True
     for name, items in errors.items():

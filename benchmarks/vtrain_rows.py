@@ -2,7 +2,9 @@
 calibration scripts).
 
 Every row is predicted as the data's README says the runs were set up: Megatron-LM GPT, vocabulary
-51,200, nodes of 8 x a100-80gb on an 800 Gbit/s network, 1F1B, full recomputation.
+51,200, nodes of 8 x a100-80gb on an 800 Gbit/s network, 1F1B, full recomputation; and its layers
+priced as the one that ran, Megatron-LM's (spec.layer_ops' Kernels.MEGATRON_LM: the attention
+scores in memory), not hethub's flash-attention layer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from hethub.predictor import Calibration, Prediction, predict
 from hethub.spec import (
     ClusterSpec,
     ModelSpec,
@@ -21,9 +24,12 @@ from hethub.spec import (
     parse_model,
     parse_plan,
 )
+from hethub.spec.layer_ops import Kernels
 
 DATA = Path(__file__).resolve().parents[1] / "measurements" / "a100"
 FILES = ("vtrain_a100_single_node.csv", "vtrain_a100_multi_node.csv")
+MEASURED_KERNELS = Kernels.MEGATRON_LM
+"""The layer the rows ran, which they are priced as."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,13 @@ class Row:
             f"gb={self.plan.global_batch} "
             f"mb={self.plan.micro_batch} tp={p.stages[0].tp} dp={p.count} pp={len(p.stages)}"
         )
+
+
+def predict_row(row: Row, calibration: Calibration | None = None) -> Prediction:
+    """The prediction of ``row``'s run, its layers priced as Megatron-LM's (MEASURED_KERNELS)."""
+    return predict(
+        row.plan, row.cluster, row.model, calibration=calibration, kernels=MEASURED_KERNELS
+    )
 
 
 def load_rows(data: Path = DATA) -> list[Row]:

@@ -10,13 +10,12 @@ from collections import defaultdict
 
 from benchmark_scripts import load_benchmark
 
-from hethub.predictor import predict
-
 
 def test_mape_on_each_measured_file_is_at_most_8_percent():
     errors = defaultdict(list)
-    for row in load_benchmark("vtrain_rows").load_rows():
-        predicted = predict(row.plan, row.cluster, row.model).iteration_time_s
+    rows = load_benchmark("vtrain_rows")
+    for row in rows.load_rows():
+        predicted = rows.predict_row(row).iteration_time_s
         errors[row.file].append(abs(predicted - row.measured_s) / row.measured_s)
     assert set(errors) == {"vtrain_a100_single_node.csv", "vtrain_a100_multi_node.csv"}
     for name, values in errors.items():

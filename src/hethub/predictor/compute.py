@@ -119,11 +119,14 @@ def layer_cost(
     recompute: Recompute,
     tp_allreduce_s: float,
     precision: Precision,
+    kernels: Kernels | None = None,
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices: spec.layer_ops'
-    inventory of the runtime's layer, priced pass by pass (pass_time). With full recomputation
-    the backward runs the forward again first."""
-    ops = layer_ops(model, tp, micro_batch, precision, kernels_of(accelerator), recompute)
+    inventory of the layer, priced pass by pass (pass_time). With full recomputation the
+    backward runs the forward again first. ``kernels``: the layer that ran (Kernels.MEGATRON_LM
+    for Megatron-LM's runs); None, the runtime's on the device's own (kernels_of)."""
+    kernels = kernels or kernels_of(accelerator)
+    ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute)
     return WorkCost(
         pass_time(ops.forward, accelerator, cal, precision, tp_allreduce_s),
         pass_time(ops.backward, accelerator, cal, precision, tp_allreduce_s),

@@ -33,6 +33,7 @@ from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
 from hethub.report.timeline import TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision
@@ -91,6 +92,7 @@ def predict(
     calibration: Calibration | None = None,
     timeline: bool = False,
     profiles: Profiles | None = None,
+    kernels: Kernels | None = None,
 ) -> Prediction:
     """Predict iteration time, throughput and memory of ``plan`` (checked with check_plan) on
     ``cluster``.
@@ -98,6 +100,8 @@ def predict(
     ``profiles``: measured profiles under the job's run conditions (Profiles.select); what they
     have for a group's accelerator replaces the analytic model's cost (see predictor.profiled),
     what they lack stays analytic. A group's emulated ``speed`` divides its compute times.
+    ``kernels``: the layer that ran, where a prediction prices another trainer's runs (the
+    measured Megatron-LM rows: Kernels.MEGATRON_LM); None, hethub's on each device's own.
     """
     cal = calibration or default_calibration()
     check_precision(
@@ -105,7 +109,7 @@ def predict(
     )
     if profiles is not None:
         profiles = profiled.for_precision(profiles, plan.precision)
-    pricing = pricing_for(cal, profiles)
+    pricing = pricing_for(cal, profiles, kernels)
     costs = [
         _layout_costs(pipeline, blocks, plan, cluster, model, pricing)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))

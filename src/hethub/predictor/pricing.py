@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hethub.predictor import comm, profiled
@@ -21,6 +21,7 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 
@@ -123,12 +124,15 @@ class Pricing(ABC):
 
 
 @functools.lru_cache(maxsize=64)
-def pricing_for(calibration: Calibration, profiles: Profiles | None) -> Pricing:
+def pricing_for(
+    calibration: Calibration, profiles: Profiles | None, kernels: Kernels | None = None
+) -> Pricing:
     """The pricing of ``profiles`` (selected under the job's run conditions, in the plan's
-    dtype) where there are any, else the analytic model's."""
+    dtype) where there are any, else the analytic model's; its layers priced as ``kernels``
+    run them (None: the runtime's layer on each device's own, compute.kernels_of)."""
     if profiles is None:
-        return AnalyticPricing(calibration)
-    return ProfiledPricing(calibration, profiles)
+        return AnalyticPricing(calibration, kernels=kernels)
+    return ProfiledPricing(calibration, profiles, kernels=kernels)
 
 
 @dataclass(frozen=True)  # no slots: ProfiledPricing's methods call super()
@@ -136,9 +140,12 @@ class AnalyticPricing(Pricing):
     """Every cost from the analytic model."""
 
     calibration: Calibration
+    kernels: Kernels | None = field(default=None, kw_only=True)
+    """The layer that ran, where it is not the runtime's on the device's own kernels (the
+    measured Megatron-LM runs: Kernels.MEGATRON_LM)."""
 
     def work(self, group: DeviceGroup, shape: StageShape) -> StageTimes:
-        return _at_speed(group, _analytic_work(group, self.calibration, shape))
+        return _at_speed(group, _analytic_work(group, self.calibration, shape, self.kernels))
 
     def send(self, boundary: Boundary) -> SendTimes:
         # The gradient takes as long as the activation; each TP rank sends its share.
@@ -204,11 +211,15 @@ class AnalyticPricing(Pricing):
             shape.recompute,
             shape.precision,
             optimizer_shards,
-            kernels_of(group.accelerator),
+            self.kernels_on(group),
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
         return None
+
+    def kernels_on(self, group: DeviceGroup) -> Kernels:
+        """The kernels ``group``'s layers are priced as running."""
+        return self.kernels or kernels_of(group.accelerator)
 
     def core_sharing(
         self, plan: Plan, cluster: ClusterSpec, model: ModelSpec
@@ -279,7 +290,7 @@ class ProfiledPricing(AnalyticPricing):
             recompute=shape.recompute,
             precision=shape.precision,
             optimizer_shards=optimizer_shards,
-            kernels=kernels_of(group.accelerator),
+            kernels=self.kernels_on(group),
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
@@ -317,14 +328,19 @@ def _at_speed(group: DeviceGroup, times: StageTimes) -> StageTimes:
 
 
 @functools.lru_cache(maxsize=65536)
-def _analytic_work(group: DeviceGroup, cal: Calibration, shape: StageShape) -> StageTimes:
-    """One micro-batch through a stage, from the analytic model."""
+def _analytic_work(
+    group: DeviceGroup, cal: Calibration, shape: StageShape, kernels: Kernels | None
+) -> StageTimes:
+    """One micro-batch through a stage, from the analytic model, its layers run on ``kernels``
+    (None: the device's own)."""
     model, tp, micro_batch, precision = shape.model, shape.tp, shape.micro_batch, shape.precision
     acc = group.accelerator
     tp_allreduce = comm.group_allreduce_time(
         micro_batch * model.seq_len * model.hidden * precision.element_bytes, tp, group, cal
     )
-    layer = layer_cost(model, acc, cal, tp, micro_batch, shape.recompute, tp_allreduce, precision)
+    layer = layer_cost(
+        model, acc, cal, tp, micro_batch, shape.recompute, tp_allreduce, precision, kernels
+    )
     forward, backward = shape.layers * layer.forward_s, shape.layers * layer.backward_s
     if shape.position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
         embed = embedding_cost(model, acc, cal, tp, micro_batch, precision)

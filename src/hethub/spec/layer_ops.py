@@ -25,6 +25,8 @@ and back) and LayerNorm keeps its statistics in the input's dtype; on an acceler
 one fused kernel each way (aten._fused_rms_norm) and both norms keep fp32 statistics. Only the
 CPU's side is checked against a trace here (no GPU in CI); the accelerator's norm and attention
 names follow torch's CUDA dispatch (flash attention in bf16, memory-efficient attention in fp32).
+A third description, Kernels.MEGATRON_LM, is not hethub's layer: it is Megatron-LM's GPT layer,
+which the measured A100 runs (measurements/a100) ran, so that they are priced as what ran.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ import enum
 import functools
 from dataclasses import dataclass
 
+from hethub.errors import HethubError
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
 FP32_BYTES = 4
 """Norm statistics, the CPU RMSNorm's working copy and the attention's log-sum-exp are fp32."""
+MASK_BYTES = 1
+"""A dropout mask (Megatron-LM's layer): one bool a element."""
 
 
 class Kernels(enum.StrEnum):
@@ -48,6 +53,11 @@ class Kernels(enum.StrEnum):
     """torch's CPU kernels: RMSNorm as separate fp32 operations, flash attention for the CPU."""
     FUSED = "fused"
     """An accelerator's: fused RMSNorm, flash (bf16) or memory-efficient (fp32) attention."""
+    MEGATRON_LM = "megatron-lm"
+    """Not hethub's layer: Megatron-LM's GPT layer as the measured A100 runs launched it (no
+    flash attention; the scores in memory; fused softmax, bias-GELU and bias-dropout-add).
+    Described from its code and Korthikanti et al. 2022, not traced: there is no Megatron here.
+    GPT only; never a device's own kernels (of_vendor), only a prediction's told so."""
 
     @classmethod
     def of_vendor(cls, vendor: str) -> Kernels:
@@ -383,7 +393,135 @@ def layer_ops(
         kernels=kernels,
         gpt=model.arch == "gpt",
     )
-    layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
+    if kernels is Kernels.MEGATRON_LM:
+        layer = _megatron_gpt_layer(x, model.arch)
+    else:
+        layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
     if recompute is Recompute.FULL:
         return LayerOps(layer.forward, layer.forward + layer.backward, 0)
     return LayerOps(layer.forward, layer.backward, layer.saved)
+
+
+# Megatron-LM's GPT layer (Kernels.MEGATRON_LM), as the measured A100 runs launched it: LayerNorm
+# (apex's fused kernel); the QKV GEMM with its bias; q, k and v laid out for the batched GEMMs (3
+# copies); the scores Q K^T over every query-key pair (baddbmm, the mask comes after); the fused
+# scale-mask-softmax; dropout on the probabilities with its 1-byte mask; the values GEMM (bmm);
+# the context laid back out (1 copy); the projection GEMM without its bias, which the fused
+# bias-dropout-add adds; LayerNorm; fc1 without its bias; the fused bias-GELU; fc2; the fused
+# bias-dropout-add. 17 operations forward, as the predictor counted them before hethub's own layer
+# was inventoried (the tensor-parallel all-reduces aside). It keeps what Korthikanti et al. 2022,
+# eq. 2 counts, sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte elements, and nothing else (their
+# count leaves out the LayerNorms' fp32 statistics, 16 bytes a token: so does this).
+
+
+def batched_gemm(name: str, batch: int, rows: int, inner: int, cols: int, element: int) -> Op:
+    """``batch`` products (rows x inner) @ (inner x cols) in one kernel (bmm, baddbmm)."""
+    read = batch * (rows * inner + inner * cols) * element
+    flops = 2 * batch * rows * inner * cols
+    return Op(name, OpKind.GEMM, read, batch * rows * cols * element, flops, min(rows, inner, cols))
+
+
+def _megatron_linear(
+    x: _Shape, inputs: int, outputs: int, *, row_parallel: bool, bias_in_gemm: bool
+) -> _Piece:
+    """A Megatron linear: its GEMM (with the bias where the next kernel does not add it), the
+    row-parallel all-reduce of its output forward or the column-parallel one of its input's
+    gradient backward, its two gradient GEMMs and its bias's gradient (a sum over the tokens)."""
+    e, collective = x.element, x.tp > 1
+    forward = [gemm(x.tokens, inputs, outputs, e, bias=bias_in_gemm)]
+    if row_parallel and collective:
+        forward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(outputs), x.bytes(outputs)))
+    backward = [
+        gemm(x.tokens, outputs, inputs, e),
+        gemm(outputs, x.tokens, inputs, e),
+        memory("sum", x.bytes(outputs), outputs * e),
+    ]
+    if not row_parallel and collective:
+        backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
+    return _Piece(tuple(forward), tuple(backward), 0)
+
+
+def _megatron_layer_norm(x: _Shape) -> _Piece:
+    """apex's fused LayerNorm, and the sum of the residual stream's two gradients after its
+    backward. It keeps its input (its output is kept by the GEMM that reads it)."""
+    h, e, act = x.hidden, x.element, x.bytes(x.hidden)
+    stats = 2 * x.tokens * FP32_BYTES
+    forward = (memory("fused_layer_norm", act + 2 * h * e, act + stats),)
+    backward = (
+        memory("fused_layer_norm_backward", 2 * act + stats + 2 * h * e, act + 2 * h * e),
+        memory("add", 2 * act, act),
+    )
+    return _Piece(forward, backward, act + act)
+
+
+def _bias_dropout_add(x: _Shape) -> _Piece:
+    """The fused residual + dropout(y + bias): it keeps only its mask. Backward: the mask
+    applied to the gradient (the residual's gradient passes through as it is)."""
+    h, e, act = x.hidden, x.element, x.bytes(x.hidden)
+    mask = x.tokens * h * MASK_BYTES
+    forward = (memory("bias_dropout_add", 2 * act + h * e, act + mask),)
+    backward = (memory("bias_dropout_add_backward", act + mask, act),)
+    return _Piece(forward, backward, mask)
+
+
+def _megatron_core_attention(x: _Shape) -> _Piece:
+    """q, k, v laid out, scores, fused softmax, dropout, values, the context laid back out. It
+    keeps q, k and v, the probabilities, the dropout's mask and output, and the context."""
+    e, s, d, batch = x.element, x.seq, x.head_dim, x.batch * x.heads
+    scores, mask, width = batch * s * s * e, batch * s * s * MASK_BYTES, x.bytes(x.q)
+    copy = memory("clone", width, width)
+    scale = memory("mul", width, width)  # by baddbmm's alpha, 1/sqrt(d), in its backward
+    forward = (
+        copy,
+        copy,
+        copy,
+        batched_gemm("baddbmm", batch, s, d, s, e),
+        memory("scaled_upper_triang_masked_softmax", scores, scores),
+        memory("native_dropout", scores, scores + mask),
+        batched_gemm("bmm", batch, s, s, d, e),
+        copy,
+    )
+    backward = (
+        copy,  # the context's gradient laid out for the values GEMM's
+        batched_gemm("bmm", batch, s, d, s, e),  # the probabilities' gradient: dC V^T
+        batched_gemm("bmm", batch, s, s, d, e),  # v's: P^T dC
+        memory("native_dropout_backward", scores + mask, scores),
+        memory("scaled_upper_triang_masked_softmax_backward", 2 * scores, scores),
+        batched_gemm("bmm", batch, s, s, d, e),  # q's: dS K
+        scale,
+        batched_gemm("bmm", batch, s, s, d, e),  # k's: dS^T Q
+        scale,
+        copy,
+        copy,
+        copy,  # q's, k's and v's gradients laid back into the QKV output's
+    )
+    return _Piece(forward, backward, 3 * width + 2 * scores + mask + width)
+
+
+def _megatron_gpt_layer(x: _Shape, arch: str) -> _Piece:
+    """Megatron-LM's GPT layer (Kernels.MEGATRON_LM); the fc1 and fc2 inputs and the GELU's
+    input are kept, the MLP's activation by the fused bias-GELU."""
+    if not x.gpt:
+        raise HethubError(
+            f"kernels {Kernels.MEGATRON_LM.value!r} describe Megatron-LM's GPT layer (the measured "
+            f"A100 runs'), not a {arch!r} layer: price a {arch!r} model with its device's kernels"
+        )
+    h, f, e = x.hidden, x.ffn, x.element
+    fc1 = x.bytes(f)
+    bias_gelu = _Piece(
+        (memory("bias_gelu", fc1 + f * e, fc1),),
+        (memory("bias_gelu_backward", 2 * fc1 + f * e, fc1),),
+        fc1 + fc1,  # the GELU's input, and its output (fc2's input)
+    )
+    return _join(
+        _megatron_layer_norm(x),
+        _megatron_linear(x, h, x.q + 2 * x.kv, row_parallel=False, bias_in_gemm=True),
+        _megatron_core_attention(x),
+        _megatron_linear(x, x.q, h, row_parallel=True, bias_in_gemm=False),
+        _bias_dropout_add(x),
+        _megatron_layer_norm(x),
+        _megatron_linear(x, h, f, row_parallel=False, bias_in_gemm=False),
+        bias_gelu,
+        _megatron_linear(x, f, h, row_parallel=True, bias_in_gemm=False),
+        _bias_dropout_add(x),
+    )
