@@ -1,7 +1,10 @@
 """Fit the predictor's physical parameters (the `calibration:` block of the catalog) to the
 measured A100 iterations of measurements/a100.
 
-Usage: python benchmarks/calibrate.py [--iterations N]
+Usage: python benchmarks/calibrate.py [--iterations N] [--hold NAME=VALUE ...]
+
+``--hold`` keeps a parameter at a value known from the hardware instead of fitting it (a fraction
+that a free fit drives to its bound, 1.0, is compensating for something else).
 Prints the fitted values as YAML to paste into src/hethub/data/catalog.yaml. The objective is the
 mean of the per-file MAPEs, so that the 41 multi-node rows weigh as much as the 1,440 single-node
 ones. Needs SciPy (`pip install scipy`); the predictor itself does not.
@@ -39,13 +42,17 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1500)
+    parser.add_argument(
+        "--hold", action="append", default=[], metavar="NAME=VALUE", help="not fitted"
+    )
     args = parser.parse_args()
     rows = load_rows()
-    start = default_calibration()
-    names = [f.name for f in dataclasses.fields(Calibration) if f.init]
+    held = {name: float(value) for name, value in (h.split("=", 1) for h in args.hold)}
+    start = dataclasses.replace(default_calibration(), **held)
+    names = [f.name for f in dataclasses.fields(Calibration) if f.init and f.name not in held]
 
     def to_cal(x) -> Calibration:
-        values = {}
+        values = dict(held)
         for name, v in zip(names, x):
             values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
         return Calibration(**values)
@@ -72,8 +79,8 @@ def main() -> int:
     fitted = to_cal(result.x)
     print(f"fitted: {per_file_mape(fitted, rows)}", file=sys.stderr)
     print("calibration:")
-    for name in names:
-        print(f"  {name}: {getattr(fitted, name):.4g}")
+    for name in (f.name for f in dataclasses.fields(Calibration) if f.init):
+        print(f"  {name}: {getattr(fitted, name):.4g}{'  (held)' if name in held else ''}")
     return 0
 
 
