@@ -19,9 +19,9 @@ attention scores, no softmax-dropout mask) and no sequence parallelism, per laye
        SiLU from, and the down projection's input (2 f / h), f = ffn_hidden:
        sbh (10 + (4 + 4 kv_heads / heads + 6 f / h) / t), which is GPT's 10 + 24 / t at
        f = 8h/3 without grouped-query attention.
-The predictor's figure is for this CPU's kernels (its RMSNorm keeps an fp32 copy of its input
-and of the normalised input); the accelerator's, also printed, is spec.layer_ops' for fused
-RMSNorm, unmeasured here.
+The predictor's figure is for this CPU's kernels; the accelerator's, also printed, is
+spec.layer_ops' for fused RMSNorm (which keeps what the runtime's CPU RMSNorm keeps: the input
+and the fp32 rstd), unmeasured here.
 
 Usage: python benchmarks/activation_memory.py [--micro-batch 2] [--no-tp2]
 """

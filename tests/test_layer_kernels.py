@@ -18,8 +18,9 @@ from hethub.spec.parameters import fused_parts
 # How many operations more than the plain layer hethub's may ask for: none. Its rotation (a roll
 # and an addcmul on sign-folded tables, 3 operations forward) is shorter than the textbook
 # rotate_half (neg, cat, two products and a sum), and nothing else may be longer. Measured with
-# torch 2.13 on the CPU: 82-92 operations against the plain layer's 93-103 (94-109 against
-# 108-124 with separate q, k, v, gate and up GEMMs; 122-140 before issue 26's layer work).
+# torch 2.13 on the CPU: 73-83 operations against the plain layer's 93-103 (82-92 with torch's
+# CPU RMSNorm and autograd's SwiGLU; 94-109 against 108-124 with separate q, k, v, gate and up
+# GEMMs; 122-140 before issue 26's layer work).
 EXTRA_OPS = 0
 
 

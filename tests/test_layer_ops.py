@@ -25,6 +25,8 @@ from hethub.spec.plan import Precision, Recompute
 
 GEMMS = {"mm", "addmm"}
 COLLECTIVES = {"allreduce_"}
+ALLOCATIONS = {"empty", "empty_like", "empty_strided"}
+"""Operations that only allocate: they read and write no bytes."""
 
 
 def spec(arch: str, *, hidden=64, heads=4, kv_heads=4, ffn=None, seq=16) -> ModelSpec:
@@ -58,7 +60,11 @@ def traced_op(func, args: tuple, kwargs: dict, out) -> Op:
     """``func``'s call as spec.layer_ops describes one: bytes of every tensor read and written,
     a GEMM's FLOPs from its operands' shapes, causal attention's from q's."""
     name = func.overloadpacket.__name__
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if name in ALLOCATIONS:
+        return Op(name, OpKind.MEMORY, 0, 0)
+    out_args = {arg.name for arg in func._schema.arguments if arg.is_out}  # written, not read
+    read_kwargs = {key: value for key, value in kwargs.items() if key not in out_args}
+    inputs = [t for t in tree_flatten((args, read_kwargs))[0] if isinstance(t, torch.Tensor)]
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     read = sum(map(addressed_bytes, inputs))
     written = sum(map(addressed_bytes, outputs))

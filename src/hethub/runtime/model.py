@@ -56,10 +56,81 @@ def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 
 
 NORM_EPS = 1e-5
-"""RMSNorm's epsilon, Llama's. The norm is torch's (nn.RMSNorm, F.rms_norm, which calls
-aten._fused_rms_norm): one kernel each way on CUDA; on the CPU (torch 2.13) separate operations
-that upcast to fp32 (a bf16 mean of squares loses the small ones), apply the weight in fp32 and
-round once to the input's dtype. Its weight must be in the input's dtype, as the stage's are."""
+"""RMSNorm's epsilon, Llama's."""
+
+
+class _CpuRmsNorm(torch.autograd.Function):
+    """RMSNorm over the last dimension as torch computes it (upcast to fp32: a bf16 mean of
+    squares loses the small ones; normalise, apply the weight in fp32, round once to the input's
+    dtype), keeping for backward what an accelerator's fused kernel keeps: the input in its own
+    dtype and the fp32 rstd, one float a row. torch 2.13's CPU RMSNorm is a composite of
+    separate operations whose autograd keeps an fp32 copy of the input and the normalised input
+    besides (6 bytes an element more in bf16); this backward rebuilds the normalised input
+    from the input and rstd instead, in fp32, as the fused backward does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()  # (..., h); x itself in fp32
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd).mul_(weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normalised = x.float() * rstd  # n, (..., h) fp32
+        # dy * n in fp32 (a bf16 dy is read as fp32, not copied): the weight's gradient per token
+        product = grad_out * normalised
+        grad_weight = product.sum(tuple(range(grad_out.dim() - 1))).to(weight.dtype)
+        along = product.mul_(weight).mean(-1, keepdim=True)  # mean(g n), g = dy * w; (..., 1)
+        del product  # two (..., h) fp32 tensors alive at most
+        # d/dx of x * rstd(x): rstd (g - n mean(g n)), made in n's place
+        grad_x = normalised.mul_(along.neg_()).addcmul_(grad_out, weight).mul_(rstd)
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (its weight, its eps) that keeps no more for backward on the CPU than on an
+    accelerator. Elsewhere it is torch's own, F.rms_norm, which calls aten._fused_rms_norm: one
+    kernel each way, keeping the input and the fp32 rstd. On the CPU it is _CpuRmsNorm: the same
+    numbers as torch's CPU composite, forward; its gradients within fp32 rounding of it. Its
+    weight must be in the input's dtype, as the stage's are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return super().forward(x)
+        return _CpuRmsNorm.apply(x, self.weight, self.eps)
+
+
+class _SwiGlu(torch.autograd.Function):
+    """SiLU(gate) * up of the gate|up GEMM's output (..., 2f), gate its first half: keeping for
+    backward only that output, as Megatron-LM's fused SwiGLU does. Autograd's SiLU and multiply
+    would keep SiLU's output besides (f elements a token); the backward recomputes it instead,
+    one elementwise operation. The gradient is one (..., 2f) tensor, what the GEMM's backward
+    reads, each half written in place: no concatenation, and no more than it alive at once
+    besides the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # (..., f) views
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():
+            # dynamo refuses out= into the halves (strided views); inductor fuses this anyway
+            grad_up = F.silu(gate).mul_(grad_out)
+            return torch.cat([torch.ops.aten.silu_backward(grad_out * up, gate), grad_up], -1)
+        grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        grad_gate, grad_up = grad.chunk(2, dim=-1)
+        torch.mul(grad_out, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        torch.ops.aten.silu.out(gate, out=grad_up)
+        grad_up.mul_(grad_out)
+        return grad  # (..., 2f)
 
 
 def shard(param: Parameter, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -166,7 +237,7 @@ class Layer(nn.Module):
         super().__init__()
         self.spec = spec
         size, gpt, h = tp_size(group), spec.arch == "gpt", spec.hidden
-        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: nn.RMSNorm(h, eps=NORM_EPS))
+        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: RMSNorm(h, eps=NORM_EPS))
         self.norm1, self.norm2 = norm(), norm()
         if not gpt:
             self.rotary = rotary if rotary is not None else Rotary(spec.head_dim, spec.seq_len)
@@ -202,8 +273,7 @@ class Layer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
             return self.fc2(F.gelu(self.fc1(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, f/tp) each
-        return self.down(F.silu(gate) * up)
+        return self.down(_SwiGlu.apply(self.gate_up(x)))  # (B, T, 2f/tp) -> (B, T, f/tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -232,7 +302,7 @@ class Stage(nn.Module):
         )
         if is_last:
             self.final_norm = (
-                nn.LayerNorm(spec.hidden) if gpt else nn.RMSNorm(spec.hidden, eps=NORM_EPS)
+                nn.LayerNorm(spec.hidden) if gpt else RMSNorm(spec.hidden, eps=NORM_EPS)
             )
             # gpt ties the head to the embedding: on a stage without the embedding it keeps a copy,
             # whose gradient the runtime adds to the embedding's.

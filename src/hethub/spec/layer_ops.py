@@ -18,7 +18,8 @@ the down projection; residual add.
 
 Bytes of an operation: each tensor it reads or writes, counted once for every element it
 addresses (a broadcast dimension, of stride 0, counts once). An operation writing in place
-writes its input. Structure only: shapes and dtypes; no device speed lives here.
+writes its input; one writing into an ``out=`` tensor writes it without reading it; an
+allocation (empty) moves none. Structure only: shapes and dtypes; no device speed lives here.
 
 Kernels: on the CPU (torch 2.13), RMSNorm runs as separate operations in fp32 (upcast from bf16
 and back) and LayerNorm keeps its statistics in the input's dtype; on an accelerator RMSNorm is
@@ -205,9 +206,8 @@ def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool) -> _Pie
 
 def _norm(x: _Shape) -> _Piece:
     """LayerNorm (GPT) or RMSNorm (Llama) over the hidden features, with its weight's (and
-    bias's) gradient, and what it and its output keep: its input and statistics (RMSNorm on the
-    CPU: its fp32 input and the normalised input, which its weight's gradient needs), and its
-    output, which the next GEMM keeps."""
+    bias's) gradient, and what it and its output keep: its input and statistics, and its output,
+    which the next GEMM keeps."""
     h, e, rows = x.hidden, x.element, x.tokens
     act, stat_bytes = x.bytes(h), (e if x.kernels is Kernels.CPU else FP32_BYTES)
     if x.gpt:
@@ -226,47 +226,43 @@ def _norm(x: _Shape) -> _Piece:
 
 
 def _cpu_rms_norm(x: _Shape) -> _Piece:
-    """torch's CPU RMSNorm (F.rms_norm's composite): x^2, mean, + eps, rsqrt, x * rstd, * w, in
-    fp32 (a bf16 input is cast up first and the output cast back), and autograd's backward of
-    each of those operations."""
+    """The runtime's CPU RMSNorm (runtime.model.RMSNorm; torch's is a composite there): x^2,
+    mean, + eps, rsqrt, x * rstd, * w, in fp32 (a bf16 input is cast up first and the output
+    cast back); backward, from the input and rstd, the normalised input again, the weight's
+    gradient and the input's, in fp32. It keeps what the fused kernel keeps: its input and rstd."""
     h, e = x.hidden, x.element
     full, row, weight = x.bytes(h, FP32_BYTES), x.tokens * FP32_BYTES, h * e
-    cast = e != FP32_BYTES
+    dy, cast = x.bytes(h), e != FP32_BYTES
     forward = [
         memory("pow", full, full),
         memory("mean", full, row),
         memory("add_", row, row),
         memory("rsqrt", row, row),
         memory("mul", full + row, full),  # x * rstd
-        memory("mul", full + weight, full),  # * w
+        memory("mul_", full + weight, full),  # * w
     ]
     backward = [
-        memory("mul", 2 * full, full),  # dy * normalised: the weight's gradient, per token
-        memory("mul", full + weight, full),  # dy * w
+        memory("mul", full + row, full),  # the normalised input n = x * rstd, again
+        memory("mul", dy + full, full),  # dy * n: the weight's gradient, per token
         memory("sum", full, h * FP32_BYTES),
-        memory("mul", 2 * full, full),  # (dy w) * x
-        memory("mul", full + row, full),  # (dy w) * rstd
-        memory("sum", full, row),
-        memory("pow", row, row),  # rstd^3
-        memory("mul", row, row),  # * -1/2
-        memory("mul", 2 * row, row),
-        memory("div", row, full),  # spread over the mean's features
-        memory("pow", full, full),  # x^1, the square's derivative
-        memory("mul", full, full),  # * 2
-        memory("mul", 2 * full, full),
-        memory("add", 2 * full, full),  # x's two gradients: through the mean and through x*rstd
+        memory("mul_", full + weight, full),  # dy * n * w = g * n
+        memory("mean", full, row),
+        memory("neg_", row, row),
+        memory("mul_", full + row, full),  # n * -mean(g n)
+        memory("addcmul_", full + dy + weight, full),  # + dy * w = g
+        memory("mul_", full + row, full),  # * rstd
     ]
     if cast:
         low = x.bytes(h)
         forward = [memory("_to_copy", low, full), *forward, memory("_to_copy", full, low)]
         backward = [
-            memory("_to_copy", low, full),
+            memory("_to_copy", low, full),  # the input
             *backward,
             memory("_to_copy", h * FP32_BYTES, weight),  # the weight's gradient
             memory("_to_copy", full, low),
         ]
-    # Its fp32 input (the layer's own in fp32), rstd, x * rstd, and its output.
-    return _Piece(tuple(forward), tuple(backward), 2 * full + row + x.bytes(h))
+    # Its input, rstd, and its output, which the next GEMM keeps.
+    return _Piece(tuple(forward), tuple(backward), x.bytes(h) + row + x.bytes(h))
 
 
 def _rotary(x: _Shape, width: int) -> _Piece:
@@ -331,23 +327,24 @@ def _attention(x: _Shape) -> _Piece:
 
 
 def _mlp(x: _Shape) -> _Piece:
-    """GPT: fc1, GELU, fc2; it keeps fc1's output and GELU's. Llama: one gate|up GEMM chunked
-    in two, SiLU(gate) * up, down; it keeps the gate|up output (whole, through its views), the
-    SiLU output and the product."""
+    """GPT: fc1, GELU, fc2; it keeps fc1's output and GELU's. Llama: one gate|up GEMM, SiLU(gate)
+    * up of its halves, down; it keeps the gate|up output and the product (not SiLU's output,
+    which the backward recomputes, as Megatron-LM's fused SwiGLU does)."""
     h, f, act = x.hidden, x.ffn, x.bytes(x.ffn)
     if x.gpt:
         gelu = _Piece((memory("gelu", act, act),), (memory("gelu_backward", 2 * act, act),), 0)
         first, second = _linear(x, h, f, row_parallel=False), _linear(x, f, h, row_parallel=True)
         return _join(first, gelu, second, _Piece((), (), 2 * act))
-    swiglu = _Piece(
-        (memory("silu", act, act), memory("mul", 2 * act, act)),
+    swiglu = _Piece(  # runtime.model._SwiGlu, on every device
+        (memory("silu", act, act), memory("mul_", 2 * act, act)),
         (
-            memory("mul", 2 * act, act),  # d silu = dy * up
-            memory("mul", 2 * act, act),  # d up = dy * silu
-            memory("silu_backward", 2 * act, act),
-            memory("cat", 2 * act, 2 * act),  # the chunks' gradients, one tensor
+            memory("empty", 0, 0),  # the gradient, both halves
+            memory("mul", 2 * act, act),  # dy * up, into the gate's half
+            memory("silu_backward", 2 * act, act),  # there, in place: d gate
+            memory("silu", act, act),  # SiLU(gate) again, into the up's half
+            memory("mul_", 2 * act, act),  # times dy: d up
         ),
-        2 * act + act + act,  # gate|up, SiLU(gate), the product
+        2 * act + act,  # gate|up, the product
     )
     first, second = _linear(x, h, 2 * f, row_parallel=False), _linear(x, f, h, row_parallel=True)
     return _join(first, swiglu, second)
