@@ -292,15 +292,15 @@ def test_last_stage_prices_its_loss_at_its_highest_moment():
     for t, precision in ((1, BF16), (2, Precision.FP32)):
         element = precision.element_bytes
         logits = tokens * v / t * element
-        # RMSNorm on the CPU (torch's fp32 composite): its fp32 input, normalised input and
-        # rstd, and its output in the compute dtype
-        norm = tokens * h * (8 + element) + tokens * 4
+        # RMSNorm on the CPU (runtime.model.RMSNorm): its input, the fp32 rstd, and its output
+        # (the head's GEMM keeps it), as the fused kernel keeps
+        norm = 2 * tokens * h * element + tokens * 4
         cast = logits if element == 2 else 0
         loss = norm + logits + tokens * 4 + tokens * v / t * 4 + cast
         head = norm + 2 * logits + v / t * h * element + tokens * h * element
         # from the head's backward on, its weight's gradient (autograd's until the backward's end)
         head_grad = v / t * h * element
-        final_norm = logits + tokens * h * 4 + 5 * tokens * h * 4 + head_grad
+        final_norm = logits + tokens * h * element + 2 * tokens * h * 4 + head_grad
         # then a layer's MLP backward: two (N, ffn/t) gradients and the layer's output's
         layer = logits + 2 * tokens * LLAMA.ffn_hidden / t * element + tokens * h * element
         layer += head_grad

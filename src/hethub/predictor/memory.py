@@ -174,26 +174,16 @@ def _norm_bytes(
     counts a layer's norms; what its backward holds at once besides. One kernel each way
     (LayerNorm; RMSNorm on an accelerator): it keeps its input and per-row statistics (fp32; in
     the input's dtype for LayerNorm on the CPU), and its backward makes the input's gradient.
-    RMSNorm on the CPU is torch's composite in fp32 (runtime.model.NORM_EPS): it keeps its input
-    in fp32 (an fp32 input itself, a bf16 one as an fp32 copy), the normalised input (fp32) and
-    the fp32 rstd, and its backward holds five fp32 (tokens, h) tensors at once (the gradient,
-    and the pow, div and mul terms of the rstd's)."""
+    RMSNorm on the CPU (runtime.model.RMSNorm) keeps what the fused kernel keeps, and its
+    backward, in fp32, holds two fp32 (tokens, h) tensors at once (the normalised input, made
+    into the input's gradient in place, and its product with the output's gradient)."""
     rows = tokens * model.hidden
     element = precision.element_bytes
     cpu = kernels is Kernels.CPU
-    if model.arch == "gpt" or not cpu:
-        stats = (2 if model.arch == "gpt" else 1) * tokens
-        stat_bytes = element if cpu else FP32_BYTES
-        return rows * 2 * element + stats * stat_bytes, rows * element
-    return rows * (2 * FP32_BYTES + element) + tokens * FP32_BYTES, 5 * rows * FP32_BYTES
-
-
-def _layer_keeps_its_input(model: ModelSpec, precision: Precision, kernels: Kernels) -> bool:
-    """A layer's first norm keeps the layer's input itself (_norm_bytes), so a stage's received
-    activation is among its layers' saved bytes: not where llama's norm on the CPU keeps an fp32
-    copy of a bf16 input."""
-    cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
-    return not cpu_copy or precision.element_bytes == FP32_BYTES
+    stats = (2 if model.arch == "gpt" else 1) * tokens
+    stat_bytes = element if cpu and model.arch == "gpt" else FP32_BYTES
+    backward = 2 * rows * FP32_BYTES if cpu and model.arch == "llama" else rows * element
+    return rows * 2 * element + stats * stat_bytes, backward
 
 
 def loss_bytes(
@@ -253,10 +243,8 @@ class _LastStageMoments:
         # The head's backward: the logits' gradient, the head's weight gradient, the final
         # norm's output gradient.
         head = logits + vocab * model.hidden * element + hidden
-        # The final norm's backward: of what it kept, its input (an fp32 copy for llama on the
-        # CPU: _norm_bytes) is held to the end.
-        cpu_copy = model.arch == "llama" and kernels is Kernels.CPU
-        norm_input = tokens * model.hidden * (FP32_BYTES if cpu_copy else element)
+        # The final norm's backward: of what it kept, its input is held to the end.
+        norm_input = hidden
         # From the head's backward on, its weight's gradient is autograd's own tensor until the
         # backward's end, when the main gradients take it (runtime.precision: every backward in
         # bf16, a step's first in fp32).
@@ -301,11 +289,6 @@ def buffer_bytes(
     recomputation."""
     hidden = micro_batch * model.seq_len * model.hidden * precision.element_bytes
     boundary = 0.0
-    if not position.first and recompute != Recompute.FULL:
-        # The received activations, kept until their backward (a checkpointed chunk's are
-        # counted by layers_bytes), where the first layer keeps no copy of them itself.
-        keeps = _layer_keeps_its_input(model, precision, kernels)
-        boundary += 0 if keeps else in_flight * hidden
     if position.last:
         full = recompute == Recompute.FULL
         return boundary + loss_bytes(
