@@ -96,6 +96,7 @@ class Held:
 def measure_rank(rank: int, world: int, model_name: str, fields: dict) -> Held:
     """Run by each rank (run_ranks): one step to make the optimizer's state, then one counted."""
     from hethub.profiler.live_bytes import LiveBytes
+    from hethub.profiler.measure import saved_bytes
     from hethub.runtime.engine import Engine
     from hethub.spec.topology import build_topology
 
@@ -116,26 +117,8 @@ def measure_rank(rank: int, world: int, model_name: str, fields: dict) -> Held:
         state=state,
         schedule_peak=schedule.peak,
         update_peak=update.peak,
-        layer_saved=_saved_bytes(layers[0], x) if layers else 0,
+        layer_saved=saved_bytes(layers[0], x) if layers else 0,
     )
-
-
-def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages a forward of ``module`` on ``x`` keeps for its backward,
-    its input included, its parameters and buffers not (profiler.measure.saved_bytes counts the
-    buffers: a llama layer's rotary tables, which its stage holds once, in its state)."""
-    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in held:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(x.detach().requires_grad_())
-    return sum(kept.values())
 
 
 def measured_layers_bytes(plan, model, stage, held: Held, in_flight: float) -> float:
