@@ -16,7 +16,7 @@ from typing import NamedTuple
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.compute import embedding_cost, head_cost, kernels_of, layer_cost
-from hethub.predictor.memory import StageMemory, stage_memory_at, stage_params
+from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
@@ -279,9 +279,11 @@ class ProfiledPricing(AnalyticPricing):
             return super().memory(
                 group, shape, in_flight=in_flight, optimizer_shards=optimizer_shards
             )
-        return profiled.profiled_memory(
-            profile,
+        # The measured layer's activations; around them, what the runtime holds as the analytic
+        # model prices it (the state, the stage's buffers on the device's kernels).
+        return stage_memory_of(
             shape.model,
+            per_layer=profile.layer_activation_bytes,
             layers=shape.layers,
             tp=shape.tp,
             position=shape.position,

@@ -23,14 +23,13 @@ import math
 import statistics
 from typing import NamedTuple
 
-from hethub.predictor.memory import StageMemory, stage_memory_of, stage_params
+from hethub.predictor.memory import stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.buckets import MAIN_GRAD_BYTES, SyncBucket, rank_buckets
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -234,39 +233,6 @@ def optimizer_time(
 ) -> float:
     """The AdamW step over one rank's share of the stage's parameters."""
     return profile.optimizer_s_per_param * stage_params(model, layers, position) / tp
-
-
-def profiled_memory(
-    profile: LayerProfile,
-    model: ModelSpec,
-    *,
-    layers: int,
-    tp: int,
-    position: StagePosition,
-    in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision,
-    optimizer_shards: int = 1,
-    kernels: Kernels = Kernels.FUSED,
-) -> StageMemory:
-    """Peak memory of one rank of a stage holding ``in_flight`` micro-batches' activations, with
-    the measured activations of a layer and everything else as the analytic model prices what
-    the runtime holds (memory.stage_memory_of: the state per parameter under ``precision``, the
-    optimizer's split over ``optimizer_shards`` ranks, the stage's buffers on ``kernels``)."""
-    return stage_memory_of(
-        model,
-        per_layer=profile.layer_activation_bytes,
-        layers=layers,
-        tp=tp,
-        position=position,
-        in_flight=in_flight,
-        micro_batch=micro_batch,
-        recompute=recompute,
-        precision=precision,
-        optimizer_shards=optimizer_shards,
-        kernels=kernels,
-    )
 
 
 def core_sharing(
