@@ -585,7 +585,7 @@ def test_measure_layers_times_the_runtimes_modules():
 
 
 def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
-    from hethub.profiler.measure import WARMUP, _time_passes
+    from hethub.profiler.measure import WARMUP, _Alone, _time_passes
 
     calls = itertools.count()
 
@@ -593,10 +593,48 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
         time.sleep(0.050 if next(calls) == WARMUP + 3 else 0.001)
         return None, lambda out: None
 
-    forward, _ = _time_passes(one_pass, lambda: None, 10)
+    forward, _ = _time_passes(one_pass, _Alone(), 10)
     assert (
         forward >= (0.050 + 9 * 0.001) / 10
     )  # the plain mean: without the stall it would be ~1 ms
+
+
+def _passes_after_the_timed_ones(rank: int, world: int) -> tuple[int, float]:
+    """On one of 4 ranks in TP pairs: the second pair's passes take 3x as long. The untimed
+    passes this rank ran after its timed ones, and when it stopped (monotonic seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    from hethub.profiler.measure import _block_group, _time_passes, _Together
+    from hethub.runtime.process_groups import Role
+
+    pair = _block_group(world, 2, Role.TENSOR)
+    untimed = []
+
+    def one_pass():
+        time.sleep(0.003 if rank < 2 else 0.009)
+        x = torch.ones(1)
+        dist.all_reduce(x, group=pair)  # a TP collective in every pass: the pair must agree
+        untimed.append(1)
+        return None, lambda out: None
+
+    _time_passes(one_pass, _Together(pair), 10)
+    from hethub.profiler.measure import WARMUP
+
+    return len(untimed) - WARMUP - 10, time.monotonic()
+
+
+def test_ranks_measuring_together_keep_computing_until_the_last_has_finished():
+    from hethub.runtime.spawn import run_ranks
+
+    results = run_ranks(_passes_after_the_timed_ones, 4, timeout_s=120)
+    (fast, fast_end), _, (slow, slow_end), _ = results
+    # The fast pair ran on (about 2x its own timed passes' worth) while the slow pair finished,
+    # so the slow pair's last passes still shared the machine; the slow pair ran (almost) none.
+    assert fast >= 10, results
+    assert slow <= 2, results
+    assert results[0][0] == results[1][0] and results[2][0] == results[3][0]  # pairs agree
+    assert abs(fast_end - slow_end) < 0.5, results
 
 
 def test_the_latency_bandwidth_fit_recovers_a_line_and_points_never_fall_with_size():
@@ -842,7 +880,7 @@ def test_a_bf16_profile_is_keyed_bf16_and_keeps_the_layer_inventorys_bytes(name,
 def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     import torch
 
-    from hethub.profiler.measure import _optimizer_seconds_per_param
+    from hethub.profiler.measure import _Alone, _optimizer_seconds_per_param
     from hethub.runtime.model import Stage
     from hethub.runtime.precision import MasterWeights
 
@@ -850,7 +888,7 @@ def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     weights = MasterWeights(stage, "bf16")
     before = {name: p.detach().clone() for name, p in stage.full_parameters()}
     clock = LoggingClock()
-    assert _optimizer_seconds_per_param(weights, lambda: None, 3, clock) > 0
+    assert _optimizer_seconds_per_param(weights, _Alone(), 3, clock) > 0
     for (name, param), (_, master) in zip(stage.full_parameters(), weights.named, strict=True):
         assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(param, master.to(torch.bfloat16)), name  # copied back
@@ -902,7 +940,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
     """On a GPU a synchronize between a forward and its backward keeps the host from queueing
     kernels ahead, as it does in a step (it priced an H200 step 17% slow): the clock's marks are
     read only after every pass. A clock that logs what it is asked (no GPU runs here)."""
-    from hethub.profiler.measure import WARMUP, _time_passes
+    from hethub.profiler.measure import WARMUP, _Alone, _time_passes
 
     clock = LoggingClock()
     log = clock.log
@@ -911,7 +949,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
         log.append("forward")
         return None, lambda out: log.append("backward")
 
-    forward, backward = _time_passes(one_pass, lambda: None, 3, clock)
+    forward, backward = _time_passes(one_pass, _Alone(), 3, clock)
     assert log == ["mark", "forward", "mark", "backward", "mark"] * (WARMUP + 3) + ["wait"]
     assert (forward, backward) == (2, 2)  # the marks' distance, as the clock reads it
 

@@ -293,7 +293,7 @@ def _measure_rank(
     stage's weights and activations in ``dtype`` on device ``where``."""
     device, floating = torch.device(where), DTYPES[dtype]
     group = _block_group(world, tp, Role.TENSOR) if world > 1 else None
-    barrier = dist.barrier if world > 1 else _nothing
+    together = _Together(group) if world > 1 else _Alone()
     clock = step_clock(device)
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
@@ -327,10 +327,10 @@ def _measure_rank(
             x = x.detach().requires_grad_()
             return checkpoint(layers, x, use_reentrant=False), lambda y: y.backward(grad)
 
-        layer_f, layer_b = _time_passes(layer_pass, barrier, repeats, clock)
-        recompute_f, recompute_b = _time_passes(recompute_pass, barrier, repeats, clock)
-        embed_f, embed_b = _time_passes(embed_pass, barrier, repeats, clock)
-        head_f, head_b = _time_passes(head_pass, barrier, repeats, clock)
+        layer_f, layer_b = _time_passes(layer_pass, together, repeats, clock)
+        recompute_f, recompute_b = _time_passes(recompute_pass, together, repeats, clock)
+        embed_f, embed_b = _time_passes(embed_pass, together, repeats, clock)
+        head_f, head_b = _time_passes(head_pass, together, repeats, clock)
         one = layers.layers["0"]
         out[b] = {
             "layer_forward_s": layer_f / timed,
@@ -344,7 +344,7 @@ def _measure_rank(
             "layer_activation_bytes": float(saved_bytes(one, hidden)),
             "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
         }
-    optimizer = _optimizer_seconds_per_param(layer_weights, barrier, repeats, clock)
+    optimizer = _optimizer_seconds_per_param(layer_weights, together, repeats, clock)
     for costs in out.values():
         costs["optimizer_s_per_param"] = optimizer
     return out
@@ -354,14 +354,58 @@ def _nothing() -> None:
     return None
 
 
+class _Alone:
+    """One process measuring: nobody to start with or to wait for."""
+
+    def start(self) -> None:
+        return None
+
+    def stay_until_all_done(self, run: Callable[[], object]) -> None:
+        return None
+
+
+class _Together:
+    """Ranks measuring at once: they start each measurement together, and each keeps running
+    untimed passes of it after its timed ones until every rank has finished its own.
+
+    Without the untimed passes, the ranks that finish first stop computing, and the last rank's
+    final passes run with the cores to themselves: a short measurement (the head, the embedding,
+    the optimizer, a few ms each) then ran with half the ranks computing, and 4 ranks' head pass
+    on 2 cores measured as fast as 2 ranks' (3.4-6.7 ms over three profiles, against 6.5 ms for
+    2), which priced a 4-rank pipeline's last stage short. A TP group decides together, so that
+    its ranks run the same passes and their collectives pair up.
+    """
+
+    def __init__(self, tp_group) -> None:
+        self.tp_group = tp_group
+
+    def start(self) -> None:
+        dist.barrier()
+
+    def stay_until_all_done(self, run: Callable[[], object]) -> None:
+        everyone = dist.barrier(async_op=True)
+        while True:
+            done = torch.tensor([int(everyone.is_completed())])
+            if self.tp_group is not None:  # stop only when the whole TP group has seen it
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.tp_group)
+            if done.item():
+                break
+            run()
+        everyone.wait()
+
+
 def _time_passes(
-    run: Callable, barrier: Callable, repeats: int, clock: HostClock | DeviceClock | None = None
+    run: Callable,
+    together: _Together | _Alone,
+    repeats: int,
+    clock: HostClock | DeviceClock | None = None,
 ) -> tuple[float, float]:
     """Mean forward and backward seconds of ``run()`` -> (output, backward function).
 
     The ranks start together and then run their passes back to back, as the runtime does: a
     barrier before every pass would stagger short passes so that they hardly overlap, and
-    contention for the cores would go unmeasured. ``clock`` (runtime.timeline.step_clock, the
+    contention for the cores would go unmeasured; and they keep running them, untimed, until all
+    have finished (``together``). ``clock`` (runtime.timeline.step_clock, the
     one a run's step is timed by) marks each pass's start, the end of its forward and its end
     (default: the host's, a CPU's); on an accelerator they are device events, read only after
     the last pass, with no synchronize between a forward and its backward (one in between kept
@@ -369,15 +413,20 @@ def _time_passes(
     """
     clock = clock or HostClock()
     marks = []
-    barrier()
-    for i in range(WARMUP + repeats):
+
+    def one_pass() -> tuple:
         started = clock.mark()
         out, back = run()
         middle = clock.mark()
         back(out)
-        ended = clock.mark()
+        return started, middle, clock.mark()
+
+    together.start()
+    for i in range(WARMUP + repeats):
+        passed = one_pass()
         if i >= WARMUP:
-            marks.append((started, middle, ended))
+            marks.append(passed)
+    together.stay_until_all_done(one_pass)
     clock.wait(marks[-1][2])
     forward = [clock.seconds(started, middle) for started, middle, _ in marks]
     backward = [clock.seconds(middle, ended) for _, middle, ended in marks]
@@ -408,7 +457,7 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 def _optimizer_seconds_per_param(
     weights: MasterWeights,
-    barrier: Callable,
+    together: _Together | _Alone,
     repeats: int,
     clock: HostClock | DeviceClock | None = None,
 ) -> float:
@@ -422,11 +471,12 @@ def _optimizer_seconds_per_param(
     step()  # allocates the moments
     clock = clock or HostClock()
     clock.wait(clock.mark())  # the first step's work done before the timed ones start
-    barrier()
+    together.start()
     started = clock.mark()
     for _ in range(repeats):
         step()
     ended = clock.mark()
+    together.stay_until_all_done(step)
     clock.wait(ended)
     return clock.seconds(started, ended) / repeats / sum(p.numel() for p in params)
 

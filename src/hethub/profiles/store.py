@@ -32,7 +32,7 @@ FORMAT = 1
 DEFAULT_PROFILES_DIR = Path("runs/profiles")
 """Where the commands keep this machine's profiles unless told (--profiles, --out)."""
 
-METHOD = 4
+METHOD = 5
 """Version of how the numbers are measured (hethub.profiler.measure); a file of an older method
 reads, but is measured anew where hethub measures (it would price a run differently) and noted
 where given. 1: files without the field (trimmed means, 4 chained layers, unbound ranks); 2: plain
@@ -42,7 +42,9 @@ process bound to its cores and in a session of its own, as a run's ranks are; 3:
 runtime steps it (fused AdamW over the rank's flat fp32 weights), device events with no
 synchronize between a forward and its backward; 4: one QKV and one gate|up GEMM, SwiGLU keeping
 only the GEMM's output, RMSNorm keeping its input and fp32 statistics on the CPU too (torch's
-fused kernel elsewhere), so a layer's time and saved bytes differ from method 3's."""
+fused kernel elsewhere), so a layer's time and saved bytes differ from method 3's; 5: ranks
+measuring at once keep computing, untimed, until the last has finished its timed passes, so no
+rank's last passes run with the cores to themselves."""
 DTYPE_BYTES = {
     Precision.FP32.value: Precision.FP32.element_bytes,
     Precision.BF16.value: Precision.BF16.element_bytes,
