@@ -266,17 +266,17 @@ def test_stage_memory_by_hand():
     # and the MLP's backward: fc2's input gradient and GELU's, (N, 4h/t) each.
     hidden, ffn = b * s * h * 2, b * s * 4 * h / t * 2
     assert mem.buffers_gb == pytest.approx((2 * hidden + hidden + 2 * ffn) / 1e9)
-    # The runtime checkpoints the chunk whole: the first stage keeps its tokens (a view), and a
-    # backward rebuilds both layers of one micro-batch.
+    # The runtime checkpoints each layer: a micro-batch in flight keeps each layer's input (the
+    # first stage's first: the embedding's output), and a backward rebuilds one layer, whose
+    # activations include its input, kept already.
     recomputed = memory.stage_memory(
         GPT, position=0, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
     )
-    assert recomputed.activations_gb == pytest.approx(2 * per_layer / 1e9)
-    # A later stage keeps each received activation as the checkpoint's input.
+    assert recomputed.activations_gb == pytest.approx((2 * 2 * hidden + per_layer - hidden) / 1e9)
     later = memory.stage_memory(
         GPT, position=1, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
     )
-    assert later.activations_gb == pytest.approx((hidden + 2 * per_layer) / 1e9)
+    assert later.activations_gb == pytest.approx((2 * hidden + per_layer - hidden) / 1e9)
     gpipe = memory.stage_memory(
         GPT, position=0, recompute=Recompute.NONE, schedule=Schedule.GPIPE, **shape
     )

@@ -8,8 +8,8 @@ in fp32; sharded, 6 + 12 / d and 8 + 8 / d). Autograd's own gradients of a backw
 until its end, when the main gradients take them (runtime.precision): the buffers' moment.
 
 Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
-for the micro-batches in flight under the schedule, or under full recomputation the chunk's
-inputs and one micro-batch's rebuilt layers (the runtime checkpoints each chunk whole); the
+for the micro-batches in flight under the schedule, or under full recomputation each layer's
+input and one rebuilt layer (the runtime checkpoints each layer on its own); the
 stage's boundary tensors; and the highest moment of a backward: the last stage's loss, head and
 final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMemory).
 """
@@ -17,12 +17,13 @@ final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMe
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from hethub.predictor.stage import StagePosition
 from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
-from hethub.spec.parameters import stage_parameter_count
+from hethub.spec.parameters import parameter_table, stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
 from hethub.spec.schedules import Schedule, in_flight_micro_batches
 
@@ -129,13 +130,19 @@ def layers_bytes(
     """What a stage's layers keep for their backward at the schedule's peak, from what one
     layer keeps for one micro-batch (``per_layer`` bytes)."""
     if recompute == Recompute.FULL:
-        # The runtime checkpoints each model chunk whole (runtime.pipeline): a micro-batch in
-        # flight keeps only the chunk's input (a received activation; the first stage's tokens,
-        # a view of the step's), and a backward rebuilds the activations of all the chunk's
-        # layers for its micro-batch at once.
-        held_input = 0 if first else micro_batch * model.seq_len * model.hidden * bytes_per_element
-        return in_flight * held_input + layers * per_layer
+        # The runtime checkpoints each layer on its own (runtime.model.Stage): a micro-batch in
+        # flight keeps each layer's input (the first's: a received activation, or the first
+        # stage's embedding output), and a backward rebuilds one layer at a time, whose
+        # activations include its input, held already.
+        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
+        return in_flight * layers * layer_input + rebuilt_layer_bytes(per_layer, layer_input)
     return in_flight * layers * per_layer
+
+
+def rebuilt_layer_bytes(per_layer: float, layer_input: float) -> float:
+    """Under full recomputation, what a backward holds above the layers' inputs: one layer's
+    rebuilt activations, less its input (kept by its checkpoint)."""
+    return per_layer - layer_input
 
 
 def activation_bytes(
@@ -197,14 +204,14 @@ def loss_bytes(
 ) -> float:
     """The last stage's peak above its layers' activations, one micro-batch in its backward: the
     highest of its moments (_LastStageMoments). ``rebuilt``: under full recomputation, the
-    bytes the backward rebuilds (its chunk's layers' activations of one micro-batch);
+    bytes a backward rebuilds above the layers' inputs (one layer's: rebuilt_layer_bytes);
     ``kernels``: the device's (spec.layer_ops)."""
     moments = _LastStageMoments.of(model, tp, micro_batch, precision, kernels)
     loss = moments.loss
     if rebuilt is not None:
-        # The loss's backward runs before the checkpointed chunk is rebuilt: its layers'
-        # activations and its final norm's kept tensors are not held then.
-        loss -= rebuilt + moments.norm_kept
+        # The loss's backward runs before any layer is rebuilt (the final norm, the head and
+        # the loss are not checkpointed: they keep what they keep without recomputation).
+        loss -= rebuilt
     return max(loss, moments.head, moments.final_norm, moments.layer)
 
 
@@ -270,6 +277,63 @@ def _layer_backward_bytes(
     return 2 * ffn + tokens * model.hidden * precision.element_bytes
 
 
+def late_backward_bytes(
+    model: ModelSpec,
+    *,
+    per_layer: float,
+    layers: int,
+    params: float,
+    tp: int,
+    position: StagePosition,
+    in_flight: float,
+    micro_batch: int,
+    recompute: Recompute,
+    precision: Precision,
+) -> float:
+    """What a stage holds above its state as a micro-batch's backward reaches its first layer:
+    the other micro-batches in flight (each its layers' activations, or under full
+    recomputation their inputs), that layer's activations and backward peak, autograd's
+    gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
+    tensors (the outputs sent; on the last stage its logits)."""
+    layer_input = micro_batch * model.seq_len * model.hidden * precision.element_bytes
+    one = layers * (layer_input if recompute == Recompute.FULL else per_layer)
+    others = (in_flight - 1) * one
+    if position.last:
+        boundary = micro_batch * model.seq_len * model.vocab / tp * precision.element_bytes
+    else:
+        boundary = in_flight * layer_input
+    # At the first layer's backward peak (its MLP's), the gradients of its attention half and
+    # of the first stage's embedding are still to come; the last to come, when the layer's
+    # activations are freed, leave its input's gradient beside every other.
+    embedding = (
+        stage_parameter_count(model, 0, is_first=True, is_last=False) / tp if position.first else 0
+    )
+    grads = params * precision.weight_bytes
+    first_layer = (
+        per_layer
+        + _layer_backward_bytes(model, tp, micro_batch, precision)
+        + grads
+        - (embedding + _attention_parameters(model, tp)) * precision.weight_bytes
+        if layers
+        else 0.0
+    )
+    return others + boundary + max(first_layer, grads + layer_input)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_parameters(model: ModelSpec, tp: int) -> int:
+    """One rank's parameters of a layer's attention half: its first norm, QKV and output
+    projection (spec.parameters' layer table)."""
+    return sum(
+        math.prod(p.shard_shape(tp))
+        for name, p in parameter_table(model).items()
+        if p.layer == 0 and name.split(".")[2] in _ATTENTION_PARTS
+    )
+
+
+_ATTENTION_PARTS = ("norm1", "qkv", "o")
+
+
 def buffer_bytes(
     model: ModelSpec,
     tp: int,
@@ -285,8 +349,8 @@ def buffer_bytes(
     """What a stage holds at the schedule's peak besides its layers' activations and its state:
     its boundary tensors for the micro-batches in flight (runtime.pipeline) and the peak of a
     backward (the last stage's loss, head and final norm: loss_bytes; a layer's:
-    _layer_backward_bytes). ``rebuilt``: the layers' activations a backward rebuilds under full
-    recomputation."""
+    _layer_backward_bytes). ``rebuilt``: under full recomputation, what a backward rebuilds
+    above the layers' inputs (rebuilt_layer_bytes)."""
     hidden = micro_batch * model.seq_len * model.hidden * precision.element_bytes
     boundary = 0.0
     if position.last:
@@ -366,9 +430,28 @@ def stage_memory_of(
         micro_batch,
         recompute,
         precision,
-        rebuilt=layers * per_layer,
+        rebuilt=rebuilt_layer_bytes(
+            per_layer, micro_batch * model.seq_len * model.hidden * precision.element_bytes
+        ),
         kernels=kernels,
     )
+    # A backward's last moment may hold more: autograd's gradients of every parameter of the
+    # stage, made during it, wait for its end to join the main gradients (runtime.precision),
+    # while its first layer is still in its backward. Under full recomputation, where little
+    # else is held, that is the peak.
+    late = late_backward_bytes(
+        model,
+        per_layer=per_layer,
+        layers=layers,
+        params=params,
+        tp=tp,
+        position=position,
+        in_flight=in_flight,
+        micro_batch=micro_batch,
+        recompute=recompute,
+        precision=precision,
+    )
+    buffers = max(buffers, late - activations)
     return StageMemory(
         weights_gb=params * precision.weight_bytes / GB,
         grads_gb=params * precision.main_grad_bytes / GB,

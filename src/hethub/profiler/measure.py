@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from hethub.comm import local_device
 from hethub.errors import HethubError
@@ -325,7 +324,7 @@ def _measure_rank(
 
         def recompute_pass(x=hidden, grad=grad):  # as the runtime's full recomputation runs a stage
             x = x.detach().requires_grad_()
-            return checkpoint(layers, x, use_reentrant=False), lambda y: y.backward(grad)
+            return layers(x, recompute=True), lambda y: y.backward(grad)
 
         layer_f, layer_b = _time_passes(layer_pass, together, repeats, clock)
         recompute_f, recompute_b = _time_passes(recompute_pass, together, repeats, clock)

@@ -44,7 +44,8 @@ synchronize between a forward and its backward; 4: one QKV and one gate|up GEMM,
 only the GEMM's output, RMSNorm keeping its input and fp32 statistics on the CPU too (torch's
 fused kernel elsewhere), so a layer's time and saved bytes differ from method 3's; 5: ranks
 measuring at once keep computing, untimed, until the last has finished its timed passes, so no
-rank's last passes run with the cores to themselves."""
+rank's last passes run with the cores to themselves; and full recomputation checkpoints
+each layer on its own, as the runtime now does."""
 DTYPE_BYTES = {
     Precision.FP32.value: Precision.FP32.element_bytes,
     Precision.BF16.value: Precision.BF16.element_bytes,

@@ -6,7 +6,7 @@ Per layer, not the whole stage: a stage's layers are one module class at one sha
 every layer of a rank runs one compiled graph: a stage compiles once, whatever its layers
 (tests/test_compile.py counts the graphs). The embedding, the final norm, the head and the loss
 stay eager: they run once a micro-batch, not once a layer, and the pipeline's schedule, its
-sends, the gradient hooks and the recomputation (torch.utils.checkpoint around the stage) stay
+sends, the gradient hooks and the recomputation (torch.utils.checkpoint around each layer) stay
 eager around the compiled layers, as they are.
 
 Compiled after the weights are placed (runtime.precision moves every parameter into its flat

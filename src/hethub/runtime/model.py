@@ -10,6 +10,7 @@ import zlib
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hethub.runtime.tensor_parallel import (
     ColumnParallelLinear,
@@ -313,16 +314,26 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.head if hasattr(self, "head") else self.embed.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
         """Tokens (B, T) on the first stage, hidden states (B, T, h) elsewhere; returns hidden
-        states, or this rank's logit shard (B, T, vocab/tp) on the last stage."""
+        states, or this rank's logit shard (B, T, vocab/tp) on the last stage.
+
+        ``recompute`` (full recomputation): each layer is checkpointed on its own, as Megatron-LM
+        does, so a micro-batch in flight keeps only its layers' inputs, and a backward rebuilds
+        one layer at a time. Each layer's forward is run again whole (torch's early stop, which
+        would skip the ops after the last saved tensor, is off): what spec.layer_ops prices."""
         if self.is_first:
             tokens = x
             x = self.embed(tokens)
             if self.spec.arch == "gpt":
                 x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for layer in self.layers.values():
-            x = layer(x)
+        if recompute:
+            with set_checkpoint_early_stop(False):
+                for layer in self.layers.values():
+                    x = checkpoint(layer, x, use_reentrant=False)
+        else:
+            for layer in self.layers.values():
+                x = layer(x)
         if self.is_last:
             x = F.linear(copy_to(self.final_norm(x), self.group), self.head_weight)
         return x

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from hethub.runtime.data import to_device
 from hethub.runtime.model import StageChunks
@@ -134,7 +133,4 @@ class Pipeline:
         return received.requires_grad_() if forward else received
 
     def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        module = self.stage.chunks[chunk]
-        if self.plan.recompute is Recompute.FULL:
-            return checkpoint(module, x, use_reentrant=False)
-        return module(x)
+        return self.stage.chunks[chunk](x, recompute=self.plan.recompute is Recompute.FULL)
