@@ -53,9 +53,9 @@ def profiled_work(
 ) -> StageTimes:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
-    With full recomputation the runtime checkpoints the whole stage: its layers take their
-    measured checkpointed times (forward + backward where the profile lacks them), and the
-    embedding's and head's forwards run again before their backwards.
+    With full recomputation the runtime checkpoints each layer: the layers take their measured
+    checkpointed times (forward + backward where the profile lacks them); the embedding and
+    the head, not checkpointed, their plain ones.
     """
     full = recompute == Recompute.FULL
     measured = full and None not in (
@@ -71,7 +71,7 @@ def profiled_work(
     ends = [(profile.embed_forward_s, profile.embed_backward_s)] * position.first
     ends += [(profile.head_forward_s, profile.head_backward_s)] * position.last
     for f, b in ends:
-        forward, backward = forward + f, backward + b + (f if full else 0.0)
+        forward, backward = forward + f, backward + b
     return StageTimes(forward, backward)
 
 
