@@ -112,7 +112,7 @@ def plan_of(stages, count=1, micro_batches=4, micro_batch=1, recompute="none", p
 
 
 def test_profiles_round_trip_and_match_only_their_exact_key(tmp_path):
-    layer, link = layer_profile(key_of()), link_profile()
+    layer, link = layer_profile(key_of(), layer_time_spread=3e-4), link_profile()
     paths = [save_profile(tmp_path, layer), save_profile(tmp_path, link)]
     assert [p.name for p in paths] == [layer.key.file_name(), link.file_name()]
     assert not list(tmp_path.glob(".*"))  # the temporary files of the atomic writes are gone
@@ -579,6 +579,8 @@ def test_measure_layers_times_the_runtimes_modules():
     ]
     assert all(t > 0 for t in times) and profile.optimizer_s_per_param > 0
     assert median("layer_backward_s") > median("layer_forward_s")  # two GEMMs per forward GEMM
+    # Passes never take exactly as long as each other: their spread is measured.
+    assert all(p.layer_time_spread > 0 for p in measured)
     # Under recomputation the backward runs the forward again.
     assert median("layer_recompute_backward_s") > median("layer_backward_s")
     assert profile.layer_recompute_forward_s > 0
@@ -597,7 +599,7 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
         time.sleep(0.050 if next(calls) == WARMUP + 3 else 0.001)
         return None, lambda out: None
 
-    forward, _ = _time_passes(one_pass, _Alone(), 10)
+    forward, _, _ = _time_passes(one_pass, _Alone(), 10)
     assert (
         forward >= (0.050 + 9 * 0.001) / 10
     )  # the plain mean: without the stall it would be ~1 ms
@@ -953,7 +955,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
         log.append("forward")
         return None, lambda out: log.append("backward")
 
-    forward, backward = _time_passes(one_pass, _Alone(), 3, clock)
+    forward, backward, _ = _time_passes(one_pass, _Alone(), 3, clock)
     assert log == ["mark", "forward", "mark", "backward", "mark"] * (WARMUP + 3) + ["wait"]
     assert (forward, backward) == (2, 2)  # the marks' distance, as the clock reads it
 

@@ -65,6 +65,22 @@ def test_without_a_speed_up_from_fewer_ranks_it_is_the_fixed_duration_simulation
         assert z - a == pytest.approx((b if kind else f)[s], rel=1e-9)
 
 
+def test_operations_whose_times_spread_make_a_longer_step_than_their_means():
+    # A pipeline waits for the later of two varying operations at every dependency, so the mean
+    # step over draws exceeds the step of mean operations; a stage alone in a chain (p = 1)
+    # adds its draws up, and their mean is the mean.
+    pipeline = layout("1f1b", [1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0] * 3, 8)
+    fixed = CoreSharing(cores=1, ranks=5, least=1, alone=1.0)
+    spread = dataclasses.replace(fixed, spread_s=0.3)  # a 1 s operation varies by about 55%
+    ((_, fixed_end),) = simulate_shared([pipeline], fixed)
+    ((_, spread_end),) = simulate_shared([pipeline], spread)
+    assert max(spread_end) > 1.03 * max(fixed_end)
+    assert simulate_shared([pipeline], spread) == simulate_shared([pipeline], spread)  # seeded
+    alone = layout("1f1b", [1.0], [2.0], [], 8)
+    ((_, alone_end),) = simulate_shared([alone], dataclasses.replace(fixed, ranks=2, spread_s=0.3))
+    assert max(alone_end) == pytest.approx(24.0, rel=0.1)
+
+
 def test_two_ranks_on_one_core_split_it_and_the_one_left_goes_twice_as_fast():
     # Durations are as measured with both ranks computing; alone, a rank takes half as long.
     sharing = CoreSharing(cores=1, ranks=2, least=1, alone=0.5)
@@ -109,10 +125,15 @@ CPU4 = parse_cluster(
 )
 
 
-def four_on_two(*, with_alone=True):
-    """Profiles of a 2-core machine for a local run of 4 ranks (and, ``with_alone``, of 1 rank)."""
+def four_on_two(*, with_alone=True, spread_s=0.0):
+    """Profiles of a 2-core machine for a local run of 4 ranks (and, ``with_alone``, of 1 rank);
+    ``spread_s``: the 4 ranks' passes' spread."""
     many = layer_profile(
-        key_of(concurrent_ranks=4), layer_forward_s=0.024, layer_backward_s=0.040, cores=2
+        key_of(concurrent_ranks=4),
+        layer_forward_s=0.024,
+        layer_backward_s=0.040,
+        cores=2,
+        layer_time_spread=spread_s,
     )
     alone = layer_profile(
         key_of(concurrent_ranks=1), layer_forward_s=0.010, layer_backward_s=0.018, cores=2
@@ -129,6 +150,8 @@ def test_the_sharing_comes_from_the_profiles_of_all_ranks_and_of_one_alone():
         core_sharing(plan, CPU4, TINY, four_on_two(with_alone=False)).alone == 0.5
     )  # the fair share
     assert not missing_profiles(plan, CPU4, TINY, four_on_two())
+    spread = four_on_two(spread_s=2e-3)  # a profile's spread of its passes reaches the sharing
+    assert core_sharing(plan, CPU4, TINY, spread).spread_s == pytest.approx(2e-3)
     (note,) = missing_profiles(plan, CPU4, TINY, four_on_two(with_alone=False))
     assert "1 rank at once" in note and "share of the 2 cores is taken as fair" in note
     two = dataclasses.replace(four_on_two(), concurrent_ranks=2)

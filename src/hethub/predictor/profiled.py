@@ -244,7 +244,8 @@ def core_sharing(
 
     ``alone``: a layer's measured time with its TP group alone on the machine, as a share of its
     time with all of the job's ranks at once, averaged over the plan's TP degrees; where the
-    profiles lack the former, the fair share of the cores (cores / ranks).
+    profiles lack the former, the fair share of the cores (cores / ranks). ``spread_s``: the
+    layer profiles' spread of a pass's time, averaged (0 in a profile of an older method).
     """
     ranks, pairs = profiles.concurrent_ranks, _device_tps(plan, cluster)
     measured = [profiles.layer_for(device, model, tp, plan.micro_batch) for device, tp in pairs]
@@ -265,6 +266,7 @@ def core_sharing(
         ranks=ranks,
         least=least,
         alone=min(1.0, statistics.fmean(shares)) if shares else min(recorded) / ranks,
+        spread_s=statistics.fmean(p.layer_time_spread for p in measured if p is not None),
     )
 
 

@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -240,6 +241,7 @@ def measure_layers(
                 LayerProfile(
                     key=key,
                     **{name: mean[name] for name in MEASURED_TIMES},
+                    layer_time_spread=mean["layer_time_spread"],
                     layer_activation_bytes=int(mean["layer_activation_bytes"]),
                     layer_param_bytes=int(mean["layer_param_bytes"]),
                     measured_at=stamp,
@@ -326,20 +328,21 @@ def _measure_rank(
             x = x.detach().requires_grad_()
             return layers(x, recompute=True), lambda y: y.backward(grad)
 
-        layer_f, layer_b = _time_passes(layer_pass, together, repeats, clock)
-        recompute_f, recompute_b = _time_passes(recompute_pass, together, repeats, clock)
-        embed_f, embed_b = _time_passes(embed_pass, together, repeats, clock)
-        head_f, head_b = _time_passes(head_pass, together, repeats, clock)
+        layer = _time_passes(layer_pass, together, repeats, clock)
+        recompute = _time_passes(recompute_pass, together, repeats, clock)
+        embed_f, embed_b, _ = _time_passes(embed_pass, together, repeats, clock)
+        head_f, head_b, _ = _time_passes(head_pass, together, repeats, clock)
         one = layers.layers["0"]
         out[b] = {
-            "layer_forward_s": layer_f / timed,
-            "layer_backward_s": layer_b / timed,
-            "layer_recompute_forward_s": recompute_f / timed,
-            "layer_recompute_backward_s": recompute_b / timed,
+            "layer_forward_s": layer.forward / timed,
+            "layer_backward_s": layer.backward / timed,
+            "layer_recompute_forward_s": recompute.forward / timed,
+            "layer_recompute_backward_s": recompute.backward / timed,
             "embed_forward_s": embed_f,
             "embed_backward_s": embed_b,
             "head_forward_s": head_f,
             "head_backward_s": head_b,
+            "layer_time_spread": layer.spread_s,
             "layer_activation_bytes": float(saved_bytes(one, hidden)),
             "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
         }
@@ -393,13 +396,27 @@ class _Together:
         everyone.wait()
 
 
+class Passes(NamedTuple):
+    """What _time_passes measured."""
+
+    forward: float
+    """Mean seconds of a forward."""
+    backward: float
+    """Mean seconds of a backward."""
+    spread_s: float
+    """The variance of a pass's time (forward and backward) over its mean: seconds. Where ranks
+    share the cores, the scheduler's slices make a pass's time vary, the more the longer it
+    runs: an operation of T seconds varies by about sqrt(spread_s * T)."""
+
+
 def _time_passes(
     run: Callable,
     together: _Together | _Alone,
     repeats: int,
     clock: HostClock | DeviceClock | None = None,
-) -> tuple[float, float]:
-    """Mean forward and backward seconds of ``run()`` -> (output, backward function).
+) -> Passes:
+    """Mean forward and backward seconds of ``run()`` -> (output, backward function), and the
+    passes' spread.
 
     The ranks start together and then run their passes back to back, as the runtime does: a
     barrier before every pass would stagger short passes so that they hardly overlap, and
@@ -429,10 +446,13 @@ def _time_passes(
     clock.wait(marks[-1][2])
     forward = [clock.seconds(started, middle) for started, middle, _ in marks]
     backward = [clock.seconds(middle, ended) for _, middle, ended in marks]
+    passes = [f + b for f, b in zip(forward, backward)]
     # The plain mean, stalls included: what a step adds up. With ranks sharing the cores an
     # operation now and then takes 2-6x its median (the scheduler), and dropping the extremes
     # priced 4-rank TP layers up to 13% short.
-    return statistics.fmean(forward), statistics.fmean(backward)
+    mean = statistics.fmean(passes)
+    spread = statistics.pvariance(passes) / mean if mean > 0 else 0.0
+    return Passes(statistics.fmean(forward), statistics.fmean(backward), spread)
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:

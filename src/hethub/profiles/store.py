@@ -44,7 +44,8 @@ synchronize between a forward and its backward; 4: one QKV and one gate|up GEMM,
 only the GEMM's output, RMSNorm keeping its input and fp32 statistics on the CPU too (torch's
 fused kernel elsewhere), so a layer's time and saved bytes differ from method 3's; 5: ranks
 measuring at once keep computing, untimed, until the last has finished its timed passes, so no
-rank's last passes run with the cores to themselves; and full recomputation checkpoints
+rank's last passes run with the cores to themselves, and a layer profile records its passes'
+spread (layer_time_spread); and full recomputation checkpoints
 each layer on its own, as the runtime now does."""
 DTYPE_BYTES = {
     Precision.FP32.value: Precision.FP32.element_bytes,
@@ -164,6 +165,10 @@ class LayerProfile:
     takes forward + backward)."""
     method: int = METHOD
     """How it was measured (METHOD)."""
+    layer_time_spread: float = 0.0
+    """The variance of a chain of layers' pass time (forward and backward) over its mean, in
+    seconds (profiler.measure.Passes): how much the scheduler makes an operation's time vary
+    where ranks share the cores. 0: not measured (before method 5)."""
 
 
 MEASURED_TIMES = tuple(
@@ -532,6 +537,7 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
             "measured_at",
             "cores",
             "method",
+            "layer_time_spread",
         ),
     )
     k = Fields(
@@ -564,6 +570,11 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
         cores=fields.positive_int("cores") if fields.has("cores") else None,
         method=_method(fields),
         **{name: _finite_positive(fields, name) for name in _OPTIONAL_TIMES if fields.has(name)},
+        layer_time_spread=(
+            _finite_non_negative(fields, "layer_time_spread")
+            if fields.has("layer_time_spread")
+            else 0.0
+        ),
     )
 
 
