@@ -88,8 +88,9 @@ _DONE = 1e-9
 
 
 SAMPLES = 32
-"""Draws of the operations' times where they spread: the mean step of 32 is within about 1% of
-that of 1000 for a 4-stage pipeline of 8 micro-batches at a spread of 30% an operation."""
+"""Draws of the operations' times where they spread. For a 4-stage pipeline of 8 micro-batches
+whose 20 ms operations vary by 30%, the spread adds 3.8% to the step over 1000 draws; 32 draws
+price it 1.4% higher than 1000 (16: 1.9%, 64: 0.5%): always the same draws (seeded)."""
 
 
 def simulate_shared(
