@@ -400,13 +400,15 @@ def layer_ops(
 
 
 # Megatron-LM's GPT layer (Kernels.MEGATRON_LM), as the measured A100 runs launched it: LayerNorm
-# (apex's fused kernel); the QKV GEMM with its bias; q, k and v laid out for the batched GEMMs (3
-# copies); the scores Q K^T over every query-key pair (baddbmm, the mask comes after); the fused
-# scale-mask-softmax; dropout on the probabilities with its 1-byte mask; the values GEMM (bmm);
-# the context laid back out (1 copy); the projection GEMM without its bias, which the fused
-# bias-dropout-add adds; LayerNorm; fc1 without its bias; the fused bias-GELU; fc2; the fused
-# bias-dropout-add. 17 operations forward, as the predictor counted them before hethub's own layer
-# was inventoried (the tensor-parallel all-reduces aside). It keeps what Korthikanti et al. 2022,
+# (apex's fused kernel); the QKV GEMM with its bias; the scores Q K^T over every query-key pair
+# (baddbmm, reading q and k as views of the QKV output: Megatron's CoreAttention reshapes them
+# with view() and hands the batched GEMMs transposed views, no copy; the mask comes after); the
+# fused scale-mask-softmax; dropout on the probabilities with its 1-byte mask; the values GEMM
+# (bmm, v a view too); the context laid back out (1 copy); the projection GEMM without its bias,
+# which the fused bias-dropout-add adds; LayerNorm; fc1 without its bias; the fused bias-GELU;
+# fc2; the fused bias-dropout-add: 14 operations forward (the tensor-parallel all-reduces aside).
+# Backward, the gradients of q, k and v are laid back into the QKV output's (3 copies' traffic,
+# split's backward). It keeps what Korthikanti et al. 2022,
 # eq. 2 counts, sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte elements, and nothing else (their
 # count leaves out the LayerNorms' fp32 statistics, 16 bytes a token: so does this).
 
@@ -462,16 +464,14 @@ def _bias_dropout_add(x: _Shape) -> _Piece:
 
 
 def _megatron_core_attention(x: _Shape) -> _Piece:
-    """q, k, v laid out, scores, fused softmax, dropout, values, the context laid back out. It
-    keeps q, k and v, the probabilities, the dropout's mask and output, and the context."""
+    """Scores (q and k read as views), fused softmax, dropout, values (v a view), the context
+    laid back out. It keeps q, k and v (the QKV output they view), the probabilities, the
+    dropout's mask and output, and the context."""
     e, s, d, batch = x.element, x.seq, x.head_dim, x.batch * x.heads
     scores, mask, width = batch * s * s * e, batch * s * s * MASK_BYTES, x.bytes(x.q)
     copy = memory("clone", width, width)
     scale = memory("mul", width, width)  # by baddbmm's alpha, 1/sqrt(d), in its backward
     forward = (
-        copy,
-        copy,
-        copy,
         batched_gemm("baddbmm", batch, s, d, s, e),
         memory("scaled_upper_triang_masked_softmax", scores, scores),
         memory("native_dropout", scores, scores + mask),
