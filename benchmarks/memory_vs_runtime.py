@@ -129,7 +129,6 @@ def measured_layers_bytes(plan, model, stage, held: Held, in_flight: float) -> f
         per_layer=held.layer_saved,
         bytes_per_element=plan.precision.element_bytes,
         layers=stage.layers,
-        first=stage.position == 0,
         in_flight=in_flight,
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,

@@ -122,7 +122,6 @@ def layers_bytes(
     per_layer: float,
     bytes_per_element: int,
     layers: int,
-    first: bool,
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
@@ -134,9 +133,15 @@ def layers_bytes(
         # flight keeps each layer's input (the first's: a received activation, or the first
         # stage's embedding output), and a backward rebuilds one layer at a time, whose
         # activations include its input, held already.
-        layer_input = micro_batch * model.seq_len * model.hidden * bytes_per_element
+        layer_input = layer_input_bytes(model, micro_batch, bytes_per_element)
         return in_flight * layers * layer_input + rebuilt_layer_bytes(per_layer, layer_input)
     return in_flight * layers * per_layer
+
+
+def layer_input_bytes(model: ModelSpec, micro_batch: int, bytes_per_element: int) -> float:
+    """A layer's input (or output), one micro-batch: the hidden states a stage sends, and what
+    a checkpointed layer keeps."""
+    return micro_batch * model.seq_len * model.hidden * bytes_per_element
 
 
 def rebuilt_layer_bytes(per_layer: float, layer_input: float) -> float:
@@ -158,14 +163,13 @@ def activation_bytes(
     recompute: Recompute,
     precision: Precision,
 ) -> float:
-    """The layers' activations at the schedule's peak (layers_bytes of a stage past the first)
-    and, on the last stage, its loss's (loss_bytes)."""
+    """The layers' activations at the schedule's peak (layers_bytes) and, on the last stage, its
+    loss's (loss_bytes)."""
     held = layers_bytes(
         model,
         per_layer=per_layer,
         bytes_per_element=bytes_per_element,
         layers=layers,
-        first=False,
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
@@ -295,7 +299,7 @@ def late_backward_bytes(
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
     tensors (the outputs sent; on the last stage its logits)."""
-    layer_input = micro_batch * model.seq_len * model.hidden * precision.element_bytes
+    layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
     one = layers * (layer_input if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
     if position.last:
@@ -351,7 +355,7 @@ def buffer_bytes(
     backward (the last stage's loss, head and final norm: loss_bytes; a layer's:
     _layer_backward_bytes). ``rebuilt``: under full recomputation, what a backward rebuilds
     above the layers' inputs (rebuilt_layer_bytes)."""
-    hidden = micro_batch * model.seq_len * model.hidden * precision.element_bytes
+    hidden = layer_input_bytes(model, micro_batch, precision.element_bytes)
     boundary = 0.0
     if position.last:
         full = recompute == Recompute.FULL
@@ -417,7 +421,6 @@ def stage_memory_of(
         per_layer=per_layer,
         bytes_per_element=precision.element_bytes,
         layers=layers,
-        first=position.first,
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
@@ -431,7 +434,7 @@ def stage_memory_of(
         recompute,
         precision,
         rebuilt=rebuilt_layer_bytes(
-            per_layer, micro_batch * model.seq_len * model.hidden * precision.element_bytes
+            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes)
         ),
         kernels=kernels,
     )
