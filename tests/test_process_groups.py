@@ -3,6 +3,9 @@ held by each rank as named fields (RankGroups)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from hethub.comm import Group
@@ -279,3 +282,36 @@ def test_every_rank_creates_the_listed_groups_and_holds_its_own():
         "vendor(2, 3, 4)": [2, 3, 4],
     }
     assert set(got[1]) == {"world(0, 1, 2, 3, 4)", "tensor(0, 1)", "vendor(0, 1)"}
+
+
+# A fresh interpreter (this one may have imported torch._dynamo already): the default group made
+# as the runtime and the profiler make it, torch._dynamo imported after it (as a rank's first
+# optimizer or Stage imports it), the group destroyed; which gloo threads are left.
+_GROUP_THREADS_LEFT = """
+import datetime, os
+import torch.distributed as dist
+from hethub.runtime.supervision import init_process_group
+
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port), RANK="0",
+                  WORLD_SIZE="1", TORCHELASTIC_USE_AGENT_STORE="True")
+init_process_group("gloo", datetime.timedelta(seconds=30))
+out = [None]
+dist.all_gather_object(out, "a collective, as a run's last")
+import torch._dynamo
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(n for n in names if "gloo_runloop" in n))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_a_destroyed_default_group_leaves_no_gloo_thread_behind_after_torch_dynamo_is_imported():
+    # Left running, the last collective's thread freed its tensors while Python finalized and
+    # the process aborted at exit: one profiling node in ten, and CI's two-node profile hung.
+    done = subprocess.run(
+        [sys.executable, "-c", _GROUP_THREADS_LEFT],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

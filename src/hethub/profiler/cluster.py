@@ -57,6 +57,7 @@ from hethub.profiler.measure import (
 )
 from hethub.profiles.store import LayerProfile, LinkProfile, load_profiles, node_pair, save_profile
 from hethub.runtime.nodes import Node, node_name, node_ranks, take_place
+from hethub.runtime.supervision import init_process_group
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec
@@ -144,7 +145,7 @@ def profile_cluster(
     topology = build_topology(profile_layout(cluster, model), cluster)
     take_place(node, cluster, topology, request.timeout_s, command=COMMAND)
     timeout = datetime.timedelta(seconds=request.timeout_s)
-    dist.init_process_group("gloo", timeout=timeout)
+    init_process_group("gloo", timeout)  # the runtime's: the same store, the same care
     try:
         job = _Job(cluster, topology, dist.get_rank(), dist.get_world_size())
         return _profile(job, model, request, out, say)

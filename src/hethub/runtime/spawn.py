@@ -57,7 +57,7 @@ def _entry(
     # a signal to the CLI's process group). Its parent is the fork server, which lives as long
     # as its children do, so it watches run_ranks' caller itself (die_with). The module imports
     # torch.distributed, which this process has imported already (the server's preload).
-    from hethub.runtime.supervision import die_with
+    from hethub.runtime.supervision import bind_group_defaults_before_init, die_with
 
     die_with(caller)
     import torch
@@ -76,6 +76,7 @@ def _entry(
         # the user's torchrun (hethub profile --cluster) name the agent's store.
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        bind_group_defaults_before_init()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Pickled here, by value: torch's queue would pass a tensor as a handle to this
         # process's shared memory, which is gone once the process has exited.

@@ -76,6 +76,19 @@ def _running(pid: int) -> bool:
     return True
 
 
+def bind_group_defaults_before_init() -> None:
+    """Import torch.distributed.nn before any process group exists.
+
+    Its functions default to ``group=group.WORLD``, evaluated when the module is first imported:
+    imported after init_process_group (torch._dynamo's first import brings it in, e.g. with the
+    first optimizer or Stage), they hold the default group for the life of the interpreter, and
+    destroy_process_group leaves its gloo threads running. At exit the thread that finishes the
+    last collective then frees its tensors while Python is finalizing and the process aborts
+    ("terminate called without an active exception"): one profiling node in ten here, and its
+    torchrun agent then waits out its timeout. Imported first, the defaults are None."""
+    import torch.distributed.nn  # noqa: F401
+
+
 def init_process_group(backend: str, timeout: timedelta) -> None:
     """torch.distributed.init_process_group, in a store of this restart attempt's own.
 
@@ -84,6 +97,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     retry", it says; the c10d rendezvous keeps one). After a restart, the new workers can read
     the dead workers' gloo addresses and fail with "Connection refused" (half of the restarts
     here). Every group then lives under a prefix of TORCHELASTIC_RESTART_COUNT."""
+    bind_group_defaults_before_init()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         dist.init_process_group(backend, timeout=timeout)
         return
