@@ -14,7 +14,7 @@ from hethub.predictor.pricing import AnalyticPricing, StageShape
 from hethub.predictor.stage import StagePosition
 from hethub.spec import lookup, parse_model
 from hethub.spec.cluster import DeviceGroup
-from hethub.spec.layer_ops import Kernels, OpKind, layer_ops
+from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, megatron_fused_softmax
 from hethub.spec.plan import Precision, Recompute
 
 MEGATRON = Kernels.MEGATRON_LM
@@ -44,7 +44,7 @@ def korthikanti_eq2_bytes(s: int, b: int, h: int, a: int, t: int) -> float:
 
 @pytest.mark.parametrize(
     ("hidden", "heads", "seq", "tp", "micro_batch"),
-    [(1024, 16, 1024, 1, 1), (2048, 16, 1024, 2, 4), (3072, 32, 2048, 8, 2), (256, 4, 64, 4, 3)],
+    [(1024, 16, 1024, 1, 1), (2048, 16, 1024, 2, 4), (3072, 32, 2048, 8, 2), (256, 4, 64, 2, 4)],
 )
 def test_saved_bytes_are_korthikanti_eq2(hidden, heads, seq, tp, micro_batch):
     ops = layer_ops(gpt(hidden, heads, seq), tp, micro_batch, BF16, MEGATRON)
@@ -54,6 +54,47 @@ def test_saved_bytes_are_korthikanti_eq2(hidden, heads, seq, tp, micro_batch):
     assert (
         layer_ops(gpt(hidden, heads, seq), tp, 1, BF16, MEGATRON, Recompute.FULL).saved_bytes == 0
     )
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "seq", "fused"),
+    [
+        (1, 16, 1024, True),
+        (1, 2, 1024, False),  # 2 attention batches: not a multiple of 4 (TP 8 of 16 heads)
+        (2, 2, 1024, True),
+        (1, 4, 64, False),  # up to 128 keys a warp takes 2 rows: 8 batches a block
+        (2, 4, 64, True),
+        (1, 16, 16, False),  # keys must be more than 16
+        (1, 16, 8192, False),  # and at most 4096
+        (1, 16, 1026, False),  # and a multiple of 4
+    ],
+)
+def test_megatron_runs_its_fused_softmax_only_where_its_kernel_takes_the_shape(
+    batch, heads, seq, fused
+):
+    assert megatron_fused_softmax(batch, heads, seq) is fused
+
+
+def test_where_the_fused_softmax_is_unavailable_torch_s_fp32_softmax_is_priced_and_kept():
+    model = gpt(1024, 16, 1024)
+    fused, torch_softmax = (layer_ops(model, t, 1, BF16, MEGATRON) for t in (4, 8))
+    assert "scaled_upper_triang_masked_softmax" in [op.name for op in fused.forward]
+    names = [op.name for op in torch_softmax.forward]
+    assert "scaled_upper_triang_masked_softmax" not in names and "_softmax" in names
+    # Its probabilities are kept in fp32: 2 bytes a score more than eq. 2's fp16 ones.
+    scores = 1 * (16 // 8) * 1024 * 1024
+    eq2 = korthikanti_eq2_bytes(1024, 1, 1024, 16, 8)
+    assert torch_softmax.saved_bytes == pytest.approx(eq2 + 2 * scores, rel=1e-12)
+
+    # Between the scores GEMM and the dropout: the fused kernel reads and writes each fp16 score
+    # once (4 bytes); torch's upcast, scale, mask (1 byte a score), softmax and cast move 37.
+    def softmax_bytes_per_score(ops, heads_of_rank):
+        names = [op.name for op in ops]
+        between = ops[names.index("baddbmm") + 1 : names.index("native_dropout")]
+        return sum(op.read + op.written for op in between) / (heads_of_rank * 1024 * 1024)
+
+    assert softmax_bytes_per_score(fused.forward, 4) == 4
+    assert softmax_bytes_per_score(torch_softmax.forward, 2) == 37
 
 
 def test_the_scores_grow_with_heads_times_seq_squared_where_flash_attention_keeps_none():

@@ -403,12 +403,13 @@ def layer_ops(
 # (apex's fused kernel); the QKV GEMM with its bias; the scores Q K^T over every query-key pair
 # (baddbmm, reading q and k as views of the QKV output: Megatron's CoreAttention reshapes them
 # with view() and hands the batched GEMMs transposed views, no copy; the mask comes after); the
-# fused scale-mask-softmax; dropout on the probabilities with its 1-byte mask; the values GEMM
-# (bmm, v a view too); the context laid back out (1 copy); the projection GEMM without its bias,
-# which the fused bias-dropout-add adds; LayerNorm; fc1 without its bias; the fused bias-GELU;
+# fused scale-mask-softmax (torch's, in fp32, where its kernel does not take the shape); dropout
+# on the probabilities with its 1-byte mask; the values GEMM (bmm, v a view too); the context
+# laid back out (1 copy); the projection GEMM without its bias, which the fused bias-dropout-add
+# adds; LayerNorm; fc1 without its bias; the fused bias-GELU;
 # fc2; the fused bias-dropout-add: 14 operations forward (the tensor-parallel all-reduces aside).
 # Backward, the gradients of q, k and v are laid back into the QKV output's (3 copies' traffic,
-# split's backward). It keeps what Korthikanti et al. 2022,
+# split's backward). With the fused softmax it keeps what Korthikanti et al. 2022,
 # eq. 2 counts, sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte elements, and nothing else (their
 # count leaves out the LayerNorms' fp32 statistics, 16 bytes a token: so does this).
 
@@ -463,17 +464,63 @@ def _bias_dropout_add(x: _Shape) -> _Piece:
     return _Piece(forward, backward, mask)
 
 
+def megatron_fused_softmax(batch: int, heads: int, seq: int) -> bool:
+    """Whether Megatron-LM's causal softmax runs its fused kernel (FusedScaleMaskSoftmax.
+    is_kernel_available): keys 16 < s <= 4096, s a multiple of 4, and the attention batches
+    (micro-batch x heads of the rank) a multiple of 4 and of the kernel's batches per block
+    (scaled_masked_softmax.h: 128 threads in warps of min(2^ceil(log2 s), 32) threads, 2 rows a
+    warp up to 128 keys, 1 above). Else it runs torch's softmax in fp32."""
+    if not (16 < seq <= 4096 and seq % 4 == 0 and (batch * heads) % 4 == 0):
+        return False
+    padded = 1 << (seq - 1).bit_length()
+    per_block = 128 // min(padded, 32) * (2 if padded <= 128 else 1)
+    return (batch * heads) % per_block == 0
+
+
+def _megatron_softmax(x: _Shape, scores: int) -> _Piece:
+    """Megatron's causal softmax over ``scores`` bytes of scores: its fused kernel (the
+    probabilities kept), or where that is not available (megatron_fused_softmax) torch's in fp32:
+    the scores upcast, scaled (query-key layer scaling), masked in place, softmax, cast back;
+    the fp32 probabilities kept, and the causal mask (one per sequence, a broadcast read)."""
+    if megatron_fused_softmax(x.batch, x.heads, x.seq):
+        return _Piece(
+            (memory("scaled_upper_triang_masked_softmax", scores, scores),),
+            (memory("scaled_upper_triang_masked_softmax_backward", 2 * scores, scores),),
+            scores,
+        )
+    wide = scores // x.element * FP32_BYTES
+    mask = x.batch * x.heads * x.seq * x.seq * MASK_BYTES
+    return _Piece(
+        (
+            memory("_to_copy", scores, wide),
+            memory("mul", wide, wide),
+            memory("masked_fill_", wide + mask, wide),
+            memory("_softmax", wide, wide),
+            memory("_to_copy", wide, scores),
+        ),
+        (
+            memory("_to_copy", scores, wide),
+            memory("_softmax_backward_data", 2 * wide, wide),
+            memory("masked_fill", wide + mask, wide),
+            memory("mul", wide, wide),
+            memory("_to_copy", wide, scores),
+        ),
+        wide,
+    )
+
+
 def _megatron_core_attention(x: _Shape) -> _Piece:
-    """Scores (q and k read as views), fused softmax, dropout, values (v a view), the context
-    laid back out. It keeps q, k and v (the QKV output they view), the probabilities, the
-    dropout's mask and output, and the context."""
+    """Scores (q and k read as views), softmax, dropout, values (v a view), the context laid
+    back out. It keeps q, k and v (the QKV output they view), the probabilities, the dropout's
+    mask and output, and the context."""
     e, s, d, batch = x.element, x.seq, x.head_dim, x.batch * x.heads
     scores, mask, width = batch * s * s * e, batch * s * s * MASK_BYTES, x.bytes(x.q)
     copy = memory("clone", width, width)
     scale = memory("mul", width, width)  # by baddbmm's alpha, 1/sqrt(d), in its backward
+    softmax = _megatron_softmax(x, scores)
     forward = (
         batched_gemm("baddbmm", batch, s, d, s, e),
-        memory("scaled_upper_triang_masked_softmax", scores, scores),
+        *softmax.forward,
         memory("native_dropout", scores, scores + mask),
         batched_gemm("bmm", batch, s, s, d, e),
         copy,
@@ -483,7 +530,7 @@ def _megatron_core_attention(x: _Shape) -> _Piece:
         batched_gemm("bmm", batch, s, d, s, e),  # the probabilities' gradient: dC V^T
         batched_gemm("bmm", batch, s, s, d, e),  # v's: P^T dC
         memory("native_dropout_backward", scores + mask, scores),
-        memory("scaled_upper_triang_masked_softmax_backward", 2 * scores, scores),
+        *softmax.backward,
         batched_gemm("bmm", batch, s, s, d, e),  # q's: dS K
         scale,
         batched_gemm("bmm", batch, s, s, d, e),  # k's: dS^T Q
@@ -492,7 +539,7 @@ def _megatron_core_attention(x: _Shape) -> _Piece:
         copy,
         copy,  # q's, k's and v's gradients laid back into the QKV output's
     )
-    return _Piece(forward, backward, 3 * width + 2 * scores + mask + width)
+    return _Piece(forward, backward, 3 * width + softmax.saved + scores + mask + width)
 
 
 def _megatron_gpt_layer(x: _Shape, arch: str) -> _Piece:
