@@ -599,7 +599,7 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
         time.sleep(0.050 if next(calls) == WARMUP + 3 else 0.001)
         return None, lambda out: None
 
-    forward, _, _ = _time_passes(one_pass, _Alone(), 10)
+    forward, *_ = _time_passes(one_pass, _Alone(), 10)
     assert (
         forward >= (0.050 + 9 * 0.001) / 10
     )  # the plain mean: without the stall it would be ~1 ms
@@ -677,6 +677,12 @@ def profiled(tmp_path_factory):
             "1,2",
             "--micro-batch",
             "1,2",
+            # one rank at once in bf16 (the defaults are a local run's: hethub train's ranks, and
+            # its precision on this CPU)
+            "--concurrent-ranks",
+            "1",
+            "--dtype",
+            "bf16",
             "--repeats",
             FEW_REPEATS,
             "--out",
@@ -692,7 +698,6 @@ def profiled(tmp_path_factory):
 def test_the_profile_command_writes_what_load_profiles_reads(profiled, capsys):
     profiles = load_profiles(profiled)
     assert len(profiles.layers) == 4 and len(profiles.links) == 1
-    # measured in bf16: the command's default, as it is the plans'
     tp2 = profiles.select(dtype="bf16", concurrent_ranks=1).layer_for("cpu", TINY, 2, 1)
     assert tp2 is not None and tp2.key.concurrent_ranks == 2 and tp2.layer_forward_s > 0
     link = profiles.link("cpu", 1)
@@ -729,6 +734,10 @@ def test_profiling_again_measures_only_what_is_missing(profiled, monkeypatch, ca
                 "2,1",
                 "--micro-batch",
                 "2",
+                "--concurrent-ranks",
+                "1",
+                "--dtype",
+                "bf16",
                 "--out",
                 str(profiled),
             ]
@@ -955,7 +964,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
         log.append("forward")
         return None, lambda out: log.append("backward")
 
-    forward, backward, _ = _time_passes(one_pass, _Alone(), 3, clock)
+    forward, backward, *_ = _time_passes(one_pass, _Alone(), 3, clock)
     assert log == ["mark", "forward", "mark", "backward", "mark"] * (WARMUP + 3) + ["wait"]
     assert (forward, backward) == (2, 2)  # the marks' distance, as the clock reads it
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,9 @@ def test_two_torchrun_nodes_write_one_folder_that_predict_prices_both_groups_wit
         assert selected.link_for(kind) is not None, kind
     bridge = profiles.link_between("mi250x", "a100-80gb")
     assert bridge is not None and bridge.peer is not None and bridge.p2p_bytes_per_s > 0
+    # every file says where it was measured: both nodes are this host here
+    written = [*profiles.layers.values(), *profiles.links.values(), bridge]
+    assert {p.measured_on.host for p in written} == {socket.gethostname()}
     predicted = subprocess.run(
         [sys.executable, "-m", "hethub", "predict", "--cluster", "cluster.yaml", "--plan",
          "plan.yaml", "--profiles", "profiles"],

@@ -8,7 +8,7 @@ import math
 import re
 
 from hethub.jobs.prepare import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
-from hethub.profiles.store import DEFAULT_PROFILES_DIR
+from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 
 
@@ -157,9 +157,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profiles",
-        default=str(DEFAULT_PROFILES_DIR),
-        help="this machine's profiles, measured there when missing "
-        f"(default {DEFAULT_PROFILES_DIR})",
+        default=str(default_profiles_dir()),
+        help=f"this machine's profiles, measured there when missing (default ${PROFILES_ENV}, "
+        f"else this machine's folder in the user's cache: {default_profiles_dir()})",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     parser.add_argument(

@@ -8,8 +8,8 @@ import sys
 
 from hethub.predictor import Prediction
 from hethub.predictor.profiled import missing_profiles
+from hethub.profiles.machine import default_profiles_dir
 from hethub.profiles.store import (
-    DEFAULT_PROFILES_DIR,
     Profiles,
     all_cpu,
     load_profiles,
@@ -66,7 +66,7 @@ def priced_by(cluster: ClusterSpec, profiles: Profiles | None, missing: int) -> 
         # from this machine's profiles).
         return (
             "the analytic model, not calibrated for this machine: it can be several times off; "
-            f"measure it with hethub profile --model M and add --profiles {DEFAULT_PROFILES_DIR}"
+            f"measure it with hethub profile --model M and add --profiles {default_profiles_dir()}"
         )
     return (
         "the analytic model, from the catalog's public figures: under 8% mean error on 1,481 "

@@ -12,26 +12,27 @@ from pathlib import Path
 
 from hethub.cli.args import node, positive_int, timeout_seconds
 from hethub.errors import HethubError
+from hethub.jobs.prepare import DEFAULT_MODEL, builtin_cluster, planned_precision
+from hethub.planner.candidates import tp_degrees
+from hethub.planner.search import MICRO_BATCH_SIZES
+from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
 from hethub.profiles.store import (
-    DEFAULT_PROFILES_DIR,
     LayerProfile,
     LinkProfile,
     Profiles,
     load_profiles,
+    local_concurrency,
     profile_path,
     to_json,
 )
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_cluster, load_model
-from hethub.spec import plan as plan_spec
 
 DEFAULT_CLUSTER_TIMEOUT_S = 600.0
 """--timeout with --cluster: every wait of the distributed profiler, the longest of which is a
 node waiting for the slowest kind's measurement."""
 DTYPES = ("bf16", "fp32")
-DEFAULT_DTYPE = "bf16" if hasattr(plan_spec, "Precision") else "fp32"
-"""The plans' default precision: bf16, or fp32 while plans have no precision (the runtime's)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,24 +46,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "processes. One profile file per key (device, layer shape, dtype, threads, ranks at once, "
         "TP, micro-batch); what the directory holds already is kept unless --again.",
     )
-    parser.add_argument("--model", required=True, help="preset name or model YAML")
     parser.add_argument(
-        "--tp",
-        default="1",
-        help="TP degrees, comma-separated (default 1); TP > 1 is measured in "
-        "a real process group of that many ranks",
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"preset name or model YAML (default {DEFAULT_MODEL}, as hethub train's)",
     )
     parser.add_argument(
-        "--micro-batch", default="1,2,4", help="micro-batch sizes, comma-separated (default 1,2,4)"
+        "--tp",
+        help="TP degrees, comma-separated (default: those hethub train with no plan may use); "
+        "TP > 1 is measured in a real process group of that many ranks",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        help="micro-batch sizes, comma-separated (default: those the planner tries, "
+        f"{','.join(map(str, MICRO_BATCH_SIZES))})",
     )
     parser.add_argument(
         "--threads", default="1", help="torch threads per rank (default 1, as the runtime)"
     )
     parser.add_argument(
         "--concurrent-ranks",
-        default="1",
-        help="ranks computing at once on this machine, comma-separated (default 1): profile a "
-        "local run of N processes with N, as they share the cores; at least the TP degree",
+        help="ranks computing at once on this machine, comma-separated: profile a local run of N "
+        "processes with N, as they share the cores; at least the TP degree (default: as many "
+        "as hethub train with no plan runs, and each TP group alone where they outnumber the "
+        "cores)",
     )
     parser.add_argument(
         "--device",
@@ -75,9 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
-        default=DEFAULT_DTYPE,
-        help=f"what the layers compute in (default {DEFAULT_DTYPE}, the plans' default): bf16 is "
-        "bf16 weights and activations, the loss in fp32 and AdamW on fp32 master weights",
+        help="what the layers compute in (default: what hethub train with no plan trains in, "
+        "bf16 unless torch lacks bf16 kernels for this CPU; on a GPU bf16): bf16 is bf16 "
+        "weights and activations, the loss in fp32 and AdamW on fp32 master weights",
     )
     parser.add_argument(
         "--repeats",
@@ -88,8 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--out",
-        default=str(DEFAULT_PROFILES_DIR),
-        help=f"profile directory (default {DEFAULT_PROFILES_DIR})",
+        default=str(default_profiles_dir()),
+        help=f"profile directory (default ${PROFILES_ENV}, else this machine's folder in the "
+        f"user's cache: {default_profiles_dir()})",
     )
     parser.add_argument(
         "--again", action="store_true", help="measure anew what the directory holds already"
@@ -128,11 +136,11 @@ def run(args: argparse.Namespace) -> int:
             f"cluster's nodes"
         )
     model = load_model(args.model, source="--model")
-    tps, micro, threads, concurrency = _measuring_options(args)
     device = _device(args.device)
     from hethub.profiler.measure import (  # torch: only to measure
         LINK_REPEATS,
         REPEATS,
+        available_cores,
         check_layer_request,
         describe_device,
         ensure_profiles,
@@ -140,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     where = measuring_device(device)
+    if where.type == "cpu":
+        _default_to_local_run(args, model, available_cores())
+    tps, micro, threads, concurrency = _measuring_options(_default_to_one_rank(args))
     for c in concurrency:
         check_layer_request(
             model,
@@ -222,6 +233,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_to_local_run(args: argparse.Namespace, model, cores: int) -> None:
+    """Fill the flags not given with what `hethub train` with no plan measures and looks up for
+    ``model`` (hethub.jobs.prepare): the built-in local cluster's devices computing at once (and
+    each TP group alone where they outnumber ``cores``), its groups' TP degrees, the planner's
+    micro-batch sizes and the precision it plans in."""
+    cluster = load_cluster(builtin_cluster())
+    tps = sorted({t for g in cluster.groups for t in tp_degrees(g, model)})
+    together = local_concurrency(cluster, cluster.devices)
+    alone = tps if together > cores else []
+    defaults = {
+        "tp": ",".join(map(str, tps)),
+        "micro_batch": ",".join(map(str, MICRO_BATCH_SIZES)),
+        "concurrent_ranks": ",".join(map(str, dict.fromkeys([together, *alone]))),
+        "dtype": planned_precision(cluster).value,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _default_to_one_rank(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags still not given (a GPU, or --cluster) as one rank alone in bf16: tp 1,
+    the planner's micro-batch sizes, 1 rank at once."""
+    defaults = {
+        "tp": "1",
+        "micro_batch": ",".join(map(str, MICRO_BATCH_SIZES)),
+        "concurrent_ranks": "1",
+        "dtype": "bf16",
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
 def _measuring_options(args: argparse.Namespace) -> tuple[list[int], ...]:
     """--tp, --micro-batch, --threads (one count) and --concurrent-ranks, as lists."""
     tps, micro, threads, concurrency = (
@@ -255,7 +301,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
             )
         cluster = load_cluster(args.cluster)
         model = load_model(args.model, source="--model")
-        tps, micro, threads, concurrency = _measuring_options(args)
+        tps, micro, threads, concurrency = _measuring_options(_default_to_one_rank(args))
         if args.dtype not in DTYPES:
             raise HethubError(f"--dtype = {args.dtype!r}: must be one of {', '.join(DTYPES)}")
     except HethubError as error:  # the other nodes' processes would wait for this one's claim
@@ -403,12 +449,19 @@ def describe(
             else "no link profile"
             + ("" if where == "CPU" else " (links are measured between CPU processes only)"),
             "",
-            (
-                f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} "
-                f"(use them with --profiles {out})"
-            ),
+            f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} ({_how_used(out)})",
         ]
     )
+
+
+def _how_used(out: Path) -> str:
+    """How the commands find the profiles in ``out``."""
+    if Path(out).resolve() == default_profiles_dir().resolve():
+        return (
+            "hethub train and validate read them there by default; predict and plan with "
+            f"--profiles {out}"
+        )
+    return f"use them with --profiles {out}"
 
 
 def _fit(fit: tuple[float, float]) -> str:

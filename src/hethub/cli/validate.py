@@ -16,7 +16,7 @@ from hethub.cli.args import positive_int, seed, timeout_seconds
 from hethub.cli.launch import launch
 from hethub.errors import HethubError
 from hethub.jobs import Job, prepare
-from hethub.profiles.store import DEFAULT_PROFILES_DIR
+from hethub.profiles.machine import default_profiles_dir
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_cluster
@@ -45,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", help="where the run is written (default runs/<plan name>)")
     parser.add_argument(
         "--profiles",
-        default=str(DEFAULT_PROFILES_DIR),
-        help=f"this machine's profiles (default {DEFAULT_PROFILES_DIR})",
+        default=str(default_profiles_dir()),
+        help=f"this machine's profiles (default {default_profiles_dir()})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument(

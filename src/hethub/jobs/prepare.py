@@ -25,6 +25,7 @@ import yaml
 from hethub.errors import HethubError
 from hethub.jobs import preflight
 from hethub.predictor import Prediction, predict
+from hethub.profiles.provenance import provenance
 from hethub.profiles.store import (
     Profiles,
     all_cpu,
@@ -129,7 +130,9 @@ def prepare(
         run.write_text(run.cluster, cluster_path.read_text())
         _write_plan(run, plan, model)
         run.write_settings(settings)
-        _write_prediction(run, prediction, basis, cluster)
+        _write_prediction(
+            run, prediction, basis, cluster, provenance(plan, cluster, model, profiles)
+        )
     else:
         run = RunDir(args.run_dir or Path("runs") / name)
     return Job(
@@ -181,7 +184,9 @@ def _prepare_resume(
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
-        _write_prediction(run, prediction, basis, cluster)
+        _write_prediction(
+            run, prediction, basis, cluster, provenance(plan, cluster, model, profiles)
+        )
     return Job(
         run=run,
         settings=settings,
@@ -502,8 +507,14 @@ def _write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
 
 
 def _write_prediction(
-    run: RunDir, prediction: Prediction, basis: str, cluster: ClusterSpec
+    run: RunDir,
+    prediction: Prediction,
+    basis: str,
+    cluster: ClusterSpec,
+    profiles: dict | None,
 ) -> None:
+    """prediction.json: the prediction, what it rests on (``basis``, and ``profiles``: where and
+    when they were measured, hethub.profiles.provenance) and its timeline."""
     emulated = cluster.emulated
     run.write_json(
         run.prediction,
@@ -511,6 +522,7 @@ def _write_prediction(
             **prediction.to_json(),
             "basis": basis,
             "emulated": emulated,
+            "profiles": profiles,
             "timeline": [event.to_dict() for event in prediction.timeline],
         },
     )

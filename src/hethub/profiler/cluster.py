@@ -53,8 +53,10 @@ from hethub.profiler.measure import (
     fit_latency_bandwidth,
     measure_layers,
     measure_links,
+    measured_here,
     non_decreasing,
 )
+from hethub.profiles.machine import load_average
 from hethub.profiles.store import LayerProfile, LinkProfile, load_profiles, node_pair, save_profile
 from hethub.runtime.nodes import Node, node_name, node_ranks, take_place
 from hethub.runtime.supervision import init_process_group
@@ -353,7 +355,7 @@ def _pair_link(job: _Job, first: int, second: int, repeats: int | None) -> LinkP
     """Ping-pong between two processes on two nodes over the world group, at every size of the
     local profiler's: half the round trip is one message."""
     peer = second if job.rank == first else first
-    points = []
+    points, load_before = [], load_average()
     for n in LINK_SIZES:
         buffer = torch.zeros(n // 4)
 
@@ -384,6 +386,8 @@ def _pair_link(job: _Job, first: int, second: int, repeats: int | None) -> LinkP
         allgather={},
         measured_at=_now(),
         points={("p2p", 2): non_decreasing(points)},
+        # This end's host: the link's other end is the peer group's node.
+        measured_on=measured_here(torch.device("cpu"), load_before),
     )
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from hethub.comm import local_device
 from hethub.errors import HethubError
+from hethub.profiles.machine import cpu_model, host_name, load_average
 from hethub.profiles.store import (
     COLLECTIVES,
     MEASURED_TIMES,
@@ -42,6 +43,7 @@ from hethub.profiles.store import (
     LayerKey,
     LayerProfile,
     LinkProfile,
+    MeasuredOn,
     Profiles,
     empty_profiles,
     load_profiles,
@@ -204,8 +206,8 @@ def measure_layers(
         dtype=dtype,
         device=where,
     )
-    stamp = _now()
-    profiles = []
+    stamp, load_before = _now(), load_average()
+    measured: list[tuple[LayerKey, dict[str, float]]] = []
     for tp in dict.fromkeys(tps):
         world = max(concurrent_ranks, tp)
         args = (model, tp, tuple(micro_batches), repeats, dtype, str(where))
@@ -237,18 +239,37 @@ def measure_layers(
                 tp=tp,
                 micro_batch=b,
             )
-            profiles.append(
-                LayerProfile(
-                    key=key,
-                    **{name: mean[name] for name in MEASURED_TIMES},
-                    layer_time_spread=mean["layer_time_spread"],
-                    layer_activation_bytes=int(mean["layer_activation_bytes"]),
-                    layer_param_bytes=int(mean["layer_param_bytes"]),
-                    measured_at=stamp,
-                    cores=available_cores(),
-                )
-            )
-    return profiles
+            measured.append((key, mean))
+    where_and_load = measured_here(where, load_before)  # the load as the last pass ended
+    return [
+        LayerProfile(
+            key=key,
+            **{name: mean[name] for name in MEASURED_TIMES},
+            layer_time_spread=mean["layer_time_spread"],
+            layer_time_cv=mean["layer_time_cv"],
+            layer_activation_bytes=int(mean["layer_activation_bytes"]),
+            layer_param_bytes=int(mean["layer_param_bytes"]),
+            measured_at=stamp,
+            cores=available_cores(),
+            measured_on=where_and_load,
+        )
+        for key, mean in measured
+    ]
+
+
+def measured_here(where: torch.device, load_before: float | None) -> MeasuredOn:
+    """This machine, its torch, and the load average at a measurement's start (``load_before``)
+    and now, its end: where a profile measured on ``where`` came from."""
+    builds = (("cuda", torch.version.cuda), ("hip", getattr(torch.version, "hip", None)))
+    return MeasuredOn(
+        host=host_name(),
+        cpu=cpu_model(),
+        gpu=torch.cuda.get_device_name(where) if where.type == "cuda" else None,
+        torch=torch.__version__,
+        torch_build=next((f"{name} {version}" for name, version in builds if version), "cpu"),
+        load_before=load_before,
+        load_after=load_average(),
+    )
 
 
 def _first_line(error: BaseException) -> str:
@@ -330,8 +351,8 @@ def _measure_rank(
 
         layer = _time_passes(layer_pass, together, repeats, clock)
         recompute = _time_passes(recompute_pass, together, repeats, clock)
-        embed_f, embed_b, _ = _time_passes(embed_pass, together, repeats, clock)
-        head_f, head_b, _ = _time_passes(head_pass, together, repeats, clock)
+        embed_f, embed_b, *_ = _time_passes(embed_pass, together, repeats, clock)
+        head_f, head_b, *_ = _time_passes(head_pass, together, repeats, clock)
         one = layers.layers["0"]
         out[b] = {
             "layer_forward_s": layer.forward / timed,
@@ -343,6 +364,7 @@ def _measure_rank(
             "head_forward_s": head_f,
             "head_backward_s": head_b,
             "layer_time_spread": layer.spread_s,
+            "layer_time_cv": layer.variation,
             "layer_activation_bytes": float(saved_bytes(one, hidden)),
             "layer_param_bytes": float(sum(p.numel() * p.element_size() for p in one.parameters())),
         }
@@ -407,6 +429,8 @@ class Passes(NamedTuple):
     """The variance of a pass's time (forward and backward) over its mean: seconds. Where ranks
     share the cores, the scheduler's slices make a pass's time vary, the more the longer it
     runs: an operation of T seconds varies by about sqrt(spread_s * T)."""
+    variation: float
+    """The passes' coefficient of variation: their standard deviation over their mean."""
 
 
 def _time_passes(
@@ -452,7 +476,8 @@ def _time_passes(
     # priced 4-rank TP layers up to 13% short.
     mean = statistics.fmean(passes)
     spread = statistics.pvariance(passes) / mean if mean > 0 else 0.0
-    return Passes(statistics.fmean(forward), statistics.fmean(backward), spread)
+    variation = statistics.pstdev(passes) / mean if mean > 0 else 0.0
+    return Passes(statistics.fmean(forward), statistics.fmean(backward), spread, variation)
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
@@ -531,7 +556,7 @@ def measure_links(
             f"link profile: ranks {ranks_list} must be at least 2, concurrent ranks "
             f"{concurrent_ranks} positive, sizes at least 64 bytes"
         )
-    world = max(concurrent_ranks, *ranks_list)
+    world, load_before = max(concurrent_ranks, *ranks_list), load_average()
     per_rank = run_ranks(_link_rank, world, ranks_list, tuple(sizes), repeats, timeout_s=timeout_s)
     fits: dict[tuple[str, int], tuple[float, float]] = {}
     measured: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
@@ -551,6 +576,7 @@ def measure_links(
         **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in COLLECTIVES},
         measured_at=_now(),
         points=measured,
+        measured_on=measured_here(torch.device("cpu"), load_before),
     )
 
 

@@ -29,8 +29,6 @@ from hethub.spec.plan import Precision
 
 FORMAT = 1
 """Version of the file format; a file of another version is refused."""
-DEFAULT_PROFILES_DIR = Path("runs/profiles")
-"""Where the commands keep this machine's profiles unless told (--profiles, --out)."""
 
 METHOD = 5
 """Version of how the numbers are measured (hethub.profiler.measure); a file of an older method
@@ -55,6 +53,28 @@ DTYPE_BYTES = {
 """Bytes of one element of each dtype a layer profile may be measured in: a plan's precision's
 compute dtype (spec.plan.Precision) is looked up under its name."""
 LAYER, LINK = "layer", "link"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredOn:
+    """Where a profile was measured and how busy the machine was: what tells, when a run's steps
+    and its prediction disagree, whether the profile is another machine's or another moment's.
+    A file measured before these were recorded has none (a profile's ``measured_on`` None)."""
+
+    host: str
+    """The host's name (socket.gethostname)."""
+    cpu: str
+    """The CPU's model (/proc/cpuinfo's "model name", else platform.processor)."""
+    gpu: str | None = None
+    """The GPU's name where it was measured on one (torch.cuda.get_device_name), else None."""
+    torch: str | None = None
+    """torch.__version__."""
+    torch_build: str | None = None
+    """What torch was built for: "cuda 12.4", "hip 6.2" or "cpu"."""
+    load_before: float | None = None
+    """The 1-minute load average as the measurement started (os.getloadavg; None: none)."""
+    load_after: float | None = None
+    """And as it ended (the measuring processes' own work included)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,6 +189,11 @@ class LayerProfile:
     """The variance of a chain of layers' pass time (forward and backward) over its mean, in
     seconds (profiler.measure.Passes): how much the scheduler makes an operation's time vary
     where ranks share the cores. 0: not measured (before method 5)."""
+    layer_time_cv: float | None = None
+    """The passes' coefficient of variation (standard deviation over mean): how far one repeat
+    strayed from another, whatever the layer's size (None: not recorded)."""
+    measured_on: MeasuredOn | None = None
+    """Where and under what load it was measured (None: not recorded)."""
 
 
 MEASURED_TIMES = tuple(
@@ -226,6 +251,8 @@ class LinkProfile:
     nodes, through the host-staged bridge where their vendors differ), measured by
     ``hethub profile --cluster`` with one process on each node; point to point only, and looked
     up by the pair of kinds (Profiles.link_between), whatever the concurrency."""
+    measured_on: MeasuredOn | None = None
+    """Where and under what load it was measured (None: not recorded)."""
 
     def __hash__(self) -> int:
         return hash((self.device, self.peer, self.concurrent_ranks, self.measured_at))
@@ -430,10 +457,15 @@ def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
     """The object a profile file holds."""
     if isinstance(profile, LayerProfile):
         data = dataclasses.asdict(profile)
+        for name in ("layer_time_cv", "measured_on"):  # not recorded: absent, as in older files
+            if data[name] is None:
+                del data[name]
         return {"format": FORMAT, "kind": LAYER, **data}
     data = dataclasses.asdict(profile)
     if profile.peer is None:  # a link inside a machine: its file as before the field existed
         del data["peer"]
+    if profile.measured_on is None:
+        del data["measured_on"]
     for name in COLLECTIVES:
         data[name] = {
             str(ranks): {"latency_s": fit[0], "bytes_per_s": fit[1]}
@@ -538,6 +570,8 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
             "cores",
             "method",
             "layer_time_spread",
+            "layer_time_cv",
+            "measured_on",
         ),
     )
     k = Fields(
@@ -575,6 +609,10 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
             if fields.has("layer_time_spread")
             else 0.0
         ),
+        layer_time_cv=(
+            _finite_non_negative(fields, "layer_time_cv") if fields.has("layer_time_cv") else None
+        ),
+        measured_on=_measured_on(fields),
     )
 
 
@@ -597,6 +635,7 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
             "points",
             "method",
             "peer",
+            "measured_on",
         ),
     )
     # A file measured before the reduce-scatter was (method 2) has none: measured anew where
@@ -616,6 +655,31 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
         points=_points(fields),
         method=_method(fields),
         peer=fields.string("peer") if fields.has("peer") else None,
+        measured_on=_measured_on(fields),
+    )
+
+
+def _measured_on(fields: Fields) -> MeasuredOn | None:
+    """Where the file says it was measured: None in a file written before it was recorded."""
+    if not fields.has("measured_on"):
+        return None
+    names = [f.name for f in dataclasses.fields(MeasuredOn)]
+    where = Fields(fields.raw("measured_on"), fields.source, "measured_on", allowed=names)
+
+    def text(name: str) -> str | None:
+        return where.string(name) if where.has(name) else None
+
+    def load(name: str) -> float | None:
+        return _finite_non_negative(where, name) if where.has(name) else None
+
+    return MeasuredOn(
+        host=where.string("host"),
+        cpu=where.string("cpu"),
+        gpu=text("gpu"),
+        torch=text("torch"),
+        torch_build=text("torch_build"),
+        load_before=load("load_before"),
+        load_after=load("load_after"),
     )
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hethub.comm import BRIDGE, NATIVE, local_device, peak_memory_bytes
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
+from hethub.report.prediction_check import PredictionCheck
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
 from hethub.report.timeline import TimelineEvent
@@ -257,6 +258,7 @@ class _StepLog:
         self.prediction = (
             json.loads(run.prediction.read_text()) if run.prediction.is_file() else None
         )
+        self.prediction_check = PredictionCheck(self.prediction)
         self.bar = progress_bar()
         self.board = _tensorboard(run)
         self.optimizer_state_bytes: list[int] = []  # per rank, as of the last step
@@ -307,6 +309,7 @@ class _StepLog:
             # The largest over the ranks of the device memory each held at its peak (None when
             # every rank runs on a CPU, where nothing counts it).
             "peak_memory_gb": peak_memory / 1e9 if peak_memory is not None else None,
+            **self.prediction_check.after_step(step, elapsed),
         }
         self.run.append_metrics(record)
         if self.board:
