@@ -7,6 +7,7 @@ The CLI runs in-process through ``hethub.cli.main`` (fast); one test runs it as 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -818,6 +819,36 @@ def test_subprocess_missing_cluster_file(tmp_path) -> None:
     assert len(lines) == 1, lines
     assert str(missing) in lines[0] and "not found" in lines[0]
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["predict", "--cluster", "c.yaml", "--model", "tiny-gpt", "--micro-batch", "1"]
+        + ["--global-batch", "8", "--json"],
+        ["catalog"],
+    ],
+)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path, argv) -> None:
+    # `hethub predict --json | head -c 10`, made certain: the pipe's reading end is closed before
+    # hethub starts, so its first write finds no reader (as head's exit leaves it).
+    write(tmp_path, "c.yaml", ONE_GROUP)
+    reading, writing = os.pipe()
+    os.close(reading)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "hethub", *argv],
+            stdout=writing,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=tmp_path,
+        )
+    finally:
+        os.close(writing)
+    assert done.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+    assert done.returncode == 141  # as a tool that SIGPIPE ends: 128 + 13
 
 
 @pytest.mark.parametrize(
