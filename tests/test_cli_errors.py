@@ -821,6 +821,24 @@ def test_subprocess_missing_cluster_file(tmp_path) -> None:
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_plan_out_given_a_folder_says_so(tmp_path, capsys, force) -> None:
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    cluster = write(tmp_path, "cluster.yaml", ONE_GROUP)
+    capsys.readouterr()
+    argv = ["plan", "--cluster", cluster, "--model", "tiny-gpt", "--global-batch", "8"]
+    code = main([*argv, "--out", str(folder), *force])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    message = (
+        f"hethub plan: error: --out = {str(folder)!r}: is a directory; give the path of the plan "
+        f"file to write (e.g. {str(folder / 'plan.yaml')!r})"
+    )
+    assert err.splitlines() == [message]
+    assert list(folder.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "argv",
     [
