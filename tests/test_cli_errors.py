@@ -7,6 +7,7 @@ The CLI runs in-process through ``hethub.cli.main`` (fast); one test runs it as 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +243,154 @@ def test_unknown_field_in_plan_stage_with_suggestion(tmp_path, capsys) -> None:
         "unknown field",
         "did you mean 'layers'",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Files that mean what they say: no key twice, no infinite number, speed where it means something
+
+CLUSTER_WITH_A_KEY_TWICE = """groups:
+  - name: nv
+    accelerator: a100-80gb
+    devices_per_node: 8
+    network_gbps: 200
+    nodes: 2
+    network_gbps: 400
+"""
+
+
+def test_a_key_given_twice_in_the_cluster_is_refused(tmp_path, capsys) -> None:
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), CLUSTER_WITH_A_KEY_TWICE),
+        "cluster.yaml: groups[0].network_gbps = 400: given twice in one mapping (lines 5 and 7)",
+    )
+
+
+def test_a_key_given_twice_in_a_plan_stage_is_refused(tmp_path, capsys) -> None:
+    plan = """model: tiny-gpt
+global_batch: 8
+micro_batch: 1
+pipelines:
+  - stages:
+      - {group: nv, tp: 2, layers: 5}
+      - {group: nv, tp: 2, layers: 3, tp: 4}
+"""
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "plan.yaml: pipelines[0].stages[1].tp = 4: given twice in one mapping (lines 7 and 7)",
+    )
+
+
+def test_a_key_given_twice_in_a_model_file_is_refused(tmp_path, capsys) -> None:
+    model = "arch: gpt\nhidden: 64\nlayers: 8\nheads: 4\nvocab: 256\nseq_len: 64\nlayers: 6\n"
+    plan = tiny_plan(model=write(tmp_path, "mini.yaml", model))
+    assert_error(
+        capsys,
+        plan_args(tmp_path, plan),
+        "mini.yaml: layers = 6: given twice in one mapping (lines 3 and 7)",
+    )
+
+
+def test_yaml_merge_keys_still_override(tmp_path) -> None:
+    # "<<: *base" then the mapping's own key is YAML's way to override, not a key given twice.
+    from hethub.spec.fields import parse_yaml
+
+    text = "base: &base {name: nv, nodes: 1}\ngroups:\n  - <<: *base\n    nodes: 2\n"
+    assert parse_yaml(text, "c.yaml")["groups"] == [{"name": "nv", "nodes": 2}]
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".NaN"])
+@pytest.mark.parametrize(
+    ("field", "where"),
+    [
+        ("network_gbps", "groups[0].network_gbps"),
+        ("intra_node_gb_s", "groups[0].intra_node_gb_s"),
+        ("bf16_tflops", "groups[0].accelerator.bf16_tflops"),
+        ("cross_group_gbps", "cross_group_gbps"),
+    ],
+)
+def test_non_finite_cluster_numbers_are_refused(tmp_path, capsys, field, where, value) -> None:
+    accelerator = "{name: x, vendor: nvidia, bf16_tflops: 300, memory_gb: 80}"
+    if field == "bf16_tflops":
+        accelerator = accelerator.replace("300", value)
+    cluster = (
+        f"groups:\n  - name: nv\n    accelerator: {accelerator}\n    nodes: 2\n"
+        f"    devices_per_node: 8\n"
+    )
+    if field in ("network_gbps", "intra_node_gb_s"):
+        cluster += f"    {field}: {value}\n"
+    if field == "cross_group_gbps":
+        cluster += f"cross_group_gbps: {value}\n"
+    message = assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), cluster),
+        f"cluster.yaml: {where} = ",
+        "must be a finite number",
+    )
+    assert message.split(" = ")[1].split(":")[0] in ("inf", "-inf", "nan")
+
+
+@pytest.mark.parametrize(
+    ("plan", "where"),
+    [
+        (tiny_plan(micro_batch=float("inf")), "micro_batch = inf"),
+        (tiny_plan(global_batch=float("nan")), "global_batch = nan"),
+    ],
+)
+def test_non_finite_plan_numbers_are_refused(tmp_path, capsys, plan, where) -> None:
+    assert_error(capsys, plan_args(tmp_path, plan), f"plan.yaml: {where}: must be a finite number")
+
+
+def test_non_finite_model_numbers_are_refused(tmp_path, capsys) -> None:
+    model = "arch: gpt\nhidden: 64\nlayers: .inf\nheads: 4\nvocab: 256\nseq_len: 64\n"
+    plan = tiny_plan(model=write(tmp_path, "mini.yaml", model))
+    assert_error(
+        capsys, plan_args(tmp_path, plan), "mini.yaml: layers = inf: must be a finite number"
+    )
+
+
+def cpu_group(**fields) -> dict:
+    return {"groups": [{"name": "nv", "nodes": 2, "devices_per_node": 8, **fields}]}
+
+
+@pytest.mark.parametrize("accelerator", ["h100", "a100-80gb"])
+def test_speed_on_a_gpu_group_is_refused(tmp_path, capsys, accelerator) -> None:
+    for speed in (2.0, 0.5):
+        assert_error(
+            capsys,
+            plan_args(tmp_path, tiny_plan(), cpu_group(accelerator=accelerator, speed=speed)),
+            f"cluster.yaml: groups[0].speed = {speed}: emulates a slower device on this "
+            f"machine's CPU, so only a group whose accelerator is the CPU takes it "
+            f"(this group's is {accelerator})",
+        )
+
+
+def test_speed_above_one_is_refused(tmp_path, capsys) -> None:
+    assert_error(
+        capsys,
+        plan_args(tmp_path, tiny_plan(), cpu_group(accelerator="cpu", speed=2.0)),
+        "cluster.yaml: groups[0].speed = 2.0: must be at most 1",
+    )
+
+
+def test_speed_of_a_cpu_group_up_to_one_is_kept() -> None:
+    for speed in (0.25, 1):
+        cluster = parse_cluster(cpu_group(accelerator="cpu", speed=speed), "c.yaml")
+        assert cluster.groups[0].speed == speed
+
+
+@pytest.mark.parametrize("which", ["--cluster", "--plan", "model"])
+def test_a_directory_given_for_a_file_says_so(tmp_path, capsys, which) -> None:
+    folder = tmp_path / "a-folder.yaml"
+    folder.mkdir()
+    args = plan_args(tmp_path, tiny_plan())
+    if which == "model":
+        args = plan_args(tmp_path, tiny_plan(model=str(folder)))
+    else:
+        args[args.index(which) + 1] = str(folder)
+    message = assert_error(capsys, args, f"{folder}: is a directory")
+    assert "not found" not in message
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,6 +819,54 @@ def test_subprocess_missing_cluster_file(tmp_path) -> None:
     assert len(lines) == 1, lines
     assert str(missing) in lines[0] and "not found" in lines[0]
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_plan_out_given_a_folder_says_so(tmp_path, capsys, force) -> None:
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    cluster = write(tmp_path, "cluster.yaml", ONE_GROUP)
+    capsys.readouterr()
+    argv = ["plan", "--cluster", cluster, "--model", "tiny-gpt", "--global-batch", "8"]
+    code = main([*argv, "--out", str(folder), *force])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    message = (
+        f"hethub plan: error: --out = {str(folder)!r}: is a directory; give the path of the plan "
+        f"file to write (e.g. {str(folder / 'plan.yaml')!r})"
+    )
+    assert err.splitlines() == [message]
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["predict", "--cluster", "c.yaml", "--model", "tiny-gpt", "--micro-batch", "1"]
+        + ["--global-batch", "8", "--json"],
+        ["catalog"],
+    ],
+)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path, argv) -> None:
+    # `hethub predict --json | head -c 10`, made certain: the pipe's reading end is closed before
+    # hethub starts, so its first write finds no reader (as head's exit leaves it).
+    write(tmp_path, "c.yaml", ONE_GROUP)
+    reading, writing = os.pipe()
+    os.close(reading)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "hethub", *argv],
+            stdout=writing,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=tmp_path,
+        )
+    finally:
+        os.close(writing)
+    assert done.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+    assert done.returncode == 141  # as a tool that SIGPIPE ends: 128 + 13
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hethub import __version__
@@ -15,6 +16,10 @@ COMMANDS = (train, validate, plan, predict, profile, catalog)
 NEED_TORCH = {"train", "validate", "profile"}
 """The commands that run torch (their workers too: they start as `hethub train`); an unsupported
 torch stops them in one line before any torch code runs. plan, predict and catalog never load it."""
+READER_GONE = 141
+"""Exit status when stdout's reader has gone (`hethub predict --json | head`): what a shell
+reports for a Unix tool that SIGPIPE ends (128 + 13), so a pipeline under `set -o pipefail`
+reads it as such; 1 is taken by validate's verdict and 2 by bad input."""
 
 
 class VersionAction(argparse.Action):
@@ -54,7 +59,22 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; bad input is one line on stderr and exit status 2, never a traceback."""
+    """Run one command; bad input is one line on stderr and exit status 2, never a traceback. A
+    reader of stdout that leaves early ends the command quietly (READER_GONE)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # output that fit in the buffer meets the closed pipe here
+        return code
+    except BrokenPipeError:
+        # Python's advice (the signal module's docs, "Note on SIGPIPE"): point stdout at devnull
+        # so that the interpreter's last flush at exit raises nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return READER_GONE
+
+
+def _run(argv: list[str] | None) -> int:
+    """Parse the flags and run the command; its exit status."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse's: a bad flag (said in one line), --help or --version

@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len:
         model = dataclasses.replace(model, seq_len=args.seq_len)
     out = Path(args.out)
+    if out.is_dir():  # before the search, and --force or not: a folder is never replaced
+        raise HethubError(
+            f"--out = {args.out!r}: is a directory; give the path of the plan file to write "
+            f"(e.g. {str(out / 'plan.yaml')!r})"
+        )
     # Before the search: a plan someone checked or trained is not replaced by a rerun unasked.
     if out.exists() and not args.force:
         raise HethubError(

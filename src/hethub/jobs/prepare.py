@@ -153,6 +153,8 @@ def _prepare_resume(
     """--resume RUN_DIR: from its latest complete checkpoint; a run that stopped before its
     first checkpoint starts again from step 0, under its settings and the flags given."""
     run = RunDir(args.resume)
+    if write and run.path.is_dir():  # it goes on writing there: checked before any measuring
+        _check_folder(run.path, f"--resume = {args.resume!r}")
     settings, done = _run_state(run)
     if done is None:
         _check_restartable(args, run)
@@ -287,11 +289,14 @@ def _check_profiles_folder(args: argparse.Namespace, cluster: ClusterSpec, measu
 
 
 def _check_folder(path: Path, named: str) -> None:
-    """``path`` is a folder, or one this process can make: its nearest existing parent is a
-    folder it may write in."""
+    """``path`` is a folder this process may write in, or one it can make: its nearest existing
+    parent is a folder it may write in. Checked before anything is measured: a run that cannot
+    be written finds out in a second, not after minutes of profiling."""
     if path.exists():
         if not path.is_dir():
             raise HethubError(f"{named}: is a file; give a folder (an existing one, or a new one)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise HethubError(f"{named}: is a folder this user cannot write in; give another")
         return
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():

@@ -24,7 +24,8 @@ class DeviceGroup:
     network_gbps: float
     """Scale-out network per node, Gbit/s."""
     speed: float | None = None
-    """Emulated speed relative to this machine, for local runs only (None: real hardware)."""
+    """Emulated speed relative to this machine, in (0, 1], on a CPU group only (None: real
+    hardware)."""
     intra_node_gb_s: float | None = None
     """The link inside a node as measured on these nodes, GB/s per device per direction (None:
     the accelerator's figure)."""
@@ -116,7 +117,7 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                 nodes=nodes,
                 devices_per_node=f.positive_int("devices_per_node"),
                 network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
-                speed=f.positive_number("speed") if f.has("speed") else None,
+                speed=_speed(f, accelerator) if f.has("speed") else None,
                 intra_node_gb_s=(
                     f.positive_number("intra_node_gb_s") if f.has("intra_node_gb_s") else None
                 ),
@@ -125,6 +126,29 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
         )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
     return ClusterSpec(groups=tuple(groups), cross_group_gbps=cross, source=source)
+
+
+def _speed(f: Fields, accelerator: AcceleratorSpec) -> float:
+    """A group's ``speed``: the runtime emulates a slower device by stretching each pass on this
+    machine's CPU with sleep, so it takes a CPU group (on a GPU it would slow a real device and
+    misprice it) and at most 1 (sleeping cannot make this machine faster)."""
+    speed = f.positive_number("speed")
+    if accelerator.vendor != "cpu":
+        raise f.error(
+            "speed",
+            speed,
+            f"emulates a slower device on this machine's CPU, so only a group whose accelerator "
+            f"is the CPU takes it (this group's is {accelerator.name}); leave it out for real "
+            f"hardware",
+        )
+    if speed > 1:
+        raise f.error(
+            "speed",
+            speed,
+            "must be at most 1: the runtime slows a group down by sleeping, it cannot speed one "
+            "up (1 is this machine's own speed)",
+        )
+    return speed
 
 
 def _hosts(f: Fields, nodes: int) -> tuple[str, ...]:

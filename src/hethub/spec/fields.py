@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,20 +15,93 @@ from hethub.errors import HethubError, SpecError
 _MISSING = object()
 
 
-def load_yaml(path: str | Path, what: str) -> Any:
-    """Parse a YAML file; a missing file or a syntax error becomes one clear HethubError."""
-    path = Path(path)
-    if not path.is_file():
-        raise HethubError(f"{path}: {what} file not found (give the path of an existing YAML file)")
+class StrictLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping: the plain loader keeps the
+    second value silently, so a file would not mean what it says. Every YAML file hethub reads
+    (the user's and its own data) is parsed by this loader (parse_yaml)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Where each mapping sits in the document, so that a duplicate is named as a field is
+        # everywhere else ("groups[0].network_gbps"): construct_mapping sees no parents.
+        self.field_paths: dict[int, str] = {}
+        _record_field_paths(node, "", self.field_paths)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *defaults" then a key of the mapping's own is an override
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.get(key)
+            except TypeError:
+                continue  # an unhashable key: the safe loader's own error names it
+            if line is not None:
+                prefix = self.field_paths.get(id(node), "")
+                raise DuplicateKeyError(
+                    f"{prefix}.{key}" if prefix else str(key),
+                    self.construct_object(value_node, deep=True)
+                    if isinstance(value_node, yaml.ScalarNode)
+                    else "...",
+                    f"given twice in one mapping (lines {line} and "
+                    f"{key_node.start_mark.line + 1}); give each key once",
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping of a YAML file."""
+
+    def __init__(self, field: str, value: Any, rule: str) -> None:
+        self.field, self.value, self.rule = field, value, rule
+        super().__init__(f"{field} = {value!r}: {rule}")
+
+
+def _record_field_paths(node: yaml.Node, path: str, paths: dict[int, str]) -> None:
+    """``paths[id(mapping node)]``: the field path of each mapping under ``node``."""
+    if isinstance(node, yaml.MappingNode):
+        if id(node) in paths:  # an alias: one node, reached again
+            return
+        paths[id(node)] = path
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            _record_field_paths(value_node, f"{path}.{key}" if path else str(key), paths)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _record_field_paths(item, f"{path}[{i}]", paths)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text with StrictLoader; a syntax error or a duplicate key becomes one clear
+    HethubError naming ``source``."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=StrictLoader)  # StrictLoader is a SafeLoader
+    except DuplicateKeyError as error:
+        raise SpecError(source, error.field, error.value, error.rule) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise HethubError(f"{path}: not valid YAML{where}: {problem}") from None
+        raise HethubError(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def load_yaml(path: str | Path, what: str) -> Any:
+    """Parse a YAML file; a missing file, a folder, a syntax error or a duplicate key becomes one
+    clear HethubError."""
+    path = Path(path)
+    if path.is_dir():
+        raise HethubError(f"{path}: is a directory; give the path of a {what} YAML file")
+    if not path.is_file():
+        raise HethubError(f"{path}: {what} file not found (give the path of an existing YAML file)")
+    try:
+        text = path.read_text()
     except UnicodeDecodeError:
         raise HethubError(f"{path}: not a text file (a {what} file is UTF-8 YAML)") from None
+    except OSError as error:
+        raise HethubError(f"{path}: cannot read the {what} file ({error.strerror})") from None
+    return parse_yaml(text, str(path))
 
 
 def suggestion(name: str, choices: Iterable[str]) -> str:
@@ -64,11 +138,17 @@ class Fields:
         return SpecError(self.source, self.path(key), value, rule)
 
     def raw(self, key: str, default: Any = _MISSING) -> Any:
+        """The field's value as parsed (``default`` when absent). Every typed read comes here,
+        so the rule no field may break is here: a number is finite (YAML's .inf and .nan parse
+        as floats, and would pass a "> 0" or go through arithmetic unnoticed)."""
         if key not in self.data or self.data[key] is None:
             if default is _MISSING:
                 raise self.error(key, None, "is required")
             return default
-        return self.data[key]
+        value = self.data[key]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.error(key, value, "must be a finite number (not .inf or .nan)")
+        return value
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None

@@ -8,10 +8,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hethub.errors import SpecError
-from hethub.spec.fields import Fields, load_yaml, suggestion
+from hethub.spec.fields import Fields, load_yaml, parse_yaml, suggestion
 from hethub.spec.hashing import hashed_once
 
 ARCHS = ("gpt", "llama")
@@ -121,10 +119,8 @@ def load_model(
     text = str(ref)
     if text.lower() in preset_names():
         name = text.lower()
-        data = yaml.safe_load(
-            resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text()
-        )
-        return parse_model(data, f"preset {name}", name)
+        text = resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text()
+        return parse_model(parse_yaml(text, f"preset {name}"), f"preset {name}", name)
     path = Path(text)
     if relative_to is not None and not path.is_absolute():
         path = relative_to / path

@@ -235,6 +235,14 @@ class Plan:
             f"{extras}: {layouts}"
         )
 
+    def stage_names(self, pipeline: int, position: int) -> tuple[str, str, str]:
+        """How the tables of hethub predict, plan and validate name a stage, after the plan file:
+        its pipeline (the index under ``pipelines``, and that layout's replicas), its position
+        from 0, and its layers (chunk by chunk, "3+2", where the pipeline interleaves)."""
+        layout = self.pipelines[pipeline]
+        stage = layout.stages[position]
+        return f"{pipeline} (x{layout.count})", str(position), _layers_text(stage)
+
 
 def _layers_text(stage: StageSpec) -> str:
     return "+".join(map(str, stage.chunks))
