@@ -42,7 +42,9 @@ def validate(
         timeout=900,
         check=False,
     )
-    if done.returncode:
+    # Exit 1 is validate's verdict (off by more than --tolerance) on a run that was measured: its
+    # report is what is wanted here, however far off.
+    if done.returncode not in (0, 1) or not done.stdout.strip():
         raise SystemExit(
             f"{name}: hethub validate failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
         )

@@ -116,14 +116,15 @@ def describe(
         layout = plan.pipelines[s.pipeline]
         capacity = cluster.group(s.group).accelerator.memory_gb
         flag = "" if s.memory.total_gb <= capacity else "  OVER"
+        pipeline, position, layers = plan.stage_names(s.pipeline, s.position)
         rows.append(
             [
-                f"{s.pipeline} (x{layout.count})",
-                str(s.position),
+                pipeline,
+                position,
                 s.group,
                 s.accelerator,
                 str(s.tp),
-                "+".join(map(str, layout.stages[s.position].chunks)),
+                layers,
                 str(layout.micro_batches),
                 f"{s.forward_s * 1e3:.2f}",
                 f"{s.backward_s * 1e3:.2f}",

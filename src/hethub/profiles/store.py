@@ -529,12 +529,22 @@ def load_profiles(directory: str | Path) -> Profiles:
     return Profiles(layers=layers, links=links, source=str(folder), between=between)
 
 
+class NonFiniteNumber(ValueError):
+    """NaN, Infinity or -Infinity in a profile file: Python's json reads them, JSON has none."""
+
+
+def _refuse_non_finite(constant: str) -> float:
+    """json.loads' hook for NaN, Infinity and -Infinity: refused, so that no measured figure
+    (nor a point of a measured curve, which Fields does not see one by one) is ever one."""
+    raise NonFiniteNumber(constant)
+
+
 def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
     """One profile file, validated field by field."""
     path = Path(path)
     source = str(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_refuse_non_finite)
     except (OSError, UnicodeDecodeError) as error:
         raise HethubError(
             f"{path}: cannot read the profile file ({getattr(error, 'strerror', None) or error})"
@@ -542,6 +552,11 @@ def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
     except json.JSONDecodeError as error:
         raise HethubError(
             f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
+    except NonFiniteNumber as error:
+        raise HethubError(
+            f"{path}: {error} is not a number a profile holds (every figure is finite); "
+            f"measure again"
         ) from None
     top = Fields(data, source)
     if top.raw("format") != FORMAT:

@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-import yaml
-
 from hethub.errors import SpecError
-from hethub.spec.fields import Fields, suggestion
+from hethub.spec.fields import Fields, parse_yaml, suggestion
 from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
@@ -48,13 +46,14 @@ class AcceleratorSpec:
 @functools.cache
 def _catalog_data() -> dict[str, Any]:
     text = resources.files("hethub.data").joinpath("catalog.yaml").read_text()
-    return yaml.safe_load(text)
+    return parse_yaml(text, "catalog.yaml")
 
 
 def catalog() -> dict[str, AcceleratorSpec]:
     """All catalog accelerators by lower-case name."""
+    # Read as an inline accelerator is: every figure held to the rules of a cluster file's.
     return {
-        name: AcceleratorSpec(name=name, **fields)
+        name: parse_accelerator({"name": name, **fields}, "catalog.yaml", f"accelerators.{name}")
         for name, fields in _catalog_data()["accelerators"].items()
     }
 
