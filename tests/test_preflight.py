@@ -23,6 +23,7 @@ from hethub.cli import main
 from hethub.errors import HethubError
 from hethub.jobs import preflight, prepare
 from hethub.profiler.measure import available_cores
+from hethub.profiles.machine import default_profiles_dir
 
 CPU = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
 A100 = {"groups": [{"name": "nv", "accelerator": "a100-40gb", "nodes": 1, "devices_per_node": 2}]}
@@ -194,12 +195,14 @@ def test_a_plan_whose_cpu_ranks_exceed_this_machines_memory_is_refused_before_pr
     here, capsys
 ):
     cluster, plan = write("c.yaml", CPU), write("p.yaml", HUGE_ON_CPU)
+    profiles_before = set(default_profiles_dir().glob("*"))  # the session's cache is shared
     line = refused(capsys, "--cluster", cluster, "--plan", plan)
     assert "this machine cannot run the job: its 2 CPU ranks need " in line
     # MemAvailable moves from one reading to the next: the form, not the figure
     assert re.search(r"this machine has [\d,.]+ GB available \(MemAvailable\)", line), line
     assert line.endswith("(--force launches it anyway)")
-    assert not Path("runs").exists()  # no profiles measured either
+    assert not Path("runs").exists()  # no run folder made
+    assert set(default_profiles_dir().glob("*")) == profiles_before  # no profiles measured
 
 
 @pytest.mark.parametrize(
