@@ -28,6 +28,13 @@ Atomicity: a crash mid-save never leaves a checkpoint that loads. Every rank wri
 atomic). A checkpoint is complete exactly when its folder has that name and holds meta.json:
 latest_checkpoint looks at nothing else and load_checkpoint refuses anything else.
 ``checkpoints_dir`` must be one filesystem that every rank sees.
+
+Damage after the publish (a truncated copy, a flipped bit on disk): meta.json lists every file
+with its size and SHA-256 (checkpoint_folders.manifest; rank 0 reads the folder once all ranks
+have written, before the rename, so the list is published with the files), and a resume takes
+the newest checkpoint that matches it (checkpoint_folders.latest_intact_checkpoint). Damage that
+slips past (a checkpoint from before the manifest) fails the load in one HethubError on every
+rank, never a traceback per rank.
 """
 
 from __future__ import annotations
@@ -42,10 +49,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hethub.errors import HethubError
-from hethub.runtime.checkpoint_folders import META, keep_latest, read_meta
+from hethub.runtime.checkpoint_folders import MANIFEST, META, keep_latest, manifest, read_meta
 from hethub.runtime.model import fuse, shard
 from hethub.runtime.optimizer import MOMENTS, LocalState
 from hethub.spec.parameters import FusedParts, fused_parts
@@ -60,9 +68,8 @@ def save_checkpoint(
     """Collective (every rank, after an optimizer step): save the job's weights and AdamW state
     as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path. With
     ``keep``, only the latest ``keep`` complete checkpoints remain afterwards."""
-    text = json.dumps(
-        {**meta, "step": step}, indent=1
-    )  # on every rank: a bad meta fails everywhere
+    meta = {**meta, "step": step}
+    json.dumps(meta)  # on every rank: a bad meta fails everywhere
     final = Path(checkpoints_dir) / f"step-{step:06d}"
     token = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)  # one temporary folder for the whole job
@@ -70,7 +77,7 @@ def save_checkpoint(
     tmp.mkdir(parents=True, exist_ok=True)
     dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are written (and synced) before the folder is published
-    _agree(_publish(tmp, final, text) if dist.get_rank() == 0 else None)
+    _agree(_publish(tmp, final, meta) if dist.get_rank() == 0 else None)
     if keep is not None and dist.get_rank() == 0:
         keep_latest(checkpoints_dir, keep)
     return final
@@ -78,7 +85,8 @@ def save_checkpoint(
 
 def load_checkpoint(engine: Engine, path: Path) -> dict:
     """Collective: load the weights and AdamW state of this rank's stage and TP shard from the
-    checkpoint at ``path`` (written under any plan); its meta.json (the saved meta and "step").
+    checkpoint at ``path`` (written under any plan); its meta.json (the saved meta and "step",
+    the manifest of its files aside).
 
     Raises HethubError on every rank, before anything is read, when the checkpoint is missing,
     unfinished or written for another model."""
@@ -88,7 +96,10 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     if problem is None:
         buffers, problem = _buffers(engine, path, metadata)
     _agree(problem)  # one rank's problem stops every rank here, not inside dcp.load
-    dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
+    try:
+        dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
+    except CheckpointException as error:  # raised on every rank when one rank's read failed
+        raise HethubError(_unloadable(path, error)) from None
     _install(engine, buffers)
     return meta
 
@@ -107,9 +118,22 @@ def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _publish(tmp: Path, final: Path, text: str) -> str | None:
-    """Rank 0: complete the written folder and give it its final name; a problem, or None."""
+def _unloadable(path: Path, error: CheckpointException) -> str:
+    """One line for a load that failed inside DCP (whose message holds every rank's traceback):
+    the first failed rank's error."""
+    rank, (first, _) = min(error.failures.items(), key=lambda failure: failure[0])
+    said = str(first).strip().splitlines()
+    return (
+        f"checkpoint {path} cannot be loaded (rank {rank}: {type(first).__name__}"
+        f"{': ' + said[0] if said else ''}): it is damaged"
+    )
+
+
+def _publish(tmp: Path, final: Path, meta: dict) -> str | None:
+    """Rank 0: list the written folder's files in its meta.json, and give it its final name; a
+    problem, or None."""
     try:
+        text = json.dumps({**meta, MANIFEST: manifest(tmp)}, indent=1)
         with open(tmp / META, "w") as file:
             file.write(text)
             file.flush()
