@@ -437,7 +437,8 @@ def run_job(
 
 def main(argv: list[str] | None = None) -> int:
     """A worker that `hethub train` started: everything comes from the prepared run directory.
-    Bad input is one line on stderr and exit status 2, as the CLI says it."""
+    Bad input is one line and never restarted: said by hethub train (_stop_for_good), or under
+    the user's torchrun on stderr with exit status 2, as the CLI says it."""
     parser = argparse.ArgumentParser(prog="python -m hethub.runtime.worker")
     parser.add_argument("run_dir", help="the run directory hethub train prepared")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
