@@ -1,14 +1,19 @@
 """A checkpoint's manifest (every file's size and SHA-256 in its meta.json) and what a resume does
 with it: a damaged checkpoint is found and named, moved aside (never deleted, never taken for a
 checkpoint or for debris) and the newest intact one taken; none intact is one HethubError.
-Hand-made folders, no torch: the runs through `hethub train` are in tests/test_train_cli.py."""
+Hand-made folders, without torch; and a run whose workers, restarted after a failure, find the
+newest checkpoint damaged. The resumes through `hethub train --resume` and the workers under the
+user's torchrun are in tests/test_train_cli.py (they share its trained run)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
+from test_long_runs import COMMON, Training, folder, losses, uninterrupted
 
 from hethub.errors import HethubError
 from hethub.runtime.checkpoint_folders import (
@@ -19,6 +24,8 @@ from hethub.runtime.checkpoint_folders import (
     remove_debris,
     verify,
 )
+
+__all__ = ["folder", "uninterrupted"]  # test_long_runs' fixtures, used here
 
 FILES = {
     ".metadata": b"index" * 10,
@@ -120,3 +127,28 @@ def test_no_intact_checkpoint_is_one_error_and_moves_nothing(tmp_path):
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004"]
     assert latest_intact_checkpoint(tmp_path / "none", pytest.fail) is None
+
+
+@pytest.mark.slow
+def test_workers_restarted_after_a_failure_step_over_a_damaged_checkpoint(folder, uninterrupted):
+    # 20 steps, a checkpoint every 2, the latest 3 kept (test_long_runs.COMMON)
+    with Training(folder, "runs/restarted-damaged", *COMMON, "--max-restarts", "1") as run:
+        run.wait_for("checkpoints/step-000004/meta.json")
+        workers = run.workers()
+        assert len(workers) == 2
+        for pid in workers:  # no save publishes a newer checkpoint while the newest is damaged
+            os.kill(pid, signal.SIGSTOP)
+        newest = latest_checkpoint(folder / "runs/restarted-damaged/checkpoints")
+        shard = min(newest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+        os.kill(workers[-1], signal.SIGKILL)  # rank 1 fails: torchrun restarts both
+        os.kill(workers[0], signal.SIGCONT)
+        code, stderr = run.finish()
+    assert code == 0, stderr
+    assert "died of SIGKILL; restarting the workers" in stderr and "Traceback" not in stderr
+    said = [line for line in stderr.splitlines() if " is damaged " in line]
+    step = int(newest.name.removeprefix("step-"))
+    assert len(said) == 1 and f"{newest.name}/{shard.name} holds 100 bytes" in said[0], stderr
+    assert f"resuming from step {step - 2} instead" in said[0]
+    assert losses(folder / "runs/restarted-damaged") == uninterrupted  # bit for bit
+    assert len(list(newest.parent.glob(f"{newest.name}.damaged-*"))) == 1

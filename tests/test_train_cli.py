@@ -359,7 +359,7 @@ def _assert_resumed_from_step_3(done, checkpoints: Path, damaged: str, losses: l
     uninterrupted run trained it, one line naming the file, and the damaged folder kept aside."""
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
-    said = [line for line in done.stderr.splitlines() if "damaged" in line]
+    said = [line for line in done.stderr.splitlines() if " is damaged " in line]
     assert len(said) == 1, done.stderr
     assert f"step-000004/{damaged}" in said[0] and "resuming from step 3 instead" in said[0]
     assert [r["loss"] for r in records(done)[0]] == losses[3:]  # bit for bit
