@@ -17,10 +17,11 @@ from test_long_runs import COMMON, Training, folder, losses, uninterrupted
 
 from hethub.errors import HethubError
 from hethub.runtime.checkpoint_folders import (
+    checkpoint_files,
+    file_entry,
     keep_latest,
     latest_checkpoint,
     latest_intact_checkpoint,
-    manifest,
     remove_debris,
     verify,
 )
@@ -43,7 +44,7 @@ def _checkpoint(root: Path, step: int, listed: bool = True) -> Path:
         (folder / name).write_bytes(data)
     meta = {"plan": {}, "step": step}
     if listed:
-        meta["files"] = manifest(folder)
+        meta["files"] = [file_entry(folder, name) for name in checkpoint_files(folder)]
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
 

@@ -30,8 +30,10 @@ latest_checkpoint looks at nothing else and load_checkpoint refuses anything els
 ``checkpoints_dir`` must be one filesystem that every rank sees.
 
 Damage after the publish (a truncated copy, a flipped bit on disk): meta.json lists every file
-with its size and SHA-256 (checkpoint_folders.manifest; rank 0 reads the folder once all ranks
-have written, before the rename, so the list is published with the files), and a resume takes
+with its size and SHA-256 (checkpoint_folders.file_entry), read once every rank has written and
+before the rename, so the list is published with the files: each rank hashes every world-th file
+of rank 0's listing (DCP writes about one file a rank), so the save waits for one rank's share
+of the reading, not the whole checkpoint's. A resume takes
 the newest checkpoint that matches it (checkpoint_folders.latest_intact_checkpoint). Damage that
 slips past (a checkpoint from before the manifest) fails the load in one HethubError on every
 rank, never a traceback per rank.
@@ -53,7 +55,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hethub.errors import HethubError
-from hethub.runtime.checkpoint_folders import MANIFEST, META, keep_latest, manifest, read_meta
+from hethub.runtime.checkpoint_folders import (
+    MANIFEST,
+    META,
+    checkpoint_files,
+    file_entry,
+    keep_latest,
+    read_meta,
+)
 from hethub.runtime.model import fuse, shard
 from hethub.runtime.optimizer import MOMENTS, LocalState
 from hethub.spec.parameters import FusedParts, fused_parts
@@ -77,6 +86,7 @@ def save_checkpoint(
     tmp.mkdir(parents=True, exist_ok=True)
     dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are written (and synced) before the folder is published
+    meta[MANIFEST] = _manifest(tmp)
     _agree(_publish(tmp, final, meta) if dist.get_rank() == 0 else None)
     if keep is not None and dist.get_rank() == 0:
         keep_latest(checkpoints_dir, keep)
@@ -129,11 +139,38 @@ def _unloadable(path: Path, error: CheckpointException) -> str:
     )
 
 
+def _manifest(tmp: Path) -> list[dict]:
+    """Collective, once every rank's files are written: the manifest of the folder (rank 0's
+    listing), each rank hashing every world-th file. HethubError on every rank when one could
+    not read its share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing: list = [None, None]  # the files, or the problem of listing them
+    if rank == 0:
+        try:
+            listing[0] = checkpoint_files(tmp)
+        except OSError as error:
+            listing[1] = f"could not read checkpoint {tmp}: {error}"
+    dist.broadcast_object_list(listing, src=0)
+    names, problem = listing
+    entries = []
+    if problem is None:
+        try:
+            entries = [file_entry(tmp, name) for name in names[rank::world]]
+        except OSError as error:
+            problem = f"could not read checkpoint {tmp}: {error}"
+    shares: list = [None] * world
+    dist.all_gather_object(shares, (entries, problem))
+    problem = next((p for _, p in shares if p), None)
+    if problem is not None:  # every rank has every share: each raises the same
+        raise HethubError(problem)
+    return sorted((entry for share, _ in shares for entry in share), key=lambda e: e["path"])
+
+
 def _publish(tmp: Path, final: Path, meta: dict) -> str | None:
-    """Rank 0: list the written folder's files in its meta.json, and give it its final name; a
-    problem, or None."""
+    """Rank 0: write the written folder's meta.json, and give it its final name; a problem, or
+    None."""
     try:
-        text = json.dumps({**meta, MANIFEST: manifest(tmp)}, indent=1)
+        text = json.dumps(meta, indent=1)
         with open(tmp / META, "w") as file:
             file.write(text)
             file.flush()

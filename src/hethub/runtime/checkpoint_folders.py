@@ -58,20 +58,21 @@ def remove_debris(checkpoints_dir: Path) -> list[Path]:
     return debris
 
 
-def manifest(folder: Path) -> list[dict]:
-    """The manifest of the written checkpoint ``folder``: every file in it (meta.json aside) with
-    its size and checksum, in path order. Rank 0, once every rank's files are written."""
+def checkpoint_files(folder: Path) -> list[str]:
+    """The paths of the files in the checkpoint ``folder`` (meta.json aside), relative to it,
+    sorted: what its manifest lists, a file_entry each (hethub.runtime.checkpoint shares the
+    hashing out among the ranks)."""
     folder = Path(folder)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
-    return [
-        {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, CHECKSUM: _digest(p)}
-        for p in files
-    ]
+    found = (p for p in folder.rglob("*") if p.is_file() and p.name != META)
+    return sorted(p.relative_to(folder).as_posix() for p in found)
 
 
-def _digest(path: Path) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, CHECKSUM).hexdigest()
+def file_entry(folder: Path, name: str) -> dict:
+    """The manifest's entry of file ``name`` in ``folder``: its path, size and checksum."""
+    with open(Path(folder) / name, "rb") as file:
+        size = os.fstat(file.fileno()).st_size  # of the file opened: fresh on a network FS
+        digest = hashlib.file_digest(file, CHECKSUM).hexdigest()
+    return {"path": name, "bytes": size, CHECKSUM: digest}
 
 
 def verify(path: Path) -> str | None:
@@ -87,18 +88,21 @@ def verify(path: Path) -> str | None:
     if listed is None:
         return None  # written before the manifest: complete is all that can be known
     try:
-        entries = [(path / e["path"], int(e["bytes"]), str(e[CHECKSUM])) for e in listed]
+        entries = [(e["path"], int(e["bytes"]), str(e[CHECKSUM])) for e in listed]
     except (TypeError, KeyError, ValueError):
         return f"checkpoint {path}: the {MANIFEST!r} of its {META} cannot be read"
-    for file, size, _ in entries:
+    for name, size, _ in entries:
+        file = path / name
         found = file.stat().st_size if file.is_file() else None
         if found is None:
             return f"{file} is missing"
         if found != size:
             return f"{file} holds {found} bytes, its {META} says {size}"
-    for file, _, checksum in entries:
-        if _digest(file) != checksum:
-            return f"{file} is not what was written (its {CHECKSUM} differs from its {META}'s)"
+    for name, _, checksum in entries:
+        if file_entry(path, name)[CHECKSUM] != checksum:
+            return (
+                f"{path / name} is not what was written (its {CHECKSUM} differs from its {META}'s)"
+            )
     return None
 
 
