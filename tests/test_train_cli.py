@@ -417,17 +417,32 @@ def test_resume_with_no_intact_checkpoint_is_one_line_and_exit_2(files, whole_ru
 GPT_PLAN = PLAN.replace("tiny-llama", "tiny-gpt")
 
 
+def _legacy_and_truncated(checkpoints: Path) -> tuple[list[str], str]:
+    """Step 4 as written before the manifest (nothing to verify it by), a file cut short."""
+    meta = json.loads((checkpoints / "step-000004/meta.json").read_text())
+    del meta["files"]
+    (checkpoints / "step-000004/meta.json").write_text(json.dumps(meta))
+    shard = _shards(checkpoints / "step-000004")[-1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return ["--steps", "6"], "step-000004 cannot be loaded (rank 1: "  # then torch's reason
+
+
+def _other_model(checkpoints: Path) -> tuple[list[str], str]:
+    """A GPT resumed from the Llama's checkpoint."""
+    (checkpoints.parents[2] / "gpt.yaml").write_text(GPT_PLAN)
+    return ["--plan", "gpt.yaml", "--steps", "6"], "it was written for another model"
+
+
 @pytest.mark.slow
-def test_an_error_that_would_repeat_is_said_once_and_never_restarted(files, whole_run):
-    # A GPT resumed from the Llama's checkpoint: every rank refuses the load, every attempt would.
-    _damaged_copy(files, whole_run, "other-model")
-    (files / "gpt.yaml").write_text(GPT_PLAN)
-    done = hethub(
-        files, "train", "--resume", "runs/other-model", "--plan", "gpt.yaml", "--steps", "6"
-    )
+@pytest.mark.parametrize("cause", [_legacy_and_truncated, _other_model])
+def test_an_error_that_would_repeat_is_said_once_and_never_restarted(files, whole_run, cause):
+    # Every rank refuses the load, and every attempt would.
+    checkpoints, _ = _damaged_copy(files, whole_run, "again")
+    flags, error = cause(checkpoints)
+    done = hethub(files, "train", "--resume", "runs/again", *flags)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and "it was written for another model" in errors[0], done.stderr
+    assert len(errors) == 1 and error in errors[0], done.stderr
     assert "restart" not in done.stderr
-    agent = (files / "runs/other-model/logs/agent.log").read_text()
+    agent = (files / "runs/again/logs/agent.log").read_text()
     assert "will restart worker group" not in agent
