@@ -26,6 +26,7 @@ from hethub.runtime.checkpoint_folders import (
     latest_checkpoint,
     read_meta,
     remove_debris,
+    verify,
 )
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import shard
@@ -456,6 +457,18 @@ def test_gpt_tied_head_round_trips(jobs):
     for rank in jobs["gpt_other"]:
         torch.testing.assert_close(rank["losses"], first[0]["losses"][2:4], rtol=1e-5, atol=0)
     assert_holds_shards(jobs["gpt_other"], jobs["gpt_other4"], "final", 4, "tiny-gpt")
+
+
+@pytest.mark.slow
+def test_a_saved_checkpoint_lists_its_files_in_its_meta_and_verifies(jobs):
+    saved = step_dir(jobs["root"].parent / "gpt-a", 4)  # two ranks wrote it
+    listed = json.loads((saved / "meta.json").read_text())["files"]
+    written = sorted(
+        p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.name != "meta.json"
+    )
+    assert [entry["path"] for entry in listed] == written and ".metadata" in written
+    assert [entry["bytes"] for entry in listed] == [(saved / p).stat().st_size for p in written]
+    assert verify(saved) is None
 
 
 def _fake_checkpoint(root, name, complete=True):

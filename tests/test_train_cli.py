@@ -338,3 +338,111 @@ def test_a_run_keeps_its_latest_checkpoints_and_clears_crash_debris_on_resume(fi
     assert resumed.returncode == 0, resumed.stderr
     # the resume keeps --keep-checkpoints 2 from run.json, and the debris is gone
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]
+
+
+def _damaged_copy(folder: Path, whole_run, name: str) -> tuple[Path, list[float]]:
+    """A copy of the whole run (checkpoints at steps 3 and 4) as runs/NAME in ``folder``, and the
+    uninterrupted run's losses."""
+    source, whole = whole_run
+    assert whole.returncode == 0, whole.stderr
+    shutil.copytree(source / "runs/whole", folder / "runs" / name)
+    return folder / "runs" / name / "checkpoints", [r["loss"] for r in records(whole)[0]]
+
+
+def _shards(checkpoint: Path) -> list[Path]:
+    """The checkpoint's tensor files, one a rank (DCP's __RANK_N.distcp)."""
+    return sorted(checkpoint.glob("*.distcp"))
+
+
+def _assert_resumed_from_step_3(done, checkpoints: Path, damaged: str, losses: list[float]):
+    """The resume of a run whose step-4 checkpoint is damaged: step 4 again from step 3, as the
+    uninterrupted run trained it, one line naming the file, and the damaged folder kept aside."""
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    said = [line for line in done.stderr.splitlines() if " is damaged " in line]
+    assert len(said) == 1, done.stderr
+    assert f"step-000004/{damaged}" in said[0] and "resuming from step 3 instead" in said[0]
+    assert [r["loss"] for r in records(done)[0]] == losses[3:]  # bit for bit
+    metrics = (checkpoints.parent / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["loss"] for line in metrics] == losses
+    (aside,) = checkpoints.glob("step-000004.damaged-*")
+    assert (aside / damaged).is_file() and (checkpoints / "step-000004/meta.json").is_file()
+
+
+@pytest.mark.slow
+def test_resume_steps_over_a_truncated_checkpoint_to_the_one_before(files, whole_run):
+    checkpoints, losses = _damaged_copy(files, whole_run, "cut")
+    shard = _shards(checkpoints / "step-000004")[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    resumed = hethub(files, "train", "--resume", "runs/cut", "--steps", "4", "--json")
+    _assert_resumed_from_step_3(resumed, checkpoints, shard.name, losses)
+
+
+@pytest.mark.slow
+def test_workers_under_torchrun_step_over_a_checkpoint_with_flipped_bytes(files, whole_run):
+    # The workers pick their checkpoint themselves (as after an automatic restart): rank 0
+    # verifies. Run as torchrun runs them, on the run's own settings (4 steps).
+    checkpoints, losses = _damaged_copy(files, whole_run, "flipped")
+    shard = _shards(checkpoints / "step-000004")[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2 :][:8])
+    shard.write_bytes(bytes(data))  # the same size, other bytes
+    resumed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "hethub.runtime.worker", "runs/flipped", "--resume", "--json"],
+        cwd=files,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    _assert_resumed_from_step_3(resumed, checkpoints, shard.name, losses)
+
+
+def test_resume_with_no_intact_checkpoint_is_one_line_and_exit_2(files, whole_run):
+    checkpoints, _ = _damaged_copy(files, whole_run, "ruined")
+    for step in (3, 4):
+        (checkpoints / f"step-{step:06d}" / ".metadata").write_bytes(b"")
+    done = hethub(files, "train", "--resume", "runs/ruined", "--steps", "6", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.splitlines()
+    assert (
+        line.startswith("hethub train: error: every checkpoint in ")
+        and "step-000003/.metadata" in line
+    )
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000004"]
+
+
+GPT_PLAN = PLAN.replace("tiny-llama", "tiny-gpt")
+
+
+def _legacy_and_truncated(checkpoints: Path) -> tuple[list[str], str]:
+    """Step 4 as written before the manifest (nothing to verify it by), a file cut short."""
+    meta = json.loads((checkpoints / "step-000004/meta.json").read_text())
+    del meta["files"]
+    (checkpoints / "step-000004/meta.json").write_text(json.dumps(meta))
+    shard = _shards(checkpoints / "step-000004")[-1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return ["--steps", "6"], "step-000004 cannot be loaded (rank 1: "  # then torch's reason
+
+
+def _other_model(checkpoints: Path) -> tuple[list[str], str]:
+    """A GPT resumed from the Llama's checkpoint."""
+    (checkpoints.parents[2] / "gpt.yaml").write_text(GPT_PLAN)
+    return ["--plan", "gpt.yaml", "--steps", "6"], "it was written for another model"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cause", [_legacy_and_truncated, _other_model])
+def test_an_error_that_would_repeat_is_said_once_and_never_restarted(files, whole_run, cause):
+    # Every rank refuses the load, and every attempt would.
+    checkpoints, _ = _damaged_copy(files, whole_run, "again")
+    flags, error = cause(checkpoints)
+    done = hethub(files, "train", "--resume", "runs/again", *flags)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and error in errors[0], done.stderr
+    assert "restart" not in done.stderr
+    agent = (files / "runs/again/logs/agent.log").read_text()
+    assert "will restart worker group" not in agent

@@ -10,6 +10,7 @@ workers die with it (each worker asks the kernel for that: hethub.runtime.superv
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -26,8 +27,9 @@ DEFAULT_MAX_RESTARTS = 3
 """Restarts of the workers after a failure (`hethub train --max-restarts`). A worker lost to
 the OOM killer, a flaky link or a node's hiccup costs the steps since the last checkpoint and
 a few seconds of start-up; a failure that repeats (a bug) costs three start-ups more before
-the run stops. A non-finite loss is not a failure of this kind: every rank stops cleanly, and
-nothing restarts."""
+the run stops. A non-finite loss, or an error that would repeat (a damaged checkpoint, one of
+another model, a plan that cannot be built), is not a failure of this kind: every rank stops
+cleanly, records why (hethub.runtime.supervision.STOPPED), and nothing restarts."""
 
 
 def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
@@ -37,7 +39,7 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from hethub.runtime.supervision import LAUNCHED_BY_HETHUB
+    from hethub.runtime.supervision import LAUNCHED_BY_HETHUB, STOPPED
 
     run = job.run.path
     logs = run / "logs"
@@ -64,12 +66,16 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
             ]
         )
     )
-    (run / "stopped.json").unlink(missing_ok=True)
+    (run / STOPPED).unlink(missing_ok=True)
     watcher = AgentLog(logs / "agent.log", job, max_restarts)
     try:
         with watcher:
             elastic_launch(config, entrypoint)(*arguments)
     except ChildFailedError as failed:
+        stopped = _stopped_for_good(run / STOPPED)
+        if stopped and "error" in stopped:  # the others failed waiting for the rank that met it
+            _say(f"error: {stopped['error']}")
+            return 2
         _say(f"error: {watcher.failure_line(failed)}; the agent's log: {logs / 'agent.log'}")
         return 1
     except SignalException as stopped:
@@ -78,9 +84,21 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
         kept = "no checkpoint yet" if step is None else f"its latest checkpoint is step {step}"
         _say(f"stopped by {sig.name}; {kept}; resume with: hethub train --resume {run}")
         return 128 + sig.value
-    if (run / "stopped.json").is_file():  # the workers stopped the run on a non-finite loss
-        return 1
-    return 0
+    stopped = _stopped_for_good(run / STOPPED)
+    if stopped is None:
+        return 0
+    if "error" in stopped:  # every rank that met it recorded it: said once, here
+        _say(f"error: {stopped['error']}")
+        return 2
+    return 1  # a non-finite loss: rank 0 has said it
+
+
+def _stopped_for_good(record: Path) -> dict | None:
+    """What the workers recorded when they stopped the run for good (None: they did not)."""
+    try:
+        return json.loads(record.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def _latest_step(job: Job) -> int | None:

@@ -34,7 +34,11 @@ from hethub.profiles.store import (
     select_for_run,
 )
 from hethub.report.text import plural
-from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
+from hethub.runtime.checkpoint_folders import (
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    read_meta,
+)
 from hethub.runtime.rundir import DEFAULT_SETTINGS, RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -155,7 +159,10 @@ def _prepare_resume(
     run = RunDir(args.resume)
     if write and run.path.is_dir():  # it goes on writing there: checked before any measuring
         _check_folder(run.path, f"--resume = {args.resume!r}")
-    settings, done = _run_state(run)
+    # The host that starts every process verifies the checkpoints, once, and moves damaged ones
+    # aside; under torchrun the workers' rank 0 does (hethub.runtime.worker).
+    verify = local_launch and write
+    settings, done = _run_state(run, verify_with=(say or _say_train) if verify else None)
     if done is None:
         _check_restartable(args, run)
         if say:
@@ -201,12 +208,21 @@ def _prepare_resume(
     )
 
 
-def _run_state(run: RunDir) -> tuple[RunSettings, int | None]:
-    """A run's settings, and the step of its latest complete checkpoint (None: it has none)."""
-
+def _run_state(run: RunDir, verify_with=None) -> tuple[RunSettings, int | None]:
+    """A run's settings, and the step of its latest complete checkpoint (None: it has none).
+    With ``verify_with`` (a say), its latest intact one: each damaged newer one is moved aside and
+    said in one line, and HethubError when every one is damaged
+    (checkpoint_folders.latest_intact_checkpoint)."""
     settings = run.read_settings()
-    checkpoint = latest_checkpoint(run.checkpoints)
+    if verify_with is None:
+        checkpoint = latest_checkpoint(run.checkpoints)
+    else:
+        checkpoint = latest_intact_checkpoint(run.checkpoints, verify_with)
     return settings, None if checkpoint is None else read_meta(checkpoint)["step"]
+
+
+def _say_train(message: str) -> None:
+    print(f"hethub train: {message}", file=sys.stderr, flush=True)
 
 
 def _check_continues(args: argparse.Namespace, settings: RunSettings, done: int) -> None:

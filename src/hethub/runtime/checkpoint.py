@@ -28,6 +28,15 @@ Atomicity: a crash mid-save never leaves a checkpoint that loads. Every rank wri
 atomic). A checkpoint is complete exactly when its folder has that name and holds meta.json:
 latest_checkpoint looks at nothing else and load_checkpoint refuses anything else.
 ``checkpoints_dir`` must be one filesystem that every rank sees.
+
+Damage after the publish (a truncated copy, a flipped bit on disk): meta.json lists every file
+with its size and SHA-256 (checkpoint_folders.file_entry), read once every rank has written and
+before the rename, so the list is published with the files: each rank hashes every world-th file
+of rank 0's listing (DCP writes about one file a rank), so the save waits for one rank's share
+of the reading, not the whole checkpoint's. A resume takes
+the newest checkpoint that matches it (checkpoint_folders.latest_intact_checkpoint). Damage that
+slips past (a checkpoint from before the manifest) fails the load in one HethubError on every
+rank, never a traceback per rank.
 """
 
 from __future__ import annotations
@@ -42,10 +51,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hethub.errors import HethubError
-from hethub.runtime.checkpoint_folders import META, keep_latest, read_meta
+from hethub.runtime.checkpoint_folders import (
+    MANIFEST,
+    META,
+    checkpoint_files,
+    file_entry,
+    keep_latest,
+    read_meta,
+)
 from hethub.runtime.model import fuse, shard
 from hethub.runtime.optimizer import MOMENTS, LocalState
 from hethub.spec.parameters import FusedParts, fused_parts
@@ -60,9 +77,8 @@ def save_checkpoint(
     """Collective (every rank, after an optimizer step): save the job's weights and AdamW state
     as ``checkpoints_dir/step-<step>``, replacing a checkpoint of the same step; its path. With
     ``keep``, only the latest ``keep`` complete checkpoints remain afterwards."""
-    text = json.dumps(
-        {**meta, "step": step}, indent=1
-    )  # on every rank: a bad meta fails everywhere
+    meta = {**meta, "step": step}
+    json.dumps(meta)  # on every rank: a bad meta fails everywhere
     final = Path(checkpoints_dir) / f"step-{step:06d}"
     token = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)  # one temporary folder for the whole job
@@ -70,7 +86,8 @@ def save_checkpoint(
     tmp.mkdir(parents=True, exist_ok=True)
     dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are written (and synced) before the folder is published
-    _agree(_publish(tmp, final, text) if dist.get_rank() == 0 else None)
+    meta[MANIFEST] = _manifest(tmp)
+    _agree(_publish(tmp, final, meta) if dist.get_rank() == 0 else None)
     if keep is not None and dist.get_rank() == 0:
         keep_latest(checkpoints_dir, keep)
     return final
@@ -78,7 +95,8 @@ def save_checkpoint(
 
 def load_checkpoint(engine: Engine, path: Path) -> dict:
     """Collective: load the weights and AdamW state of this rank's stage and TP shard from the
-    checkpoint at ``path`` (written under any plan); its meta.json (the saved meta and "step").
+    checkpoint at ``path`` (written under any plan); its meta.json (the saved meta and "step",
+    the manifest of its files aside).
 
     Raises HethubError on every rank, before anything is read, when the checkpoint is missing,
     unfinished or written for another model."""
@@ -88,7 +106,10 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     if problem is None:
         buffers, problem = _buffers(engine, path, metadata)
     _agree(problem)  # one rank's problem stops every rank here, not inside dcp.load
-    dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
+    try:
+        dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
+    except CheckpointException as error:  # raised on every rank when one rank's read failed
+        raise HethubError(_unloadable(path, error)) from None
     _install(engine, buffers)
     return meta
 
@@ -107,9 +128,49 @@ def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _publish(tmp: Path, final: Path, text: str) -> str | None:
-    """Rank 0: complete the written folder and give it its final name; a problem, or None."""
+def _unloadable(path: Path, error: CheckpointException) -> str:
+    """One line for a load that failed inside DCP (whose message holds every rank's traceback):
+    the first failed rank's error."""
+    rank, (first, _) = min(error.failures.items(), key=lambda failure: failure[0])
+    said = str(first).strip().splitlines()
+    return (
+        f"checkpoint {path} cannot be loaded (rank {rank}: {type(first).__name__}"
+        f"{': ' + said[0] if said else ''}): it is damaged"
+    )
+
+
+def _manifest(tmp: Path) -> list[dict]:
+    """Collective, once every rank's files are written: the manifest of the folder (rank 0's
+    listing), each rank hashing every world-th file. HethubError on every rank when one could
+    not read its share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing: list = [None, None]  # the files, or the problem of listing them
+    if rank == 0:
+        try:
+            listing[0] = checkpoint_files(tmp)
+        except OSError as error:
+            listing[1] = f"could not read checkpoint {tmp}: {error}"
+    dist.broadcast_object_list(listing, src=0)
+    names, problem = listing
+    entries = []
+    if problem is None:
+        try:
+            entries = [file_entry(tmp, name) for name in names[rank::world]]
+        except OSError as error:
+            problem = f"could not read checkpoint {tmp}: {error}"
+    shares: list = [None] * world
+    dist.all_gather_object(shares, (entries, problem))
+    problem = next((p for _, p in shares if p), None)
+    if problem is not None:  # every rank has every share: each raises the same
+        raise HethubError(problem)
+    return sorted((entry for share, _ in shares for entry in share), key=lambda e: e["path"])
+
+
+def _publish(tmp: Path, final: Path, meta: dict) -> str | None:
+    """Rank 0: write the written folder's meta.json, and give it its final name; a problem, or
+    None."""
     try:
+        text = json.dumps(meta, indent=1)
         with open(tmp / META, "w") as file:
             file.write(text)
             file.flush()

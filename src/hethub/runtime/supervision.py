@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 LAUNCHED_BY_HETHUB = "HETHUB_LAUNCHED"
 """Set in the workers' environment when `hethub train` is their agent (not the user's torchrun):
-it reports a stop in one line of its own, and reads a non-finite stop from RUN_DIR/stopped.json."""
+it reports a stop in one line of its own, and reads from RUN_DIR/stopped.json (STOPPED) a stop
+that a restart would only repeat."""
+
+STOPPED = "stopped.json"
+"""In the run directory: why the workers stopped the run for good, so that torchrun does not
+restart them into it (under `hethub train` they then exit 0, and it reads this record):
+{"reason": "non-finite loss", "step": N} (exit 1), or {"reason": "error", "error": LINE}, an
+error that would repeat (a damaged checkpoint, a checkpoint of another model, a plan that cannot
+be built; exit 2, the line said once)."""
 
 PR_SET_PDEATHSIG = 1
 """prctl(2)'s option: the signal this process gets when the thread that started it ends."""

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,17 @@ from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import write_trace
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
-from hethub.runtime.checkpoint_folders import latest_checkpoint, remove_debris
+from hethub.runtime.checkpoint_folders import (
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    remove_debris,
+)
 from hethub.runtime.data import builtin_corpus, global_batch, load_tokens
 from hethub.runtime.engine import Engine
 from hethub.runtime.rundir import RunDir, RunSettings
 from hethub.runtime.supervision import (
     LAUNCHED_BY_HETHUB,
+    STOPPED,
     Heartbeat,
     StopRequest,
     die_with_parent,
@@ -119,7 +125,10 @@ def _train_steps(
     )
     if rank == 0:  # no save runs yet: what crashed saves left can go
         remove_debris(run.checkpoints)
-    checkpoint = latest_checkpoint(run.checkpoints) if (resume or restarted) else None
+    # hethub train verified the checkpoints before it started the workers; after a restart, or
+    # under the user's torchrun, nobody has.
+    verified = LAUNCHED_BY_HETHUB in os.environ and not restarted
+    checkpoint = _checkpoint_to_resume(run, verified) if (resume or restarted) else None
     start = load_checkpoint(engine, checkpoint)["step"] if checkpoint else 0
     log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
     if log and (resume or restarted):
@@ -191,6 +200,24 @@ def _train_steps(
     return 0
 
 
+def _checkpoint_to_resume(run: RunDir, verified: bool) -> Path | None:
+    """Collective: the checkpoint every rank resumes from. Unless the host that started the job
+    has ``verified`` it, rank 0 takes the newest intact one, moving damaged newer ones aside with
+    a line each (every rank checksumming the same files would read them world-size times)."""
+    if verified:
+        return latest_checkpoint(run.checkpoints)
+    chosen: list = [None, None]  # the checkpoint, or the line that says there is none intact
+    if dist.get_rank() == 0:
+        try:
+            chosen[0] = latest_intact_checkpoint(run.checkpoints, _say)
+        except HethubError as error:
+            chosen[1] = str(error)
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[1] is not None:
+        raise HethubError(chosen[1])
+    return chosen[0]
+
+
 def _weights_finite(engine: Engine) -> bool:
     """Collective: every rank's weights are finite (a read of the device outside the steps)."""
     finite = torch.tensor([float(engine.weights_are_finite())])
@@ -209,7 +236,7 @@ def _stopped_non_finite(run, topology, step, loss, ranks, saved, log) -> int:
             f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
             f"stopped before writing a checkpoint of it ({kept}); train again with a lower --lr"
         )
-        run.write_json(run.path / "stopped.json", {"reason": "non-finite loss", "step": step})
+        run.write_json(run.path / STOPPED, {"reason": "non-finite loss", "step": step})
     # Under hethub train every rank exits 0, or torchrun would restart them into the same NaN;
     # hethub train finds stopped.json and exits 1. Under the user's torchrun: a failure.
     return 0 if LAUNCHED_BY_HETHUB in os.environ else 1
@@ -410,7 +437,8 @@ def run_job(
 
 def main(argv: list[str] | None = None) -> int:
     """A worker that `hethub train` started: everything comes from the prepared run directory.
-    Bad input is one line on stderr and exit status 2, as the CLI says it."""
+    Bad input is one line and never restarted: said by hethub train (_stop_for_good), or under
+    the user's torchrun on stderr with exit status 2, as the CLI says it."""
     parser = argparse.ArgumentParser(prog="python -m hethub.runtime.worker")
     parser.add_argument("run_dir", help="the run directory hethub train prepared")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
@@ -431,13 +459,25 @@ def main(argv: list[str] | None = None) -> int:
             as_json=args.json,
         )
     except HethubError as error:
-        print(f"hethub train: error: {error}", file=sys.stderr, flush=True)
-        code = 2
+        code = _stop_for_good(run, error)
     # Everything is written, closed and synced (checkpoints, metrics, trace, plot): the worker
     # skips the interpreter's teardown of torch, 1-2 s for which the agent waits at every end.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _stop_for_good(run: RunDir, error: HethubError) -> int:
+    """This worker's exit status for an error that every attempt would meet again. Under hethub
+    train: 0, or torchrun would restart the workers into it, and RUN_DIR/stopped.json holds the
+    line hethub train says once (each rank that met it writes the same). Under the user's
+    torchrun, or where the record cannot be written: the line, and 2."""
+    if LAUNCHED_BY_HETHUB in os.environ:
+        with contextlib.suppress(OSError):
+            run.write_json(run.path / STOPPED, {"reason": "error", "error": str(error)})
+            return 0
+    print(f"hethub train: error: {error}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":
