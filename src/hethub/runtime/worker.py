@@ -396,7 +396,10 @@ class _StepLog:
                     "replica": r.replica,
                     "stage": r.stage,
                     "group": r.group,
-                    "optimizer_state_bytes": self.optimizer_state_bytes[r.rank],
+                    # None where this start ran no step (a restart that found the run done)
+                    "optimizer_state_bytes": self.optimizer_state_bytes[r.rank]
+                    if self.optimizer_state_bytes
+                    else None,
                     "layers": [r.first_layer, r.first_layer + r.layers]
                     if len(r.chunks) == 1
                     else [[c.first_layer, c.first_layer + c.layers] for c in r.chunks],
