@@ -47,26 +47,24 @@ def in_flight_micro_batches(
 ) -> float:
     """Micro-batches of the whole stage's activations the stage at ``position`` holds at its
     peak: peak_in_flight's walk of its order, read in closed form where a test proves the two
-    equal (one chunk: 1F1B keeps stages - position, GPipe every micro-batch; equal chunks over
-    whole groups of stages: megatron_in_flight), as a planner asks this a lot. ``chunks``: the
-    stage's layers per chunk."""
+    equal (one chunk: 1F1B keeps stages - position, GPipe every micro-batch; equal chunks:
+    megatron_in_flight), as a planner asks this a lot. ``chunks``: the stage's layers per
+    chunk."""
     if len(chunks) == 1:
         if schedule == Schedule.GPIPE:
             return micro_batches
         return min(stages - position, micro_batches)
-    whole_groups = micro_batches % stages == 0 and len(set(chunks)) == 1
-    if schedule == Schedule.INTERLEAVED_1F1B and whole_groups:
+    if schedule == Schedule.INTERLEAVED_1F1B and len(set(chunks)) == 1:
         return megatron_in_flight(position, stages, micro_batches, len(chunks))
     return peak_in_flight(schedule, position, stages, micro_batches, chunks)
 
 
 def megatron_in_flight(position: int, stages: int, micro_batches: int, chunks: int) -> float:
     """Micro-batches in flight at the peak of the stage at ``position`` under interleaved 1F1B
-    with ``chunks`` equal chunks, were its warm-up Megatron-LM's 2 (p - s - 1) + (v - 1) p chunk
-    forwards: peak_in_flight's exactly where the micro-batches fill whole groups of stages (no
-    warm-up grows there), never more where the last group is short (interleaved_orders
-    lengthens a warm-up there). Cheap where building the order is not."""
-    warmup = 2 * (stages - position - 1) + (chunks - 1) * stages
+    with ``chunks`` equal chunks: its warm-up (interleaved_warmup) and the steady state's first
+    forward, each a chunk's share of a micro-batch. Exactly peak_in_flight's walk, for any
+    micro-batch count; cheap where building the order is not."""
+    warmup = interleaved_warmup(position, stages, chunks, micro_batches)
     return min(warmup + 1, micro_batches * chunks) / chunks
 
 
@@ -109,28 +107,59 @@ def interleaved_sequence(
     return list(interleaved_orders(stages, chunks, micro_batches)[stage])
 
 
+def micro_batch_groups(stages: int, micro_batches: int) -> list[int]:
+    """The sizes of interleaved 1F1B's groups of micro-batches, in order: as many groups as
+    whole groups of ``stages`` fit (one at least), the micro-batches left over spread one
+    each over the first groups (31 over 9 stages: 11, 10, 10). No group is shorter than the
+    pipeline (but where all the micro-batches are), so a micro-batch's next chunk is ready when
+    the stage has run the group through the chunk before; the largest group comes first, so the
+    warm-up that covers it covers every group (interleaved_warmup)."""
+    count = max(1, micro_batches // stages)
+    size, left_over = divmod(micro_batches, count)
+    return [size + 1] * left_over + [size] * (count - left_over)
+
+
+def interleaved_warmup(stage: int, stages: int, chunks: int, micro_batches: int) -> int:
+    """Chunk forwards ``stage`` runs before its first backward under interleaved 1F1B:
+    Megatron-LM's 2 (p - s - 1) + (v - 1) g, its group size g being the first (largest)
+    group's. The last stage runs a micro-batch's last-chunk backward (v - 1) g places after its
+    first-chunk forward in the forward order, so it needs (v - 1) g forwards ahead; each stage
+    before it 2 more, for the activation's way to the last stage and the gradient's way back.
+    With one chunk, plain 1F1B's p - s - 1."""
+    p, v, m = stages, chunks, micro_batches
+    if v == 1:
+        return min(p - stage - 1, m)
+    group = micro_batch_groups(p, m)[0]
+    return min(2 * (p - stage - 1) + (v - 1) * group, m * v)
+
+
 @functools.cache
 def interleaved_orders(
     stages: int, chunks: int, micro_batches: int
 ) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """Every stage's interleaved 1F1B order (see interleaved_sequence).
 
-    Forwards go in groups of ``stages`` micro-batches, chunk by chunk inside a group
-    (micro-batches 0..p-1 through chunk 0, then through chunk 1, ...), the last group taking what
-    is left, so any micro-batch count runs (Megatron-LM's schedule table since 2023); backwards
-    go in the same order with the chunks reversed. A stage runs some forwards first (warm-up),
-    then alternates one forward and one backward, then runs the backwards left. Megatron-LM's
-    warm-up, 2 (p - stage - 1) + (v - 1) p forwards, deadlocks when the last group is short
-    (p = 8, v = 2, m = 10): a stage waits for a backward whose forwards come after it in its own
-    order. So the warm-ups start there and grow, stage by stage, while the whole pipeline,
-    run in dependency order with sends that never block (the runtime's isend), gets stuck: a
-    longer warm-up only moves forwards earlier, and all forwards first (GPipe) never deadlocks.
+    Forwards go in groups of micro-batches (micro_batch_groups), chunk by chunk inside a group
+    (micro-batches 0..g-1 through chunk 0, then through chunk 1, ...); backwards go in the same
+    order with the chunks reversed. Every stage runs them in the same order, so the sends
+    between two stages need no tags. A stage runs its warm-up's forwards first
+    (interleaved_warmup), then alternates one forward and one backward, then runs the
+    backwards left.
+
+    Any micro-batch count runs without a cliff in the bubble. Megatron-LM's groups are p
+    micro-batches and the last one short: then a stage waits for a micro-batch's next chunk
+    (p - r forwards of its group are missing, r the short group's size), and a fixed warm-up
+    deadlocks there (p = 8, v = 2, m = 10). Groups of at least p micro-batches, the larger
+    first, are torch's ScheduleInterleaved1F1B's rounds made uneven: at uniform costs the
+    bubble is the ideal (p - 1) / (v m) of the work for any m >= p, for the memory of a
+    first group g instead of p ((v - 1)(g - p) chunk forwards more in flight).
     """
     p, v, m = stages, chunks, micro_batches
     order = []  # (chunk, micro-batch) in the forward order
-    for first in range(0, m, p):
-        group = range(first, min(first + p, m))
-        order += [(c, j) for c in range(v) for j in group]
+    first = 0
+    for size in micro_batch_groups(p, m):
+        order += [(c, j) for c in range(v) for j in range(first, first + size)]
+        first += size
     forwards = [(FORWARD, c, j) for c, j in order]
     backwards = [(BACKWARD, v - 1 - c, j) for c, j in order]
 
@@ -138,22 +167,7 @@ def interleaved_orders(
         steady = [op for k in range(m * v - warmup) for op in (forwards[warmup + k], backwards[k])]
         return tuple(forwards[:warmup] + steady + backwards[m * v - warmup :])
 
-    if v == 1:
-        warmups = [min(p - s - 1, m) for s in range(p)]
-    else:
-        warmups = [min(2 * (p - s - 1) + (v - 1) * p, m * v) for s in range(p)]
-    while True:
-        orders = tuple(sequence(w) for w in warmups)
-        stopped = run_in_dependency_order(orders, p, v, m)
-        stuck = [
-            s
-            for s in range(p)
-            if stopped[s] < len(orders[s]) and orders[s][stopped[s]][0] == BACKWARD
-        ]
-        if not stuck:
-            return orders
-        for s in stuck:  # all forwards first (m v) cannot be stuck on a backward
-            warmups[s] = min(warmups[s] + 1, m * v)
+    return tuple(sequence(interleaved_warmup(s, p, v, m)) for s in range(p))
 
 
 def run_in_dependency_order(
