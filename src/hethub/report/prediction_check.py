@@ -12,12 +12,11 @@ step's metrics.jsonl record either way (``prediction_check``).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
-
-from hethub.profiles.machine import load_average
 
 WARM_UP_STEPS = 1
 """Steps after a (re)start left out: the first step warms up."""
@@ -80,7 +79,7 @@ class PredictionCheck:
         when = f"the profiles in {profiles['folder']} (measured {profiles.get('measured_at')})"
         if profiles.get("differences"):
             found.append(f"{when} are another machine's: {', '.join(profiles['differences'])}")
-        then, now = profiles.get("load_at_measuring"), load_average()
+        then, now = profiles.get("load_at_measuring"), _load_average()
         if then is not None and now is not None and abs(now - then) >= LOAD_DIFFERENCE:
             found.append(f"the load average was {then:.1f} as they were measured, {now:.1f} now")
         if self.prediction.get("emulated"):
@@ -102,3 +101,11 @@ class PredictionCheck:
         if finding.get("measure_again"):
             line += f"; measure again with: {finding['measure_again']}"
         return line
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average now (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
