@@ -1,13 +1,14 @@
-"""The planner against its targets (issues 3, 17): efficiency against the theoretical upper bound,
-search time, optimality on small clusters, and two baselines, all under the same predictor.
+"""The planner against its targets (issues 3, 17, 28): efficiency against the theoretical upper
+bound (each group alone on its share of the batch; the old figure, each group with the whole batch,
+beside it), search time, optimality on small clusters, and two baselines, all under the same
+predictor.
 
-Usage: python benchmarks/planner.py [--skip-exhaustive] [--skip-groups-apart]
+Usage: python benchmarks/planner.py [--skip-exhaustive]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -113,58 +114,32 @@ def scenario(
     kinds: int | None = None,
 ) -> bool:
     result, wall = plan_command(cluster, model, global_batch)
+    bound = result["upper_bound"]
     used = {s["group"] for p in result["plan"]["pipelines"] for s in p["stages"]}
     ok = (
         result["efficiency"] >= target and wall <= seconds and (kinds is None or len(used) >= kinds)
     )
+    tokens = result["prediction"]["tokens_per_s"]
     print(
-        f"{name}: {model}, global batch {global_batch}: "
-        f"{result['prediction']['tokens_per_s']:,.0f} tokens/s "
+        f"{name}: {model}, global batch {global_batch}: {tokens:,.0f} tokens/s "
         f"= {100 * result['efficiency']:.2f}% of the upper bound "
-        f"{result['upper_bound_tokens_per_s']:,.0f} "
-        f"(target >= {100 * target:.1f}%); kinds used {len(used)}; "
+        f"{bound['tokens_per_s']:,.0f} "
+        f"(target >= {100 * target:.1f}%; each group with the whole batch: "
+        f"{bound['each_group_whole_batch_tokens_per_s']:,.0f}, "
+        f"{100 * tokens / bound['each_group_whole_batch_tokens_per_s']:.2f}%); "
+        f"kinds used {len(used)}; "
         f"{wall:.1f} s wall for the whole command "
         f"(target <= {seconds:g} s), {result['candidates_evaluated']} plans predicted: "
         f"{'met' if ok else 'MISSED'}"
     )
+    print(
+        "  the bound's shares: "
+        + ", ".join(
+            f"{name} {share['global_batch']} sequences {share['tokens_per_s']:,.0f} tokens/s"
+            for name, share in bound["groups"].items()
+        )
+    )
     return ok
-
-
-def groups_apart(cluster_name: str, model_name: str, global_batch: int) -> None:
-    """What splitting the batch costs the groups, apart from mixing them: the upper bound's terms
-    are each group alone with the whole global batch; in any plan of the whole cluster the groups
-    share it. Each group alone is planned on shares of the batch around its share of the upper
-    bound (steps of 64 sequences); the best split gives every group the largest share it
-    trains within a common step time. No gradient exchange between the groups is priced, and a
-    plan that mixes kinds in one replica may still beat it: an estimate, not a bound."""
-    cluster, model = load_cluster(CLUSTERS / f"{cluster_name}.yaml"), load_model(model_name)
-    found = search(cluster, model, global_batch, model_ref=model_name)
-    bound, per_group = upper_bound(found)
-    step = 64
-    times: dict[str, dict[int, float]] = {}
-    for group in cluster.groups:
-        alone = dataclasses.replace(cluster, groups=(group,), cross_group_gbps=None)
-        share = global_batch * per_group[group.name] / bound
-        low, high = max(step, int(0.6 * share) // step * step), int(1.5 * share) + step
-        times[group.name] = {
-            n: search(alone, model, n, model_ref=model_name).best.prediction.iteration_time_s
-            for n in range(low, high, step)
-        }
-    for t in sorted({t for per_n in times.values() for t in per_n.values()}):
-        split = {
-            g: max((n for n, s in per_n.items() if s <= t), default=0) for g, per_n in times.items()
-        }
-        if sum(split.values()) >= global_batch:
-            tokens = global_batch * model.seq_len / t
-            shares = ", ".join(f"{g} {n}" for g, n in split.items())
-            print(
-                f"  groups apart, each planned alone on its share of the batch ({shares} "
-                f"sequences): {t:.3f} s a step, {tokens:,.0f} tokens/s = "
-                f"{100 * tokens / bound:.2f}% of the upper bound, before any gradient exchange "
-                "between them"
-            )
-            return
-    print("  groups apart: no split of the batch within the shares tried")
 
 
 def quality() -> bool:
@@ -199,7 +174,8 @@ def examples() -> bool:
     print("\nevery example cluster: planner vs the upper bound and two baselines (same predictor)")
     header = (
         f"{'cluster':<18} {'model':<10} {'upper bound':>13} {'planner':>11} {'eff.':>7} "
-        f"{'search':>7} {'vs uniform':>10} {'vs fastest alone':>16}"
+        f"{'whole batch':>13} {'eff.':>7} {'search':>7} {'bound':>6} {'vs uniform':>10} "
+        f"{'vs fastest alone':>16}"
     )
     print(header)
     print("-" * len(header))
@@ -208,7 +184,10 @@ def examples() -> bool:
     for name, (model_name, global_batch) in EXAMPLES.items():
         cluster, model = load_cluster(CLUSTERS / f"{name}.yaml"), load_model(model_name)
         found = search(cluster, model, global_batch, model_ref=model_name)
-        bound, _ = upper_bound(found)
+        started = time.perf_counter()
+        upper = upper_bound(found)
+        bound_s = time.perf_counter() - started
+        bound, whole = upper.tokens_per_s, upper.whole_batch_tokens_per_s
         best = found.best.prediction.tokens_per_s
         fastest = max(r.prediction.tokens_per_s for r in found.group_best.values() if r)
         _, uniform = megatron_uniform(cluster, model, global_batch, model_name)
@@ -217,7 +196,8 @@ def examples() -> bool:
         rows[name] = (bound, best, found.search_time_s)
         print(
             f"{name:<18} {model_name:<10} {bound:>13,.0f} {best:>11,.0f} "
-            f"{100 * best / bound:>6.2f}% {found.search_time_s:>6.1f}s "
+            f"{100 * best / bound:>6.2f}% {whole:>13,.0f} {100 * best / whole:>6.2f}% "
+            f"{found.search_time_s:>6.1f}s {bound_s:>5.1f}s "
             f"{f'{vs_uniform:.3f}x' if uniform else 'none fits':>10} "
             f"{best / fastest:>15.3f}x"
         )
@@ -235,11 +215,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--skip-exhaustive", action="store_true", help="leave out the (slow) exhaustive comparison"
-    )
-    parser.add_argument(
-        "--skip-groups-apart",
-        action="store_true",
-        help="leave out the scale scenario's groups-apart estimate (a minute or two)",
     )
     args = parser.parse_args()
     results = {
@@ -261,8 +236,6 @@ def main() -> int:
             kinds=4,
         ),
     }
-    if not args.skip_groups_apart:
-        groups_apart("four-kinds-4096", "llama-70b", 4096)
     if not args.skip_exhaustive:
         results["quality"] = quality()
     results["baselines"] = examples()

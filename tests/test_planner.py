@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hethub.cli import main
 from hethub.planner import search, upper_bound
+from hethub.planner.bound import _climb
 from hethub.planner.partition import chunk_split, partition_chunks, partition_layers, pipeline_cost
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.spec import ClusterSpec, load_cluster, load_plan, parse_cluster, parse_model
@@ -136,14 +137,54 @@ def test_no_returned_plan_exceeds_device_memory():
             assert stage.memory.total_gb <= tight.group(stage.group).accelerator.memory_gb
 
 
-def test_upper_bound_is_the_sum_of_each_group_planned_alone():
-    found = search(TWO_KINDS, SMALL, 8, model_ref="small")
-    bound, per_group = upper_bound(found)
-    assert bound == pytest.approx(sum(per_group.values()))
-    for group in TWO_KINDS.groups:
-        alone = search(ClusterSpec(groups=(group,)), SMALL, 8, model_ref="small")
-        assert alone.best.prediction.tokens_per_s == pytest.approx(per_group[group.name], rel=1e-12)
-        assert upper_bound(alone)[0] == pytest.approx(per_group[group.name], rel=1e-12)
+def _alone(group_name: str, global_batch: int) -> float:
+    """The planner's best throughput for one group of TWO_KINDS alone at ``global_batch``."""
+    if global_batch == 0:
+        return 0.0
+    best = search(
+        ClusterSpec(groups=(TWO_KINDS.group(group_name),)), SMALL, global_batch, model_ref="small"
+    ).best
+    return best.prediction.tokens_per_s if best else 0.0
+
+
+def test_upper_bound_is_each_group_alone_on_the_best_split_of_the_batch():
+    bound = upper_bound(search(TWO_KINDS, SMALL, 8, model_ref="small"))
+    assert sum(share.global_batch for share in bound.groups.values()) == 8
+    assert bound.tokens_per_s == pytest.approx(
+        sum(share.tokens_per_s for share in bound.groups.values()), rel=1e-12
+    )
+    for name, share in bound.groups.items():
+        assert share.tokens_per_s == pytest.approx(_alone(name, share.global_batch), rel=1e-12)
+    every_split = [_alone("nv", n) + _alone("amd", 8 - n) for n in range(9)]
+    assert bound.tokens_per_s == pytest.approx(max(every_split), rel=1e-12)
+    # the old figure gives each group the whole batch
+    assert bound.whole_batch_tokens_per_s == pytest.approx(
+        _alone("nv", 8) + _alone("amd", 8), rel=1e-12
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), total=st.integers(1, 12), groups=st.integers(1, 3))
+def test_climb_finds_the_best_split_of_concave_throughputs(data, total, groups):
+    # Rising, flattening terms: what each group alone gives at n sequences (increments falling).
+    steps = [
+        sorted(data.draw(st.lists(st.floats(0, 10), min_size=total, max_size=total)), reverse=True)
+        for _ in range(groups)
+    ]
+    names = [f"g{i}" for i in range(groups)]
+
+    def value(name: str, n: int) -> float:
+        return sum(steps[names.index(name)][:n])
+
+    weights = {name: data.draw(st.floats(0.1, 10)) for name in names}
+    shares = _climb(total, weights, value)
+    assert sum(shares.values()) == total
+    best = max(
+        sum(value(name, n) for name, n in zip(names, split))
+        for split in itertools.product(range(total + 1), repeat=groups)
+        if sum(split) == total
+    )
+    assert sum(value(name, n) for name, n in shares.items()) == pytest.approx(best, rel=1e-12)
 
 
 def _write(tmp_path: Path, name: str, text: str) -> str:
@@ -190,17 +231,38 @@ def test_plan_file_round_trip_gives_the_same_prediction(tmp_path, capsys):
     for key in (
         "plan",
         "prediction",
-        "upper_bound_tokens_per_s",
-        "upper_bound_groups",
+        "upper_bound",
         "efficiency",
         "search_time_s",
         "candidates_evaluated",
     ):
         assert key in planned
     assert 0 < planned["efficiency"] <= 1.0 + 1e-9
+    bound = planned["upper_bound"]
+    shares = bound["groups"]
+    assert set(shares) == {"nv", "amd"}
+    assert sum(share["global_batch"] for share in shares.values()) == 8
+    assert bound["tokens_per_s"] == pytest.approx(
+        sum(share["tokens_per_s"] for share in shares.values())
+    )
+    assert planned["efficiency"] == pytest.approx(
+        planned["prediction"]["tokens_per_s"] / bound["tokens_per_s"]
+    )
     assert load_plan(out).to_dict() == planned["plan"]
     assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == planned["prediction"]
+
+
+def test_plan_prints_each_groups_share_of_the_upper_bound(tmp_path, capsys):
+    cluster = _write(tmp_path, "cluster.yaml", CLUSTER_YAML)
+    out = str(tmp_path / "plan.yaml")
+    argv = ["plan", "--cluster", cluster, "--model", "llama-7b", "--global-batch", "16"]
+    assert main([*argv, "--out", out, "--json"]) == 0
+    shares = json.loads(capsys.readouterr().out)["upper_bound"]["groups"]
+    assert main([*argv, "--out", out, "--force"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("upper bound"))
+    for name, share in shares.items():
+        assert f"{name} {share['global_batch']} sequences {share['tokens_per_s']:,.0f}" in line
 
 
 def test_seq_len_override_writes_the_model_beside_the_plan(tmp_path, capsys):

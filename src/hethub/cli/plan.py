@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="find the fastest plan for a cluster and write it as a plan file",
         description="Search the heterogeneous data x tensor x pipeline plan space with the "
         "predictor, write the fastest plan that fits in memory, and compare it with the "
-        "theoretical upper bound (the sum of each device group's best throughput alone).",
+        "theoretical upper bound (the sum of each device group's best throughput planned alone "
+        "on its share of the global batch, the shares chosen to maximise the sum).",
     )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
     parser.add_argument("--model", required=True, help="preset name or model YAML")
@@ -99,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     if result.best is None:
         raise HethubError(_no_plan_message(result, cluster, model, args))
-    bound, per_group = upper_bound(result)
+    bound = upper_bound(result)
     best = result.best
     missing = note_missing(best.plan, cluster, model, profiles, "plan")
     _write(out, best, model, model_ref, args)
 
-    efficiency = best.prediction.tokens_per_s / bound if bound else 0.0
+    efficiency = best.prediction.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s else 0.0
     others = _distinct(result.ranked, args.top)[1:]
     if args.json:
         print(
@@ -113,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
                     "plan": best.plan.to_dict(),
                     "prediction": best.prediction.to_json(),
                     "out": str(out),
-                    "upper_bound_tokens_per_s": bound,
-                    "upper_bound_groups": per_group,
+                    "upper_bound": bound.to_json(),
                     "efficiency": efficiency,
                     "search_time_s": result.search_time_s,
                     "candidates_evaluated": result.candidates_evaluated,
@@ -140,11 +140,20 @@ def run(args: argparse.Namespace) -> int:
     )
     print()
     print(
-        f"upper bound          {bound:,.0f} tokens/s (each group alone: "
-        + ", ".join(f"{name} {speed:,.0f}" for name, speed in per_group.items())
+        f"upper bound          {bound.tokens_per_s:,.0f} tokens/s (each group alone on its share: "
+        + ", ".join(
+            f"{name} {share.global_batch} sequences {share.tokens_per_s:,.0f}"
+            for name, share in bound.groups.items()
+        )
         + ")"
     )
+    print(
+        f"                     each group alone with the whole batch (not a bound): "
+        f"{bound.whole_batch_tokens_per_s:,.0f} tokens/s"
+    )
     print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
+    if efficiency > 1:
+        print(f"                     above it: {bound.above_reason(best.plan, cluster)}")
     print(
         f"search               {plural(result.candidates_evaluated, 'plan')} predicted "
         f"in {result.search_time_s:.2f} s"
@@ -153,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     for rank, other in enumerate(others, start=2):
         p = other.prediction
         print(
-            f"#{rank}: {p.tokens_per_s:,.0f} tokens/s ({100 * p.tokens_per_s / bound:.2f}%), "
+            f"#{rank}: {p.tokens_per_s:,.0f} tokens/s "
+            f"({100 * p.tokens_per_s / bound.tokens_per_s:.2f}%), "
             f"{other.plan.summary()}"
         )
     print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")

@@ -1,6 +1,7 @@
 """The automatic parallel planner: pure Python, no torch. It asks the predictor, never the
 runtime."""
 
-from hethub.planner.search import Ranked, SearchResult, search, upper_bound
+from hethub.planner.bound import GroupShare, UpperBound, upper_bound
+from hethub.planner.search import Ranked, SearchResult, search
 
-__all__ = ["Ranked", "SearchResult", "search", "upper_bound"]
+__all__ = ["GroupShare", "Ranked", "SearchResult", "UpperBound", "search", "upper_bound"]

@@ -1,13 +1,12 @@
 """The planner's search: structures x plan-wide settings, each made concrete and predicted.
 
-Phase 1 plans every group alone (every TP and pipeline depth, micro-batch size, recomputation);
-its best plan per group is that group's share of the theoretical upper bound, and its best
-layouts seed phase 2, which tries the heterogeneous structures (combinations of per-group
-layouts, and replicas that cross kinds); phase 3 cuts, for two kinds, each group's share of a
-replica into stages of two neighbouring TP degrees, under the best plan's setting. Every
-candidate gets its layers from the exact partitioner and its micro-batches from the balanced
-split, is predicted only if it can beat the best so far, and each phase's best plans are polished
-by moving single layers; a plan that does not fit in memory is never kept.
+Phase 1 plans every group alone with the whole batch (every TP and pipeline depth, micro-batch
+size, recomputation); its best layouts seed phase 2, which tries the heterogeneous structures
+(combinations of per-group layouts, and replicas that cross kinds); phase 3 cuts, for two kinds,
+each group's share of a replica into stages of two neighbouring TP degrees, under the best plan's
+setting. Every candidate gets its layers from the exact partitioner and its micro-batches from the
+balanced split, is predicted only if it can beat the best so far, and each phase's best plans are
+polished by moving single layers; a plan that does not fit in memory is never kept.
 """
 
 from __future__ import annotations
@@ -76,14 +75,29 @@ class Overflow:
     summary: str
 
 
+@dataclass(frozen=True, slots=True)
+class SearchQuery:
+    """What a search was asked: planner.bound plans each group alone under the same options."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    global_batch: int
+    model_ref: str
+    calibration: Calibration
+    profiles: Profiles | None
+    """Already selected for ``precision``."""
+    precision: Precision
+
+
 @dataclass(slots=True)
 class SearchResult:
     ranked: list[Ranked]
     """Fitting plans, fastest first (each structure and setting at most once)."""
     group_best: dict[str, Ranked | None]
-    """Each group's best plan alone (phase 1): the upper bound's terms."""
+    """Each group's best plan alone with the whole global batch (phase 1)."""
     candidates_evaluated: int
     search_time_s: float
+    query: SearchQuery
     closest: Overflow | None = None
     timed_out: bool = False
 
@@ -165,7 +179,7 @@ def search(
     seeds: dict[Setting, dict[str, list[Layout]]] = {s: {} for s in settings}
     for group in cluster.groups:
         # Each group is searched exactly as a cluster of that group alone would be: the same jobs,
-        # the same bar, so its best here is the upper bound's term for it.
+        # the same bar, so planner.bound may take its best here as the group alone at this batch.
         state.best_time = float("inf")
         jobs = [
             (setting, (layout,))
@@ -225,6 +239,7 @@ def search(
         group_best,
         state.evaluated,
         time.perf_counter() - started,
+        SearchQuery(cluster, model, global_batch, model_ref, cal, profiles, precision),
         state.closest,
         state.timed_out,
     )
@@ -592,12 +607,3 @@ def _closest_unplaceable(state: _Search) -> None:
                 profiles=state.profiles,
             ),
         )
-
-
-def upper_bound(result: SearchResult) -> tuple[float, dict[str, float]]:
-    """The theoretical upper bound: the sum over groups of each group's best throughput alone."""
-    per_group = {
-        name: (ranked.prediction.tokens_per_s if ranked else 0.0)
-        for name, ranked in result.group_best.items()
-    }
-    return sum(per_group.values()), per_group

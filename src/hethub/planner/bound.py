@@ -1,0 +1,315 @@
+"""The theoretical upper bound: each group planned alone on its share of the global batch.
+
+HETHUB (arXiv 2405.16256) measures its plans against a "theoretical upper bound", the sum of what
+each kind of accelerator reaches alone; H2 and others call it the sum of homogeneous throughputs.
+It only bounds a plan of the whole cluster at the work each kind really gets: a plan shares the
+global batch among its groups, so here each group is planned alone by the planner's own search
+(the same candidates, predictor and options) on a share of the batch, in whole sequences, and
+the shares are those that maximise the sum. No exchange between the groups is priced.
+
+How the shares are found. A group's throughput alone rises with its share and flattens (its
+pipelines' fill and its gradient sync spread over more micro-batches), with dips where a share
+does not divide into its replicas, micro-batch size or (interleaving) stages. For a sum of rising,
+flattening (concave) terms under a fixed total, a split that no transfer between groups improves
+is the maximum (the discrete resource-allocation result: Ibaraki and Katoh, "Resource Allocation
+Problems", 1988). _climb looks for it coarse to fine: on multiples of half the batch, then of a
+quarter, ... down to one sequence, each time the best split within WINDOW steps of every group's
+share, exactly (a small knapsack over the groups), re-centred until it stays. Each lattice holds
+the coarser ones, so the shares the dips spare (round numbers) are weighed before those between.
+
+Planning a group alone takes the search about half a second at scale, too long for every share
+the climb weighs, so the climb reads a stand-in (_StandIn): the search's own figure where it was
+run, else the group's best plans found so far (recipes: micro-batch size, recomputation, layouts,
+chunks a stage) made concrete at the share (layers partitioned, micro-batches split, as the search
+does) and predicted. The search plans each group alone at the whole batch (phase 1 of any search)
+and at its share in proportion to that throughput; after each climb it plans every group at the
+climb's shares, their plans join the recipes, and the climb runs again, until it ends on shares
+already planned (or after MAX_ROUNDS). The bound is the best split the search itself planned:
+each term is the planner's best for that group alone at that share. It is the maximum over the
+splits the climb weighs, and exactly the maximum on the small clusters the tests enumerate; the
+stand-in can miss a better split where a group's best plan at it is unlike every recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hethub.planner.candidates import Layout
+from hethub.planner.costs import Setting, StageSlot
+from hethub.planner.search import (
+    Ranked,
+    SearchQuery,
+    SearchResult,
+    _draft,
+    _predict,
+    _Search,
+    search,
+)
+from hethub.spec.cluster import ClusterSpec
+from hethub.spec.plan import Plan
+
+MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
+RECIPES_PER_SEARCH = 2  # of each search of a group alone, the best distinct plans kept as recipes
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShare:
+    """One group's term of the bound."""
+
+    global_batch: int
+    """Sequences per step this group trains alone (0: it is left idle)."""
+    tokens_per_s: float
+    best: Ranked | None
+    """The planner's best plan for the group alone at that share (None at 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpperBound:
+    tokens_per_s: float
+    groups: dict[str, GroupShare]
+    whole_batch_tokens_per_s: float
+    """The old figure: the sum of each group's best alone with the whole global batch (not a
+    bound: any plan of the whole cluster shares the batch among its groups)."""
+    whole_batch_groups: dict[str, float]
+
+    def to_json(self) -> dict:
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "groups": {
+                name: {"global_batch": share.global_batch, "tokens_per_s": share.tokens_per_s}
+                for name, share in self.groups.items()
+            },
+            "each_group_whole_batch_tokens_per_s": self.whole_batch_tokens_per_s,
+        }
+
+    def above_reason(self, plan: Plan, cluster: ClusterSpec) -> str:
+        """One line on how ``plan`` can beat the bound: it uses devices the groups alone leave
+        idle, or its replicas cross kinds (the bound prices no plan that no group alone has)."""
+        idle = []
+        for name, share in self.groups.items():
+            used = _devices_used(share.best.plan, name) if share.best else 0
+            if used < _devices_used(plan, name):
+                idle.append(f"{name} alone uses {used} of its {cluster.group(name).devices}")
+        if idle:
+            return f"the plan uses devices that no group alone can use ({'; '.join(idle)})"
+        return (
+            "its replicas cross kinds, holding the model on both kinds' memory: alone, a group "
+            "needs more devices a replica to hold it, so fewer or deeper replicas, and more bubble"
+        )
+
+
+def upper_bound(result: SearchResult) -> UpperBound:
+    """The bound for the cluster and batch that ``result`` searched (see the module's notes)."""
+    query = result.query
+    total = query.global_batch
+    names = [g.name for g in query.cluster.groups]
+    whole = {name: _speed(result.group_best[name]) for name in names}
+    stand_in = _StandIn(query)
+    for name in names:  # phase 1 of the search planned each group alone at the whole batch
+        alone = [r for r in result.ranked if _devices_used(r.plan, name) == _devices(r.plan)]
+        stand_in.note(name, total, result.group_best[name], alone)
+    # Recipes near where the shares will be: each group planned alone at its share in
+    # proportion to its throughput with the whole batch, in round numbers.
+    for name, n in _lattice_split(total, whole, max(1, total // (8 * len(names)))).items():
+        stand_in.plan(name, n)
+    best_split, best_sum = {}, -1.0
+    for _ in range(MAX_ROUNDS):
+        shares = _climb(total, whole, stand_in.value)
+        new = [(name, n) for name, n in shares.items() if n and (name, n) not in stand_in.planned]
+        for name, n in new:
+            stand_in.plan(name, n)
+        planned = sum(stand_in.value(name, n) for name, n in shares.items())
+        if planned > best_sum:
+            best_split, best_sum = shares, planned
+        if not new:
+            break
+    groups = {
+        name: GroupShare(n, stand_in.value(name, n), stand_in.planned.get((name, n)))
+        for name, n in best_split.items()
+    }
+    return UpperBound(best_sum, groups, sum(whole.values()), whole)
+
+
+def _search_alone(query: SearchQuery, name: str, global_batch: int) -> SearchResult:
+    """The planner's search of one group as a cluster of its own."""
+    alone = dataclasses.replace(
+        query.cluster, groups=(query.cluster.group(name),), cross_group_gbps=None
+    )
+    return search(
+        alone,
+        query.model,
+        global_batch,
+        model_ref=query.model_ref,
+        calibration=query.calibration,
+        profiles=query.profiles,
+        precision=query.precision,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Recipe:
+    """A plan without its batch: what _draft makes concrete at any share."""
+
+    setting: Setting
+    structure: tuple[Layout, ...]
+    chunks: int
+
+
+def _add_recipes(known: list[_Recipe], ranked: list[Ranked], query: SearchQuery) -> None:
+    """Add the best RECIPES_PER_SEARCH distinct recipes of ``ranked`` that ``known`` lacks."""
+    added = 0
+    for r in sorted(ranked, key=_speed, reverse=True):
+        plan = r.plan
+        counts: dict[tuple[StageSlot, ...], int] = {}
+        for pipeline in plan.pipelines:
+            slots = tuple(StageSlot(s.group, s.tp) for s in pipeline.stages)
+            counts[slots] = counts.get(slots, 0) + pipeline.count
+        recipe = _Recipe(
+            Setting(
+                model=query.model,
+                calibration=query.calibration,
+                micro_batch=plan.micro_batch,
+                recompute=plan.recompute,
+                profiles=query.profiles,
+                precision=query.precision,
+            ),
+            tuple(Layout(count, slots) for slots, count in counts.items()),
+            max(p.virtual_stages for p in plan.pipelines),
+        )
+        if recipe not in known:
+            known.append(recipe)
+            added += 1
+            if added == RECIPES_PER_SEARCH:
+                return
+
+
+class _StandIn:
+    """A group's throughput alone at a share, as the climb reads it: the search's own figure
+    where it was run, else the best of the group's recipes made concrete at the share; where no
+    recipe applies (the share does not divide into its micro-batch size, or is smaller than its
+    replicas), the search is run there."""
+
+    def __init__(self, query: SearchQuery) -> None:
+        self.query = query
+        self.planned: dict[tuple[str, int], Ranked | None] = {}
+        self.recipes: dict[str, list[_Recipe]] = {g.name: [] for g in query.cluster.groups}
+        self.values: dict[tuple[str, int], float] = {}
+
+    def note(self, name: str, share: int, best: Ranked | None, ranked: list[Ranked]) -> None:
+        """The search's best for ``name`` alone at ``share`` and its other plans (recipes)."""
+        self.planned[name, share] = best
+        _add_recipes(self.recipes[name], [best, *ranked] if best else ranked, self.query)
+        self.values.clear()  # new recipes: the values read so far may rise
+
+    def plan(self, name: str, share: int) -> None:
+        if share and (name, share) not in self.planned:
+            alone = _search_alone(self.query, name, share)
+            self.note(name, share, alone.best, alone.ranked)
+
+    def value(self, name: str, share: int) -> float:
+        if share == 0:
+            return 0.0
+        if (name, share) in self.planned:
+            return _speed(self.planned[name, share])
+        if (name, share) not in self.values:
+            made = max(
+                (self._concrete(name, share, recipe) for recipe in self.recipes[name]), default=0.0
+            )
+            if made == 0.0:
+                self.plan(name, share)
+                return _speed(self.planned[name, share])
+            self.values[name, share] = made
+        return self.values[name, share]
+
+    def _concrete(self, name: str, share: int, recipe: _Recipe) -> float:
+        if share % recipe.setting.micro_batch:
+            return 0.0
+        q = self.query
+        cluster = dataclasses.replace(q.cluster, groups=(q.cluster.group(name),))
+        state = _Search(
+            cluster, q.model, q.model_ref, share, float("inf"), None, q.calibration, q.profiles
+        )
+        draft = _draft(state, recipe.setting, recipe.structure, recipe.chunks)
+        if draft is None:
+            return 0.0
+        ranked = _predict(state, draft.plan)
+        return _speed(ranked) if ranked else 0.0
+
+
+def _climb(
+    total: int, weights: dict[str, float], value: Callable[[str, int], float]
+) -> dict[str, int]:
+    """Shares of ``total`` with the highest sum of ``value`` found coarse to fine: from shares in
+    proportion to ``weights`` on the coarsest lattice (multiples of the first step, half the
+    batch), the best split within WINDOW steps of the current shares (_best_in_window), again
+    around it until it stays, then the same with half the step, down to one sequence. Each
+    lattice holds the coarser ones, so the shares a group's dips spare (multiples of its replicas
+    and micro-batch size, of its stages when it interleaves) are tried before those between."""
+    step = 1 << max(0, (total // 2).bit_length() - 1)
+    shares = _lattice_split(total, weights, step)
+    while step >= 1:
+        while (better := _best_in_window(total, shares, step, value)) != shares:
+            shares = better
+        step //= 2
+    return shares
+
+
+WINDOW = 2  # steps each way around a group's share that _best_in_window tries
+
+
+def _best_in_window(
+    total: int, shares: dict[str, int], step: int, value: Callable[[str, int], float]
+) -> dict[str, int]:
+    """The split of ``total`` with the highest sum of ``value`` among shares ``shares[g] + j *
+    step`` (|j| <= WINDOW, the j summing to 0): a knapsack over the groups, exact."""
+    # best[offset] = (sum of value, shares) over the groups so far whose j sum to ``offset``
+    best: dict[int, tuple[float, dict[str, int]]] = {0: (0.0, {})}
+    for name, centre in shares.items():
+        options = [
+            (j, centre + j * step)
+            for j in range(-WINDOW, WINDOW + 1)
+            if 0 <= centre + j * step <= total
+        ]
+        grown: dict[int, tuple[float, dict[str, int]]] = {}
+        for offset, (worth, chosen) in best.items():
+            for j, n in options:
+                candidate = (worth + value(name, n), {**chosen, name: n})
+                if offset + j not in grown or candidate[0] > grown[offset + j][0]:
+                    grown[offset + j] = candidate
+        best = grown
+    worth, chosen = best[0]
+    keep = sum(value(name, n) for name, n in shares.items())
+    return chosen if worth > keep * (1 + 1e-12) else shares
+
+
+def _lattice_split(total: int, weights: dict[str, float], unit: int) -> dict[str, int]:
+    """``total`` in proportion to ``weights`` in multiples of the largest power of two not above
+    ``unit`` (the remainder to the heaviest group)."""
+    unit = 1 << (unit.bit_length() - 1)
+    shares = {name: n * unit for name, n in _proportional(total // unit, weights).items()}
+    shares[max(weights, key=weights.get)] += total % unit
+    return shares
+
+
+def _proportional(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """``total`` in whole units in proportion to ``weights`` (largest remainders)."""
+    whole = sum(weights.values()) or 1.0
+    exact = {name: total * w / whole for name, w in weights.items()}
+    shares = {name: int(x) for name, x in exact.items()}
+    for name in sorted(exact, key=lambda n: shares[n] - exact[n])[: total - sum(shares.values())]:
+        shares[name] += 1
+    return shares
+
+
+def _devices(plan: Plan) -> int:
+    return sum(p.count * p.devices for p in plan.pipelines)
+
+
+def _devices_used(plan: Plan, group: str) -> int:
+    return sum(p.count * sum(s.tp for s in p.stages if s.group == group) for p in plan.pipelines)
+
+
+def _speed(ranked: Ranked | None) -> float:
+    return ranked.prediction.tokens_per_s if ranked else 0.0
