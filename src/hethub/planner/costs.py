@@ -95,10 +95,10 @@ def layer_cap(
     if chunks == 1:
         in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
     else:
-        # Interleaved: Megatron-LM's warm-up, the schedule's own where the micro-batches fill
-        # whole groups of stages and less only where the last group is short. Walking that
-        # order (in_flight_micro_batches) costs the paper scenario's search 50% more (building
-        # its orders: 2.7 s CPU), for a draft whose micro-batches are nominal anyway (the split
+        # Interleaved: the schedule's own warm-up for equal chunks (megatron_in_flight, the
+        # walk's closed form at any micro-batch count). Walking the exact, unequal chunks
+        # (in_flight_micro_batches) costs the paper scenario's search 50% more (building its
+        # orders: 2.7 s CPU), for a draft whose micro-batches are nominal anyway (the split
         # comes after); the prediction of a candidate checks its memory on the exact order.
         in_flight = megatron_in_flight(position, stages, micro_batches, chunks)
     return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight, shards)
