@@ -12,8 +12,12 @@ from pathlib import Path
 
 from hethub.cli.args import node, positive_int, timeout_seconds
 from hethub.errors import HethubError
-from hethub.jobs.prepare import DEFAULT_MODEL, builtin_cluster, planned_precision
-from hethub.planner.candidates import tp_degrees
+from hethub.jobs.prepare import (
+    DEFAULT_MODEL,
+    builtin_cluster,
+    local_measurements,
+    planned_precision,
+)
 from hethub.planner.search import MICRO_BATCH_SIZES
 from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
 from hethub.profiles.store import (
@@ -21,7 +25,6 @@ from hethub.profiles.store import (
     LinkProfile,
     Profiles,
     load_profiles,
-    local_concurrency,
     profile_path,
     to_json,
 )
@@ -235,37 +238,38 @@ def run(args: argparse.Namespace) -> int:
 
 def _default_to_local_run(args: argparse.Namespace, model, cores: int) -> None:
     """Fill the flags not given with what `hethub train` with no plan measures and looks up for
-    ``model`` (hethub.jobs.prepare): the built-in local cluster's devices computing at once (and
-    each TP group alone where they outnumber ``cores``), its groups' TP degrees, the planner's
-    micro-batch sizes and the precision it plans in."""
+    ``model`` (hethub.jobs.prepare.local_measurements on the built-in local cluster): its TP
+    degrees, micro-batch sizes, ranks computing at once (and each TP group alone where they
+    outnumber ``cores``) and the precision it plans in."""
     cluster = load_cluster(builtin_cluster())
-    tps = sorted({t for g in cluster.groups for t in tp_degrees(g, model)})
-    together = local_concurrency(cluster, cluster.devices)
-    alone = tps if together > cores else []
-    defaults = {
-        "tp": ",".join(map(str, tps)),
-        "micro_batch": ",".join(map(str, MICRO_BATCH_SIZES)),
-        "concurrent_ranks": ",".join(map(str, dict.fromkeys([together, *alone]))),
-        "dtype": planned_precision(cluster).value,
-    }
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    wanted = local_measurements(cluster, model, None, cores)
+    _fill(
+        args,
+        tp=",".join(map(str, wanted.tps)),
+        micro_batch=",".join(map(str, wanted.micro_batches)),
+        concurrent_ranks=",".join(map(str, dict.fromkeys([wanted.together, *wanted.alone]))),
+        dtype=planned_precision(cluster).value,
+    )
 
 
 def _default_to_one_rank(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the flags still not given (a GPU, or --cluster) as one rank alone in bf16: tp 1,
     the planner's micro-batch sizes, 1 rank at once."""
-    defaults = {
-        "tp": "1",
-        "micro_batch": ",".join(map(str, MICRO_BATCH_SIZES)),
-        "concurrent_ranks": "1",
-        "dtype": "bf16",
-    }
+    _fill(
+        args,
+        tp="1",
+        micro_batch=",".join(map(str, MICRO_BATCH_SIZES)),
+        concurrent_ranks="1",
+        dtype="bf16",
+    )
+    return args
+
+
+def _fill(args: argparse.Namespace, **defaults: str) -> None:
+    """Set each flag of ``defaults`` that the user did not give."""
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    return args
 
 
 def _measuring_options(args: argparse.Namespace) -> tuple[list[int], ...]:

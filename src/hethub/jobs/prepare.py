@@ -416,6 +416,38 @@ def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> N
     )
 
 
+@dataclass(frozen=True)
+class LocalMeasurements:
+    """What a local job measures on this machine's CPU (hethub train and validate, and what a
+    bare hethub profile measures for them)."""
+
+    tps: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    together: int
+    """Ranks computing at once: the job's (profiles.store.local_concurrency)."""
+    alone: tuple[int, ...]
+    """TP degrees also measured as one TP group alone, where the job's ranks outnumber the
+    cores (predictor.sharing prices a shared machine from both)."""
+
+
+def local_measurements(
+    cluster: ClusterSpec, model: ModelSpec, plan: Plan | None, cores: int
+) -> LocalMeasurements:
+    """A plan's TP degrees and micro-batch, or without one everything the planner will try (its
+    TP degrees for the cluster's groups and its micro-batch sizes), on ``cores`` cores."""
+    from hethub.planner.candidates import tp_degrees
+    from hethub.planner.search import MICRO_BATCH_SIZES
+
+    if plan:
+        tps = tuple(sorted({s.tp for p in plan.pipelines for s in p.stages}))
+        micro = (plan.micro_batch,)
+    else:
+        tps = tuple(sorted({t for g in cluster.groups for t in tp_degrees(g, model)}))
+        micro = tuple(MICRO_BATCH_SIZES)
+    together = local_concurrency(cluster, plan_devices(plan) if plan else cluster.devices)
+    return LocalMeasurements(tps, micro, together, tps if together > cores else ())
+
+
 def _profiles(
     args: argparse.Namespace,
     cluster: ClusterSpec,
@@ -433,8 +465,6 @@ def _profiles(
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
     devices = plan_devices(plan) if plan else cluster.devices
     if measure:
-        from hethub.planner.candidates import tp_degrees
-        from hethub.planner.search import MICRO_BATCH_SIZES
         from hethub.profiler.measure import (
             available_cores,
             ensure_profiles,
@@ -442,44 +472,34 @@ def _profiles(
 
         given = getattr(args, "repeats", None)  # hethub validate --repeats
         repeats = {"repeats": given, "link_repeats": given} if given else {}
-        # Without a plan: everything the planner will try (its TP degrees and micro-batch sizes).
-        tps = (
-            sorted({s.tp for p in plan.pipelines for s in p.stages})
-            if plan
-            else sorted({t for g in cluster.groups for t in tp_degrees(g, model)})
-        )
-        micro = (plan.micro_batch,) if plan else MICRO_BATCH_SIZES
-        concurrency, cores = local_concurrency(cluster, devices), available_cores()
+        wanted = local_measurements(cluster, model, plan, available_cores())
         for device in sorted({g.accelerator.name for g in cluster.groups}):
             ensure_profiles(
                 folder,
                 model,
                 device,
-                tps,
-                micro,
+                wanted.tps,
+                wanted.micro_batches,
                 threads=1,
-                concurrent_ranks=concurrency,
+                concurrent_ranks=wanted.together,
                 progress=say,
                 dtype=dtype,
                 **repeats,
             )
-            if (
-                concurrency > cores
-            ):  # ranks sharing the cores: also each TP group alone (predictor.sharing)
-                for tp in tps:
-                    ensure_profiles(
-                        folder,
-                        model,
-                        device,
-                        [tp],
-                        micro,
-                        threads=1,
-                        concurrent_ranks=tp,
-                        links=False,
-                        progress=say,
-                        dtype=dtype,
-                        **repeats,
-                    )
+            for tp in wanted.alone:
+                ensure_profiles(
+                    folder,
+                    model,
+                    device,
+                    [tp],
+                    wanted.micro_batches,
+                    threads=1,
+                    concurrent_ranks=tp,
+                    links=False,
+                    progress=say,
+                    dtype=dtype,
+                    **repeats,
+                )
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(
