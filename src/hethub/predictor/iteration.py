@@ -241,7 +241,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         tp=stage.tp,
         position=StagePosition.of(s, p),
         micro_batch=plan.micro_batch,
-        recompute=plan.recompute,
+        recompute=stage.recompute,
         precision=plan.precision,
     )
     with_peers = SyncPeers(
@@ -262,7 +262,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
     memory = step.pricing.memory(
         group,
         shape,
-        in_flight=in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks),
+        in_flight=in_flight_micro_batches(run.pipeline.schedule, s, p, m, stage.chunks),
         optimizer_shards=shards,
     )
     prediction = StagePrediction(
@@ -400,7 +400,7 @@ def _layout_costs(
             tp=stage.tp,
             position=StagePosition.of(g, chunks),
             micro_batch=plan.micro_batch,
-            recompute=plan.recompute,
+            recompute=stage.recompute,
             precision=plan.precision,
         )
         times = pricing.work(group, shape)
@@ -431,7 +431,7 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
     p, m, v = len(costs.groups), costs.pipeline.micro_batches, costs.chunks
     compute = [m * (costs.stage_forward_s(s) + costs.stage_backward_s(s)) for s in range(p)]
     if every_op or v > 1:  # a timeline needs every operation; interleaving runs them all anyway
-        order = schedule_order(plan.schedule, p, m, v)
+        order = schedule_order(costs.pipeline.schedule, p, m, v)
         end = simulate(
             order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True
         )
@@ -449,7 +449,12 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
         )
         return run, (order, start, end) if every_op else None
     stage_end = stage_end_times(
-        plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m
+        costs.pipeline.schedule,
+        costs.forward_s,
+        costs.backward_s,
+        costs.send_s,
+        costs.send_back_s,
+        m,
     )
     run = _LayoutRun(
         **costs.fields(),
@@ -478,7 +483,9 @@ def _simulate_shared(
     (predictor.sharing)."""
     layouts = [
         SharedLayout(
-            order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks),
+            order=schedule_order(
+                c.pipeline.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks
+            ),
             forward_s=c.forward_s,
             backward_s=c.backward_s,
             send_forward_s=c.send_s,

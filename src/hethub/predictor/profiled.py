@@ -310,7 +310,10 @@ def missing_profiles(
                 f"the profile for {profile.key.describe()} was measured by an older hethub (method "
                 f"{profile.method}, now {METHOD}): measure again with hethub profile --again"
             )
-        elif plan.recompute == Recompute.FULL and profile.layer_recompute_backward_s is None:
+        elif (
+            any(s.recompute == Recompute.FULL for p in plan.pipelines for s in p.stages)
+            and profile.layer_recompute_backward_s is None
+        ):
             notes.append(
                 f"the profile for {profile.key.describe()} has no recomputed layer times: "
                 f"recomputation taken as the forward again"

@@ -7,7 +7,11 @@ import enum
 import functools
 from collections.abc import Sequence
 
-FORWARD, BACKWARD = 0, 1
+FORWARD, BACKWARD, WEIGHT = 0, 1, 2
+"""The kinds of operation a stage runs on one chunk and micro-batch. Under the zero-bubble
+schedules a backward is split in two: BACKWARD then computes the input's gradient only (what
+the stage before waits for) and WEIGHT the weights' gradients, later, in the bubbles; under the
+other schedules BACKWARD computes both and no WEIGHT is run."""
 
 
 class Schedule(enum.StrEnum):
@@ -20,6 +24,36 @@ class Schedule(enum.StrEnum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     """1F1B over ``virtual_stages`` chunks per stage (interleaved_sequence); a pipeline of one
     chunk per stage runs plain 1F1B."""
+    ZB_H1 = "zb-h1"
+    """Zero bubble at 1F1B's activation memory (Qi et al., ICLR 2024): one chunk per stage, each
+    backward split into its input's gradient and its weights' (WEIGHT), the weights' run late to
+    fill the bubbles."""
+    ZBV = "zbv"
+    """Zero bubble in a V (Qi et al., NeurIPS 2024): two chunks per stage, stage s holding the
+    model's chunks s and 2p - 1 - s (model_chunk), backwards split as under ZB_H1."""
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether a backward is split into BACKWARD (the input's gradient) and WEIGHT."""
+        return self in (Schedule.ZB_H1, Schedule.ZBV)
+
+
+def model_chunk(schedule: Schedule, stage: int, stages: int, chunk: int) -> int:
+    """The model chunk (0 holds the embedding, the last the head) that chunk ``chunk`` of
+    ``stage`` of ``stages`` holds: c x p + s under interleaving (each micro-batch passes every
+    stage once per chunk), a V under ZBV (stage s holds chunks s and 2p - 1 - s, so the first
+    stage holds the first and the last chunk and the last stage's two chunks meet locally)."""
+    if schedule == Schedule.ZBV:
+        return stage if chunk == 0 else 2 * stages - 1 - stage
+    return chunk * stages + stage
+
+
+def chunks_per_stage(schedule: Schedule) -> int | None:
+    """The chunks every stage holds under ``schedule``, where it fixes them (None: any count,
+    interleaved 1F1B's virtual_stages)."""
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        return None
+    return 2 if schedule == Schedule.ZBV else 1
 
 
 def stage_sequence(
@@ -78,6 +112,8 @@ def peak_in_flight(
     stage's layers, is fractional where the chunks differ or are not all in flight."""
     held = peak = 0
     for kind, c, _ in chunk_sequence(schedule, position, stages, len(chunks), micro_batches):
+        if kind == WEIGHT:  # (placeholder: the lead's interface; the ZB helper prices W's memory)
+            continue
         held += chunks[c] if kind == FORWARD else -chunks[c]
         peak = max(peak, held)
     whole, layers = divmod(peak, sum(chunks))
@@ -88,13 +124,39 @@ def chunk_sequence(
     schedule: Schedule, stage: int, stages: int, chunks: int, micro_batches: int
 ) -> list[tuple[int, int, int]]:
     """The (kind, chunk, micro-batch) operations one stage runs, in order, under any schedule:
-    what the runtime runs and the predictor simulates. Only interleaved 1F1B has more than one
-    chunk per stage (the plan refuses the others)."""
+    what the runtime runs and the predictor simulates. Chunk c of the stage is the model's
+    model_chunk(schedule, stage, stages, c); interleaved 1F1B holds any count of chunks, ZBV
+    two, the others one (the plan refuses the rest). Under the zero-bubble schedules every
+    micro-batch's BACKWARD of a chunk is followed, later, by its WEIGHT."""
     if schedule == Schedule.INTERLEAVED_1F1B:
         return interleaved_sequence(stage, stages, chunks, micro_batches)
+    if schedule == Schedule.ZB_H1:
+        return _placeholder_zb_h1(stage, stages, micro_batches)
+    if schedule == Schedule.ZBV:
+        return _placeholder_zbv(stage, stages, micro_batches)
     if chunks != 1:
         raise ValueError(f"schedule {schedule} runs one chunk per stage, not {chunks}")
     return [(kind, 0, j) for kind, j in stage_sequence(schedule, stage, stages, micro_batches)]
+
+
+# PLACEHOLDERS (lead's interface, replaced before this lands): valid orders, no bubble saved.
+def _placeholder_zb_h1(stage: int, stages: int, micro_batches: int) -> list[tuple[int, int, int]]:
+    order = []
+    for kind, j in stage_sequence(Schedule.ONE_F_ONE_B, stage, stages, micro_batches):
+        order.append((kind, 0, j))
+        if kind == BACKWARD:
+            order.append((WEIGHT, 0, j))
+    return order
+
+
+def _placeholder_zbv(stage: int, stages: int, micro_batches: int) -> list[tuple[int, int, int]]:
+    m = range(micro_batches)
+    return (
+        [(FORWARD, 0, j) for j in m]
+        + [(FORWARD, 1, j) for j in m]
+        + [op for j in m for op in ((BACKWARD, 1, j), (WEIGHT, 1, j))]
+        + [op for j in m for op in ((BACKWARD, 0, j), (WEIGHT, 0, j))]
+    )
 
 
 def interleaved_sequence(
