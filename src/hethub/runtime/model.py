@@ -32,6 +32,7 @@ from hethub.spec.parameters import (
     parameter_table,
     qkv_blocks,
 )
+from hethub.spec.plan import Recompute
 
 
 def initial_value(param: Parameter, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,20 +315,21 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.head if hasattr(self, "head") else self.embed.weight
 
-    def forward(self, x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: Recompute = Recompute.NONE) -> torch.Tensor:
         """Tokens (B, T) on the first stage, hidden states (B, T, h) elsewhere; returns hidden
         states, or this rank's logit shard (B, T, vocab/tp) on the last stage.
 
-        ``recompute`` (full recomputation): each layer is checkpointed on its own, as Megatron-LM
-        does, so a micro-batch in flight keeps only its layers' inputs, and a backward rebuilds
-        one layer at a time. Each layer's forward is run again whole (torch's early stop, which
-        would skip the ops after the last saved tensor, is off): what spec.layer_ops prices."""
+        ``recompute``, the stage's. Recompute.FULL: each layer is checkpointed on its own, as
+        Megatron-LM does, so a micro-batch in flight keeps only its layers' inputs, and a
+        backward rebuilds one layer at a time. Each layer's forward is run again whole (torch's
+        early stop, which would skip the ops after the last saved tensor, is off): what
+        spec.layer_ops prices."""
         if self.is_first:
             tokens = x
             x = self.embed(tokens)
             if self.spec.arch == "gpt":
                 x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        if recompute:
+        if recompute is Recompute.FULL:
             with set_checkpoint_early_stop(False):
                 for layer in self.layers.values():
                     x = checkpoint(layer, x, use_reentrant=False)

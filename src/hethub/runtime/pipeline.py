@@ -25,7 +25,7 @@ from hethub.runtime.model import StageChunks
 from hethub.runtime.p2p import StageLinks
 from hethub.runtime.timeline import StepTimeline
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan, Recompute
+from hethub.spec.plan import Plan
 from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
 from hethub.spec.topology import Topology
 
@@ -135,4 +135,4 @@ class Pipeline:
         return received.requires_grad_() if forward else received
 
     def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        return self.stage.chunks[chunk](x, recompute=self.recompute is Recompute.FULL)
+        return self.stage.chunks[chunk](x, recompute=self.recompute)
