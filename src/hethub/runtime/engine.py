@@ -188,7 +188,8 @@ class Engine:
 
     @property
     def overlapped_buckets(self) -> int:
-        """How many buckets the last step summed during its backwards."""
+        """How many buckets the last step started summing during its backwards (one synced
+        through the stage leaders: its part inside the vendor)."""
         return self.sync.overlapped_buckets
 
     def step(self, tokens: torch.Tensor, *, check_weights: bool = False) -> float:

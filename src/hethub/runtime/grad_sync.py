@@ -103,7 +103,7 @@ class GradientSync:
         self.sharded = sharded
         self.leads = comm.rank == groups.leader
         self.tp_rank = groups.tp.ranks.index(comm.rank)
-        self.overlapped_buckets = 0  # of the last step: synced during its backwards
+        self.overlapped_buckets = 0  # of the last step: started during its backwards
         self._in_flight: dict[int, Pending] = {}  # bucket -> its overlapped sum, started
         self._started: dict[int, _Started] = {}  # bucket -> its part inside the vendor, started
         self._final: set[int] = set()  # buckets through the leaders, final, not yet started
