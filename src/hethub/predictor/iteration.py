@@ -218,7 +218,16 @@ class _PricedStage:
     prediction: StagePrediction
     sync_start_s: float
     """When its gradient sync can start: its last backward, or, with peers in other layouts,
-    the last backward of them all."""
+    the last backward of them all (an overlapped sync: so that it ends when its overlapped
+    end is, its whole length before)."""
+    gather_hidden_s: float = 0.0
+    """Of its param gather, what an overlapped one hides behind the next step's first
+    forwards."""
+
+    @property
+    def gather_exposed_s(self) -> float:
+        """Of its param gather, what shows at the step's end."""
+        return self.prediction.param_gather_s - self.gather_hidden_s
 
 
 def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
@@ -254,11 +263,19 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         fewest=sync.fewest,
         cross_bw=sync.cross_bw.get(group.name, 0.0),
     )
-    reduce, gather = step.pricing.sync(group, shape, with_peers)
+    reduce, gather, exchange = step.pricing.sync(group, shape, with_peers)
     shards = sync.replicas[index] if plan.shard_optimizer else 1
     optimizer = step.pricing.optimizer_s(group, shape) / shards
     if plan.overlap_grad_sync and sync.classes == 1:
         start = _overlapped_sync_end(step.model, runs, peers, s, reduce) - reduce
+    elif plan.overlap_grad_sync:
+        # What stays inside the vendor hides behind the backwards as a layout's own sync does;
+        # the exchange between layouts waits for the slowest of them, and shows after it.
+        inside = _overlapped_sync_end(step.model, runs, peers, s, reduce - exchange)
+        start = max(start, inside) + exchange - reduce
+    hidden = 0.0
+    if plan.overlap_param_gather:
+        hidden = min(gather, _first_forward_end(run, s))
     memory = step.pricing.memory(
         group,
         shape,
@@ -283,7 +300,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         end_s=run.stage_end_s[s],
         memory=memory,
     )
-    return _PricedStage(prediction, start)
+    return _PricedStage(prediction, start, hidden)
 
 
 def _assemble_step(
@@ -297,9 +314,9 @@ def _assemble_step(
     iteration = busy = span = synced = stepped = 0.0
     for stage in priced:
         s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
-        iteration = max(iteration, start + s.grad_sync_s + s.optimizer_s)
         reduced = start + s.grad_sync_s - s.param_gather_s
-        synced, stepped = max(synced, reduced), max(stepped, s.optimizer_s + s.param_gather_s)
+        iteration = max(iteration, reduced + s.optimizer_s + stage.gather_exposed_s)
+        synced, stepped = max(synced, reduced), max(stepped, s.optimizer_s + stage.gather_exposed_s)
         devices = run.pipeline.count * s.tp
         busy += devices * s.compute_s
         span += devices * run.time_s
@@ -355,13 +372,13 @@ def _step_events(
             TimelineEvent(**where, kind="grad_sync", start_s=start, end_s=sync_end),
             TimelineEvent(**where, kind="optimizer", start_s=optimizer_start, end_s=optimizer_end),
         ]
-        if s.param_gather_s > 0:
+        if stage.gather_exposed_s > 0:  # what an overlapped gather hides is the next step's
             events.append(
                 TimelineEvent(
                     **where,
                     kind="param_gather",
                     start_s=optimizer_end,
-                    end_s=optimizer_end + s.param_gather_s,
+                    end_s=optimizer_end + stage.gather_exposed_s,
                 )
             )
     return events
@@ -536,6 +553,14 @@ def _overlapped_sync_end(
     for ready, params in sorted(pieces):
         end = max(end, ready) + grad_sync * params / total
     return end
+
+
+def _first_forward_end(run: _LayoutRun, s: int) -> float:
+    """When stage ``s``'s first forward of a step ends (of its first chunk, the first
+    micro-batch): after that micro-batch's forwards through every stage before it and their
+    sends, whatever the schedule. An overlapped param gather hides behind this much of the next
+    step (a lower bound: a stage's later layers and chunks start later still)."""
+    return sum(run.forward_s[: s + 1]) + sum(run.send_s[:s])
 
 
 def _across_nodes(

@@ -177,15 +177,16 @@ class AnalyticPricing(Pricing):
             gather = reduce * all_gather_share(precision)
             if peers.classes == 1:
                 reduce *= REDUCE_SCATTER_SHARE
+        exchange = 0.0
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
             params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
-            reduce += comm.ring_allreduce_time(
+            exchange = comm.ring_allreduce_time(
                 params * precision.main_grad_bytes / peers.fewest,
                 peers.classes,
                 peers.cross_bw,
                 cal,
             )
-        return SyncTimes(reduce, gather)
+        return SyncTimes(reduce + exchange, gather, exchange)
 
     def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
         return _analytic_optimizer_s(
@@ -262,7 +263,9 @@ class ProfiledPricing(AnalyticPricing):
             )
             measured = profiled.grad_sync_time(link, collectives)
             if measured is not None:  # over every holder of each tensor, whatever its layout
-                return measured
+                # one class of layouts: its sums through the leaders (the tied head's) wait for
+                # no other layout's stages
+                return measured if peers.classes > 1 else measured._replace(exchange_s=0.0)
         return super().sync(group, shape, peers)
 
     def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:

@@ -166,6 +166,9 @@ class Collective(NamedTuple):
     ranks: int
     after_step: bool = False
     """A sharded optimizer's all-gather of the updated weights, after its step."""
+    exchange: bool = False
+    """The sum among a bucket's holders through the stage leaders and its broadcast back to the
+    TP group: it waits for every holder's backwards."""
 
 
 def sync_collectives(
@@ -202,10 +205,14 @@ def sync_collectives(
                     if param.tp_dim is not None
                 ]
             done.append(
-                Collective(CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders))
+                Collective(
+                    CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders), exchange=True
+                )
             )
             if tp > 1:
-                done.append(Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp))
+                done.append(
+                    Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp, exchange=True)
+                )
         if sharded and peers > 1:
             done.append(
                 Collective(CollectiveKind.ALL_GATHER, local * weight_bytes, peers, after_step=True)
@@ -216,12 +223,15 @@ def sync_collectives(
 def grad_sync_time(link: LinkProfile, collectives: list[Collective]) -> SyncTimes | None:
     """The measured time of a rank's gradient sync (sync_collectives); None where a collective
     was not measured."""
-    reduce, gather = [], []
+    reduce, gather, exchange = [], [], []
     for c in collectives:
-        (gather if c.after_step else reduce).append(_MEASURED[c.kind](link, c.nbytes, c.ranks))
+        time = _MEASURED[c.kind](link, c.nbytes, c.ranks)
+        (gather if c.after_step else reduce).append(time)
+        if c.exchange:
+            exchange.append(time)
     if None in reduce or None in gather:
         return None
-    return SyncTimes(sum(reduce), sum(gather))
+    return SyncTimes(sum(reduce), sum(gather), sum(exchange))
 
 
 def optimizer_time(

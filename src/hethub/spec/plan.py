@@ -199,6 +199,10 @@ class Plan:
     overlap_grad_sync: bool = False
     """Sync each gradient bucket as soon as the last backward writing it ends, during the
     backwards still to run, instead of after the last one."""
+    overlap_param_gather: bool = False
+    """With a sharded optimizer: leave the all-gather of the updated weights under way after the
+    step, each bucket waited for just before the next step's first forward that reads it
+    (Megatron-LM's overlap_param_gather). Off by default, as there: docs/formats.md has why."""
     compile: bool = False
     """Compile each transformer layer with torch.compile (runtime.compiled), as torchtitan does
     per block: the same training, in fewer and fused kernels, after a compilation at the first
@@ -239,6 +243,7 @@ class Plan:
             "precision": self.precision.value,
             **({"shard_optimizer": True} if self.shard_optimizer else {}),
             **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
+            **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
             **({"compile": True} if self.compile else {}),
             "pipelines": [
                 {
@@ -286,6 +291,7 @@ class Plan:
                 (str(self.schedule), self.schedule != Schedule.ONE_F_ONE_B),
                 ("sharded optimizer", self.shard_optimizer),
                 ("overlapped grad sync", self.overlap_grad_sync),
+                ("overlapped param gather", self.overlap_param_gather),
                 ("compiled layers", self.compile),
             )
             if on
@@ -323,6 +329,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "precision",
             "shard_optimizer",
             "overlap_grad_sync",
+            "overlap_param_gather",
             "compile",
             "pipelines",
         ),
@@ -400,9 +407,16 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
         shard_optimizer=top.boolean("shard_optimizer", False),
         overlap_grad_sync=top.boolean("overlap_grad_sync", False),
+        overlap_param_gather=top.boolean("overlap_param_gather", False),
         compile=top.boolean("compile", False),
         pipelines=tuple(pipelines),
     )
+    if plan.overlap_param_gather and not plan.shard_optimizer:
+        raise top.error(
+            "overlap_param_gather",
+            True,
+            "needs shard_optimizer: true (only a sharded optimizer gathers the weights)",
+        )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
     if sequences != global_batch:
         detail = " + ".join(f"{p.count}x{p.micro_batches}" for p in plan.pipelines)
