@@ -255,9 +255,9 @@ class Layer(nn.Module):
             self.down = RowParallelLinear(spec.ffn_hidden, h, False, group)
 
     checkpoint_attention: bool = False
-    """Selective recomputation (Recompute.SELECTIVE, set by its Stage for a forward): the
-    attention's inner part is checkpointed, kept as its input only and run again in the
-    backward."""
+    """Selective recomputation (Recompute.SELECTIVE; its Stage sets it at each forward, to the
+    stage's): the attention's inner part is checkpointed, kept as its input only and run again
+    in the backward."""
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, (heads + 2 kv) d / tp)
@@ -350,13 +350,14 @@ class Stage(nn.Module):
             x = self.embed(tokens)
             if self.spec.arch == "gpt":
                 x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers.values():
+            layer.checkpoint_attention = recompute is Recompute.SELECTIVE
         if recompute is Recompute.FULL:
             with set_checkpoint_early_stop(False):
                 for layer in self.layers.values():
                     x = checkpoint(layer, x, use_reentrant=False)
         else:
             for layer in self.layers.values():
-                layer.checkpoint_attention = recompute is Recompute.SELECTIVE
                 x = layer(x)
         if self.is_last:
             x = F.linear(copy_to(self.final_norm(x), self.group), self.head_weight)
