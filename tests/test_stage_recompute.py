@@ -13,8 +13,11 @@ from benchmark_scripts import load_benchmark
 from test_engine import PLANS, check_against_reference, stage
 from test_layer_ops import SavedBytes, Trace
 from test_memory_vs_runtime import REST_TOLERANCE, TOLERANCE
+from test_pricing import CAL, GROUP, SHAPE, _layer, _profiles
 
 from hethub.predictor import predict
+from hethub.predictor.compute import layer_cost, selective_rerun_share
+from hethub.predictor.pricing import pricing_for
 from hethub.runtime.model import Stage
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
@@ -128,6 +131,31 @@ def test_a_selective_stage_keeps_less_and_runs_each_layer_s_inner_attention_agai
     assert kept[Recompute.NONE] - kept[Recompute.SELECTIVE] == layers * saving
     assert kept[Recompute.NONE] == layers * one_layer[Recompute.NONE]
     assert kept[Recompute.FULL] == layers * x.nbytes  # each layer's input
+
+
+def test_selective_recomputation_is_priced_as_the_rerun_attention_analytically_and_profiled():
+    """Analytic: a layer's backward grows by the inner attention's forward (its ops priced),
+    its forward is unchanged. Profiled: by the measured forward times the analytic share."""
+    shapes = {r: SHAPE._replace(recompute=r) for r in Recompute}
+    analytic = {r: pricing_for(CAL, None).work(GROUP, shape) for r, shape in shapes.items()}
+    assert analytic[Recompute.SELECTIVE].forward_s == analytic[Recompute.NONE].forward_s
+    added = analytic[Recompute.SELECTIVE].backward_s - analytic[Recompute.NONE].backward_s
+    costs = {
+        r: layer_cost(SHAPE.model, GROUP.accelerator, CAL, 1, 1, r, 0.0, SHAPE.precision)
+        for r in Recompute
+    }
+    share = selective_rerun_share(SHAPE.model, GROUP.accelerator, CAL, 1, 1, 0.0, SHAPE.precision)
+    assert added == pytest.approx(SHAPE.layers * share * costs[Recompute.NONE].forward_s)
+    # The inner attention is some of the forward, not all of it (full recomputation's rerun).
+    full_share = (costs[Recompute.FULL].backward_s - costs[Recompute.NONE].backward_s) / (
+        costs[Recompute.NONE].forward_s
+    )
+    assert 0 < share < full_share == pytest.approx(1.0)
+    profile = _layer()
+    profiled = pricing_for(CAL, _profiles(profile))
+    measured = {r: profiled.work(GROUP, shape) for r, shape in shapes.items()}
+    rerun = measured[Recompute.SELECTIVE].backward_s - measured[Recompute.NONE].backward_s
+    assert rerun == pytest.approx(SHAPE.layers * share * profile.layer_forward_s)
 
 
 @pytest.mark.slow
