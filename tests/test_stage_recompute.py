@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from benchmark_scripts import load_benchmark
-from test_engine import PLANS, check_against_reference, stage
+from test_engine import CLUSTER, PLANS, check_against_reference, stage
 from test_layer_ops import SavedBytes, Trace
 from test_memory_vs_runtime import REST_TOLERANCE, TOLERANCE
 from test_pricing import CAL, GROUP, SHAPE, _layer, _profiles
 
+from hethub.cli.pricing import describe
 from hethub.predictor import predict
 from hethub.predictor.compute import layer_cost, selective_rerun_share
 from hethub.predictor.pricing import pricing_for
@@ -104,6 +105,16 @@ def test_the_plans_give_each_stage_its_own_recomputation():
         "selective gpt at tp 2, none": [Recompute.SELECTIVE, Recompute.NONE],
         "interleaved, each stage its own": [Recompute.SELECTIVE, Recompute.FULL],
     }
+
+
+def test_hethub_predict_shows_each_stage_s_recomputation():
+    preset, fields = STAGE_RECOMPUTE_PLANS["selective at tp 2 across vendors"]
+    plan, model = parse_plan({"model": preset, **fields}), load_model(preset)
+    text = describe(predict(plan, CLUSTER, model), plan, CLUSTER, model, "plan.yaml", "analytic")
+    header, _, *rows = text.splitlines()[2:6]
+    assert "recompute per stage" in text and "recompute" in header.split()
+    column = header.split().index("recompute")
+    assert [row.split()[column + 1] for row in rows] == ["selective", "full"]  # "0 (x1)": 2 cells
 
 
 def test_a_selective_stage_keeps_less_and_runs_each_layer_s_inner_attention_again():
