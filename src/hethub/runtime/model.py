@@ -263,10 +263,10 @@ class Layer(nn.Module):
         qkv = self.qkv(x)  # (B, T, (heads + 2 kv) d / tp)
         if self.checkpoint_attention:
             # Keeps the QKV output, not q, k, v and the log-sum-exp; the rotations, the copy and
-            # the kernel run again in the backward (torch's early stop off: all of them, as
-            # spec.layer_ops prices).
-            with set_checkpoint_early_stop(False):
-                out = checkpoint(self.inner_attention, qkv, use_reentrant=False)
+            # the kernel run again in the backward. torch's early stop, on, stops nothing: the
+            # kernel, the last op to run, saves its outputs (dynamo, under a plan's compile,
+            # refuses set_checkpoint_early_stop in the layer).
+            out = checkpoint(self.inner_attention, qkv, use_reentrant=False)
         else:
             out = self.inner_attention(qkv)
         return self.o(out)  # (B, T, h)
