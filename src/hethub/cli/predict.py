@@ -45,7 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             help=f"shorthand plan: {flag.replace('_', ' ')}",
         )
     parser.add_argument(
-        "--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation"
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="shorthand plan: every stage's recomputation (selective: the attention's inner part)",
     )
     parser.add_argument(
         "--schedule",

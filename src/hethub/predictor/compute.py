@@ -4,7 +4,7 @@ GEMMs are priced by FLOPs at a size-dependent efficiency, memory-bound operators
 activations, dropout, residual adds) by bytes over memory bandwidth, and the host by a launch
 cost per operator: a piece of work takes the larger of its host time and its device time.
 Backward is twice the forward (input and weight gradients); full recomputation repeats the
-forward inside the backward.
+forward inside the backward, selective recomputation the attention's inner part (spec.layer_ops).
 """
 
 from __future__ import annotations
@@ -123,8 +123,10 @@ def layer_cost(
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices: spec.layer_ops'
     inventory of the layer, priced pass by pass (pass_time). With full recomputation the
-    backward runs the forward again first. ``kernels``: the layer that ran (Kernels.MEGATRON_LM
-    for Megatron-LM's runs); None, the runtime's on the device's own (kernels_of)."""
+    backward runs the forward again first; with selective, the attention's rotations, v's copy
+    and kernel (Megatron-LM's layer: its core attention). ``kernels``: the layer that ran
+    (Kernels.MEGATRON_LM for Megatron-LM's runs); None, the runtime's on the device's own
+    (kernels_of)."""
     kernels = kernels or kernels_of(accelerator)
     ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute)
     return WorkCost(
@@ -132,6 +134,26 @@ def layer_cost(
         pass_time(ops.backward, accelerator, cal, precision, tp_allreduce_s),
         sum(op.flops for op in ops.forward),
     )
+
+
+def selective_rerun_share(
+    model: ModelSpec,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    tp: int,
+    micro_batch: int,
+    tp_allreduce_s: float,
+    precision: Precision,
+    kernels: Kernels | None = None,
+) -> float:
+    """What selective recomputation adds to a layer's backward, as a share of the layer's
+    forward, as layer_cost prices both: a measured forward times it prices the rerun from a
+    profile (predictor.profiled), which measures a layer's times without it."""
+    plain, selective = (
+        layer_cost(model, accelerator, cal, tp, micro_batch, r, tp_allreduce_s, precision, kernels)
+        for r in (Recompute.NONE, Recompute.SELECTIVE)
+    )
+    return (selective.backward_s - plain.backward_s) / plain.forward_s
 
 
 @functools.lru_cache(maxsize=65536)

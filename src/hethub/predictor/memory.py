@@ -8,8 +8,9 @@ in fp32; sharded, 6 + 12 / d and 8 + 8 / d). Autograd's own gradients of a backw
 until its end, when the main gradients take them (runtime.precision): the buffers' moment.
 
 Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
-for the micro-batches in flight under the schedule, or under full recomputation each layer's
-input and one rebuilt layer (the runtime checkpoints each layer on its own); the
+for the micro-batches in flight under the stage's own recomputation: under selective, less the
+attention's log-sum-exp (selective_saving_bytes); under full, each layer's input and one rebuilt
+layer (the runtime checkpoints each layer on its own); the
 stage's boundary tensors; and the highest moment of a backward: the last stage's loss, head and
 final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMemory).
 """
@@ -88,6 +89,18 @@ def layer_activation_bytes(
     spec.layer_ops says the runtime's layer saves on ``kernels`` (an accelerator's unless told:
     a CPU's RMSNorm keeps fp32 copies besides)."""
     return float(layer_ops(model, tp, micro_batch, precision, kernels).saved_bytes)
+
+
+def selective_saving_bytes(
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision, kernels: Kernels
+) -> float:
+    """What one layer no longer keeps for its backward, one micro-batch, under selective
+    recomputation (spec.layer_ops: with a flash kernel, only its log-sum-exp)."""
+    kept = [
+        layer_ops(model, tp, micro_batch, precision, kernels, recompute).saved_bytes
+        for recompute in (Recompute.NONE, Recompute.SELECTIVE)
+    ]
+    return float(kept[0] - kept[1])
 
 
 def stage_memory(
@@ -413,9 +426,14 @@ def stage_memory_of(
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
 ) -> StageMemory:
-    """stage_memory_at's, from what one layer keeps for its backward, one micro-batch
-    (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
+    """stage_memory_at's, from what one layer keeps for its backward, one micro-batch, without
+    recomputation (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
     params = stage_params(model, layers, position) / tp
+    if recompute is Recompute.SELECTIVE:
+        # A layer then keeps less and is otherwise held as without recomputation: its attention's
+        # rebuilt inner part lives only while the backward is past the MLP, whose activations,
+        # larger, are freed by then.
+        per_layer -= selective_saving_bytes(model, tp, micro_batch, precision, kernels)
     activations = layers_bytes(
         model,
         per_layer=per_layer,

@@ -15,7 +15,13 @@ from typing import NamedTuple
 
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.compute import embedding_cost, head_cost, kernels_of, layer_cost
+from hethub.predictor.compute import (
+    embedding_cost,
+    head_cost,
+    kernels_of,
+    layer_cost,
+    selective_rerun_share,
+)
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
@@ -239,8 +245,27 @@ class ProfiledPricing(AnalyticPricing):
         profile = self._layer(group, shape)
         if profile is None:
             return super().work(group, shape)
-        times = profiled.profiled_work(profile, shape.layers, shape.recompute, shape.position)
+        share = (
+            self._selective_share(group, shape) if shape.recompute is Recompute.SELECTIVE else 0.0
+        )
+        times = profiled.profiled_work(
+            profile, shape.layers, shape.recompute, shape.position, share
+        )
         return _at_speed(group, times)
+
+    def _selective_share(self, group: DeviceGroup, shape: StageShape) -> float:
+        """The analytic model's share of a layer's forward that selective recomputation runs
+        again in its backward (compute.selective_rerun_share), on ``group``'s kernels."""
+        return selective_rerun_share(
+            shape.model,
+            group.accelerator,
+            self.calibration,
+            shape.tp,
+            shape.micro_batch,
+            _tp_allreduce_s(group, self.calibration, shape),
+            shape.precision,
+            self.kernels_on(group),
+        )
 
     def send(self, boundary: Boundary) -> SendTimes:
         return _measured_send(self.profiles, boundary) or super().send(boundary)
@@ -340,9 +365,7 @@ def _analytic_work(
     (None: the device's own)."""
     model, tp, micro_batch, precision = shape.model, shape.tp, shape.micro_batch, shape.precision
     acc = group.accelerator
-    tp_allreduce = comm.group_allreduce_time(
-        micro_batch * model.seq_len * model.hidden * precision.element_bytes, tp, group, cal
-    )
+    tp_allreduce = _tp_allreduce_s(group, cal, shape)
     layer = layer_cost(
         model, acc, cal, tp, micro_batch, shape.recompute, tp_allreduce, precision, kernels
     )
@@ -357,6 +380,13 @@ def _analytic_work(
         )
         forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
     return StageTimes(forward, backward)
+
+
+def _tp_allreduce_s(group: DeviceGroup, cal: Calibration, shape: StageShape) -> float:
+    """One all-reduce of a layer's hidden states, one micro-batch, over the stage's TP group."""
+    model = shape.model
+    nbytes = shape.micro_batch * model.seq_len * model.hidden * shape.precision.element_bytes
+    return comm.group_allreduce_time(nbytes, shape.tp, group, cal)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -3,7 +3,9 @@ numbers in place of the analytic model's.
 
 Compute: a stage's forward is its layers' measured forwards plus the embedding (first stage) and
 the head with the cross-entropy (last stage); backward likewise. With full recomputation the
-layers take their measured checkpointed times, and the embedding's and head's forwards run again.
+layers take their measured checkpointed times, and the embedding's and head's forwards run again;
+with selective recomputation, which profiles do not measure, a layer's backward is its measured
+one plus its measured forward's share that the analytic model gives the rerun attention.
 TP collectives are inside the measured times. Where a local run has more ranks than the machine
 has cores, core_sharing() says how the ranks share them (predictor.sharing).
 Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
@@ -49,13 +51,20 @@ def for_precision(profiles: Profiles, precision: Precision) -> Profiles:
 
 
 def profiled_work(
-    profile: LayerProfile, layers: int, recompute: Recompute, position: StagePosition
+    profile: LayerProfile,
+    layers: int,
+    recompute: Recompute,
+    position: StagePosition,
+    selective_share: float = 0.0,
 ) -> StageTimes:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
     With full recomputation the runtime checkpoints each layer: the layers take their measured
     checkpointed times (forward + backward where the profile lacks them); the embedding and
-    the head, not checkpointed, their plain ones.
+    the head, not checkpointed, their plain ones. With selective recomputation, which a profile
+    does not measure, a layer's backward is its measured one plus ``selective_share`` of its
+    measured forward (compute.selective_rerun_share: the analytic model's share of the
+    attention's inner part in the forward).
     """
     full = recompute == Recompute.FULL
     measured = full and None not in (
@@ -68,6 +77,8 @@ def profiled_work(
     )
     if full and not measured:
         backward += forward
+    if recompute == Recompute.SELECTIVE:
+        backward += layers * selective_share * profile.layer_forward_s
     ends = [(profile.embed_forward_s, profile.embed_backward_s)] * position.first
     ends += [(profile.head_forward_s, profile.head_backward_s)] * position.last
     for f, b in ends:

@@ -254,11 +254,31 @@ class Layer(nn.Module):
             self.gate_up = ColumnParallelBlocks(h, gate_up_blocks(spec), 1, False, group)
             self.down = RowParallelLinear(spec.ffn_hidden, h, False, group)
 
+    checkpoint_attention: bool = False
+    """Selective recomputation (Recompute.SELECTIVE; its Stage sets it at each forward, to the
+    stage's): the attention's inner part is checkpointed, kept as its input only and run again
+    in the backward."""
+
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, (heads + 2 kv) d / tp)
+        if self.checkpoint_attention:
+            # Keeps the QKV output, not q, k, v and the log-sum-exp; the rotations, the copy and
+            # the kernel run again in the backward. torch's early stop, on, stops nothing: the
+            # kernel, the last op to run, saves its outputs (dynamo, under a plan's compile,
+            # refuses set_checkpoint_early_stop in the layer).
+            out = checkpoint(self.inner_attention, qkv, use_reentrant=False)
+        else:
+            out = self.inner_attention(qkv)
+        return self.o(out)  # (B, T, h)
+
+    def inner_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """From the QKV projection's output (B, T, (heads + 2 kv) d / tp) to the output
+        projection's input (B, T, heads d / tp): the rotations, v's copy and the kernel, what
+        selective recomputation runs again."""
+        b, t, _ = qkv.shape
         d, kv = self.spec.head_dim, self.kv_heads
         queries = self.heads // kv  # query heads per KV head
-        qkv = self.qkv(x).view(b, t, kv, queries + 2, d)  # per KV head: its queries, key, value
+        qkv = qkv.view(b, t, kv, queries + 2, d)  # per KV head: its queries, key, value
         q, k, v = qkv.split([queries, 1, 1], dim=3)
         q = q.permute(0, 2, 3, 1, 4)  # (B, kv, queries, T, d)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # (B, kv, T, d)
@@ -270,7 +290,7 @@ class Layer(nn.Module):
         # grouped-query attention: query head i attends with KV head i // queries, as
         # repeat_interleave would give, without the copies
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=queries > 1)
-        return self.o(out.transpose(1, 2).reshape(b, t, self.heads * d))  # (B, T, h)
+        return out.transpose(1, 2).reshape(b, t, self.heads * d)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
@@ -323,12 +343,15 @@ class Stage(nn.Module):
         Megatron-LM does, so a micro-batch in flight keeps only its layers' inputs, and a
         backward rebuilds one layer at a time. Each layer's forward is run again whole (torch's
         early stop, which would skip the ops after the last saved tensor, is off): what
-        spec.layer_ops prices."""
+        spec.layer_ops prices. Recompute.SELECTIVE: each layer checkpoints its attention's inner
+        part (Layer.inner_attention), rebuilt in the backward."""
         if self.is_first:
             tokens = x
             x = self.embed(tokens)
             if self.spec.arch == "gpt":
                 x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers.values():
+            layer.checkpoint_attention = recompute is Recompute.SELECTIVE
         if recompute is Recompute.FULL:
             with set_checkpoint_early_stop(False):
                 for layer in self.layers.values():

@@ -107,7 +107,8 @@ class LayerOps:
 
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
-    """With full recomputation, the forward run again inside the backward comes first."""
+    """With full recomputation, the forward run again inside the backward comes first; with
+    selective, the attention's inner part run again (the ops of Recompute.SELECTIVE)."""
     saved_bytes: int
     """Bytes of the distinct tensors (storages) the forward keeps for the backward, the
     parameters and the rotary tables (a stage's, shared by its layers) aside; 0 under full
@@ -284,10 +285,15 @@ def _rotary(x: _Shape, width: int) -> _Piece:
     return _Piece(forward, backward, 0)
 
 
+def _log_sum_exp_bytes(x: _Shape) -> int:
+    """The attention kernel's fp32 log-sum-exp, one per query of each head."""
+    return x.batch * x.heads * x.seq * FP32_BYTES
+
+
 def _attention_kernel(x: _Shape) -> _Piece:
     """Causal SDPA over q (heads) and k, v (kv_heads): it keeps q, k, v, its output and the
     fp32 log-sum-exp per query (the saving of q, k and v is counted where they are made)."""
-    lse = x.batch * x.heads * x.seq * FP32_BYTES
+    lse = _log_sum_exp_bytes(x)
     q, kv = x.bytes(x.q), x.bytes(x.kv)
     flops = causal_attention_flops(x.batch, x.heads, x.seq, x.head_dim)
     narrowest = min(x.seq, x.head_dim)
@@ -312,18 +318,40 @@ def _attention_kernel(x: _Shape) -> _Piece:
 
 
 def _attention(x: _Shape) -> _Piece:
-    """QKV GEMM, (rotary), SDPA, output projection. The kernel keeps q, k and v: GPT's are views
-    of the QKV output, which it keeps whole; Llama's rotated q and k are new tensors, and its v
-    is copied out of the QKV output, so that none of that output outlives the forward. Backward:
-    the three gradients are concatenated, read where they lie."""
+    """QKV GEMM, the inner part (_inner_attention), output projection. The kernel keeps q, k and
+    v: GPT's are views of the QKV output, which it keeps whole; Llama's rotated q and k are new
+    tensors, and its v is copied out of the QKV output, so that none of that output outlives
+    the forward. Backward: the three gradients are concatenated, read where they lie."""
     h, qkv = x.hidden, x.q + 2 * x.kv
-    pieces = [_linear(x, h, qkv, row_parallel=False)]
+    first, last = _linear(x, h, qkv, row_parallel=False), _linear(x, x.q, h, row_parallel=True)
+    grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
+    cat = _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv))
+    return _join(first, _inner_attention(x), last, cat)
+
+
+def _inner_attention(x: _Shape) -> _Piece:
+    """From the QKV output to the output projection's input (runtime.model.Layer.
+    inner_attention): Llama's rotations of q and k and copy of v, and the kernel."""
+    pieces = []
     if not x.gpt:
         copy_v = memory("clone", x.bytes(x.kv), x.bytes(x.kv))
         pieces += [_rotary(x, x.q), _rotary(x, x.kv), _Piece((copy_v,), (), 0)]
-    pieces += [_attention_kernel(x), _linear(x, x.q, h, row_parallel=True)]
-    grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
-    return _join(*pieces, _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv)))
+    return _join(*pieces, _attention_kernel(x))
+
+
+def _selective(x: _Shape, layer: _Piece) -> LayerOps:
+    """``layer`` under selective recomputation: the attention's inner part is checkpointed, its
+    forward run again in the backward. It then keeps its input, the QKV output, in place of
+    q, k and v, of the same bytes (Llama's rotated copies, GPT's views of that output), and the
+    output projection keeps the kernel's output either way: what it no longer keeps is the
+    kernel's log-sum-exp alone (a flash kernel keeps no scores). Megatron-LM's layer (no flash
+    kernel) no longer keeps its scores' softmax, dropout output and mask."""
+    if x.kernels is Kernels.MEGATRON_LM:
+        inner = _megatron_core_attention(x)
+        freed = inner.saved - 4 * x.bytes(x.q)  # q, k, v (the QKV output) and the context stay
+    else:
+        inner, freed = _inner_attention(x), _log_sum_exp_bytes(x)
+    return LayerOps(layer.forward, inner.forward + layer.backward, layer.saved - freed)
 
 
 def _mlp(x: _Shape) -> _Piece:
@@ -396,6 +424,8 @@ def layer_ops(
         layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
     if recompute is Recompute.FULL:
         return LayerOps(layer.forward, layer.forward + layer.backward, 0)
+    if recompute is Recompute.SELECTIVE:
+        return _selective(x, layer)
     return LayerOps(layer.forward, layer.backward, layer.saved)
 
 

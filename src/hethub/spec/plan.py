@@ -19,8 +19,12 @@ class Recompute(enum.StrEnum):
 
     NONE = "none"
     """Every layer keeps its activations for its backward."""
+    SELECTIVE = "selective"
+    """Each layer's attention keeps only its QKV projection's output and runs its inner part
+    (the rotations, v's copy, the attention kernel) again in its backward (Megatron-LM's
+    selective recomputation, Korthikanti et al. 2022)."""
     FULL = "full"
-    """Each stage keeps only its input and runs its forward again before its backward."""
+    """Each layer keeps only its input and runs its forward again before its backward."""
 
 
 FP32_BYTES = 4
