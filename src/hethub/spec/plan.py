@@ -203,6 +203,10 @@ class Plan:
     """Compile each transformer layer with torch.compile (runtime.compiled), as torchtitan does
     per block: the same training, in fewer and fused kernels, after a compilation at the first
     step. Off by default: docs/runtime.md, "Compile", has where it pays."""
+    sequence_parallel: bool = False
+    """At every stage of TP > 1, split the norms' and the residual's activations along the
+    sequence over the TP ranks, with all-gather and reduce-scatter in place of the TP all-reduces
+    (Megatron-LM's sequence parallelism): docs/runtime.md, "Sequence parallelism"."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
@@ -240,6 +244,7 @@ class Plan:
             **({"shard_optimizer": True} if self.shard_optimizer else {}),
             **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
             **({"compile": True} if self.compile else {}),
+            **({"sequence_parallel": True} if self.sequence_parallel else {}),
             "pipelines": [
                 {
                     "count": p.count,
@@ -287,6 +292,7 @@ class Plan:
                 ("sharded optimizer", self.shard_optimizer),
                 ("overlapped grad sync", self.overlap_grad_sync),
                 ("compiled layers", self.compile),
+                ("sequence parallel", self.sequence_parallel),
             )
             if on
         )
@@ -324,6 +330,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "shard_optimizer",
             "overlap_grad_sync",
             "compile",
+            "sequence_parallel",
             "pipelines",
         ),
     )
@@ -401,6 +408,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         shard_optimizer=top.boolean("shard_optimizer", False),
         overlap_grad_sync=top.boolean("overlap_grad_sync", False),
         compile=top.boolean("compile", False),
+        sequence_parallel=top.boolean("sequence_parallel", False),
         pipelines=tuple(pipelines),
     )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
