@@ -10,11 +10,19 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
 from test_engine import CLUSTER, PLANS, check_against_reference, stage
+from test_layer_ops import GPT, LLAMA_GQA, SavedBytes, Trace, assert_same_ops
 
 from hethub.errors import SpecError
+from hethub.runtime.model import Layer
+from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
+from hethub.spec.layer_ops import Kernels, Op, layer_ops
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Precision
 
 SP_PLANS = {
     "sp, tp 2 on the last stage across vendors": (
@@ -77,3 +85,49 @@ def test_sequence_parallel_needs_every_tp_to_divide_the_sequence():
     check_plan(plan, CLUSTER, model)
     plain = parse_plan({**plan.to_dict(), "sequence_parallel": False})
     check_plan(plain, CLUSTER, odd)  # without sequence parallelism the sequence is not split
+
+
+def traced_sequence_parallel_layer(
+    model: ModelSpec, group, tp: int, precision: Precision, micro_batch: int
+) -> tuple[list[Op], list[Op], int]:
+    """tests/test_layer_ops.traced_layer for the sequence-parallel Layer: its input and output
+    are this rank's (B, T/tp, h)."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, precision.dtype_name)
+    layer = Layer(model, group, sequence_parallel=True)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(std=0.02)
+    layer.to(dtype)
+    shape = (micro_batch, model.seq_len // tp, model.hidden)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    saved = SavedBytes([*layer.parameters(), *layer.buffers()])
+    with Trace() as forward, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        y = layer(x)
+    assert y.shape == shape
+    grad = torch.randn_like(y)
+    with Trace() as backward:
+        y.backward(grad)
+    return forward.ops, backward.ops, saved.total
+
+
+def _layer_ops_rank(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))
+    for model in (LLAMA_GQA, GPT):
+        for precision in (Precision.FP32, Precision.BF16):
+            for micro_batch in (1, 2):  # one sequence: no copy around the collectives
+                forward, backward, saved = traced_sequence_parallel_layer(
+                    model, group, world, precision, micro_batch
+                )
+                described = layer_ops(
+                    model, world, micro_batch, precision, Kernels.CPU, sequence_parallel=True
+                )
+                what = f"{model.name} tp={world} {precision} micro-batch {micro_batch}"
+                assert_same_ops(forward, described.forward, f"{what} forward")
+                assert_same_ops(backward, described.backward, f"{what} backward")
+                assert saved == described.saved_bytes, what
+
+
+@pytest.mark.slow
+def test_the_sequence_parallel_description_is_what_the_layer_dispatches_at_tp2():
+    run_ranks(_layer_ops_rank, 2, purpose="sequence-parallel layer_ops at TP 2", timeout_s=120)

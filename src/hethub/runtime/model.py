@@ -22,6 +22,7 @@ from hethub.runtime.tensor_parallel import (
     gather_from_sequence,
     parallel_group,
     scatter_to_sequence,
+    sum_gradient,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -245,8 +246,8 @@ def replicated_on_shard(module: nn.Module, x: torch.Tensor, group) -> torch.Tens
     """``module`` (a norm, GPT's position embedding: weights every TP rank holds whole) applied
     to this rank's sequence shard ``x``: each rank's weight gradients come from its own tokens
     only, so they are summed over ``group`` (Megatron-LM all-reduces them once a step; here in
-    the backward of each micro-batch, where the module's weights are used: copy_to)."""
-    summed = {name: copy_to(p, group) for name, p in module.named_parameters()}
+    the backward of each micro-batch, where the module's weights are used: sum_gradient)."""
+    summed = {name: sum_gradient(p, group) for name, p in module.named_parameters()}
     return functional_call(module, summed, (x,))
 
 

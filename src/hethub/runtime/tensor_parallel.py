@@ -14,7 +14,7 @@ the TP ranks. Its region functions take the all-reduces' place: ``gather_from_se
 column-parallel region, ``reduce_scatter_to_sequence`` (reduce-scatter forward, all-gather
 backward) closes a row-parallel one: the same bytes on the wire as the all-reduce they replace.
 ``scatter_to_sequence`` and ``gather_from_sequence(..., grad_is_partial=False)`` move a tensor
-whole on every rank into and out of the split (a stage's boundaries), and ``copy_to`` on a
+whole on every rank into and out of the split (a stage's boundaries), and ``sum_gradient`` on a
 weight replicated over the ranks (the norms', a row-parallel bias) sums its gradient, which each
 rank computes from its own tokens only.
 """
@@ -54,6 +54,26 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _SumGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A new tensor for the weight's .grad: the collective's work may still hold the reduced
+        # one when autograd accumulates it, which then copies it, or not, as that reference goes
+        # (the layer's operations would change from run to run).
+        return _all_reduce(grad.contiguous(), ctx.group).clone(), None
+
+
+def sum_gradient(weight: torch.Tensor, group) -> torch.Tensor:
+    """``weight`` (held whole by every rank of ``group``, used on each rank's own tokens), whose
+    gradient is summed over ``group`` at each backward; no group: ``weight`` itself."""
+    return weight if group is None else _SumGradient.apply(weight, group)
+
+
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """``x``, whose gradient is all-reduced over ``group``; no group (None): ``x`` itself."""
     return x if group is None else _CopyToRegion.apply(x, group)
@@ -68,7 +88,9 @@ def _sequence_all_gather(shard: torch.Tensor, group) -> torch.Tensor:
     """(B, T/t, h) on each of the t ranks -> (B, T, h), the ranks' shards in rank order."""
     size = dist.get_world_size(group)
     # The collective concatenates along dim 0: gather (t B, T/t, h), then lay the sequence back.
-    gathered = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+    gathered = torch.empty(
+        (size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
+    )
     dist.all_gather_single(gathered, shard.contiguous(), group=group)
     blocks = gathered.view(size, *shard.shape)  # (t, B, T/t, h)
     if shard.shape[0] == 1:  # one sequence: (t, 1, T/t, h) is already (1, T, h) in memory
@@ -82,7 +104,7 @@ def _sequence_reduce_scatter(whole: torch.Tensor, group) -> torch.Tensor:
     b, t = whole.shape[:2]
     # (t, B, T/t, h): each rank's sequence slice contiguous, as the collective splits dim 0
     blocks = whole.view(b, size, t // size, *whole.shape[2:]).movedim(1, 0).contiguous()
-    shard = blocks.new_empty(blocks.shape[1:])
+    shard = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
     dist.reduce_scatter_single(shard, blocks.flatten(0, 1), group=group)  # (t B, T/t, h) in
     return shard
 
@@ -207,7 +229,7 @@ class RowParallelLinear(nn.Module):
             # (B, T, h) partial sums -> this rank's (B, T/t, h) of their sum; the bias, added to
             # this rank's tokens only, has its gradient summed over the group
             y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
-            return y + copy_to(self.bias, self.group) if self.bias is not None else y
+            return y + sum_gradient(self.bias, self.group) if self.bias is not None else y
         # The bias is added once, after the partial products are summed over the group.
         y = reduce_from(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
