@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from test_engine import CLUSTER, PLANS, check_against_reference, stage
 from test_layer_ops import GPT, LLAMA_GQA, SavedBytes, Trace, assert_same_ops
 
@@ -131,3 +132,19 @@ def _layer_ops_rank(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_the_sequence_parallel_description_is_what_the_layer_dispatches_at_tp2():
     run_ranks(_layer_ops_rank, 2, purpose="sequence-parallel layer_ops at TP 2", timeout_s=120)
+
+
+def test_sequence_parallel_is_a_plan_field_off_by_default_and_round_trips():
+    fields = {
+        "model": "tiny-gpt",
+        "global_batch": 1,
+        "pipelines": [{"stages": [stage("nv", 2, 8)]}],
+    }
+    plain = parse_plan(fields)
+    assert plain.sequence_parallel is False and "sequence_parallel" not in plain.to_dict()
+    split = parse_plan({**fields, "sequence_parallel": True})
+    assert split.to_dict()["sequence_parallel"] is True
+    assert parse_plan(yaml.safe_load(split.to_yaml())) == split
+    assert "sequence parallel" in split.summary() and "sequence parallel" not in plain.summary()
+    with pytest.raises(SpecError, match="sequence_parallel.*must be true or false"):
+        parse_plan({**fields, "sequence_parallel": "yes"})
