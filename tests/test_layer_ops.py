@@ -24,7 +24,7 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
 GEMMS = {"mm", "addmm"}
-COLLECTIVES = {"allreduce_"}
+COLLECTIVES = {"allreduce_", "_allgather_base_", "_reduce_scatter_base_"}
 ALLOCATIONS = {"empty", "empty_like", "empty_strided"}
 """Operations that only allocate: they read and write no bytes."""
 

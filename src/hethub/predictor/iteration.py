@@ -252,6 +252,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         micro_batch=plan.micro_batch,
         recompute=stage.recompute,
         precision=plan.precision,
+        sequence_parallel=plan.sequence_parallel,
     )
     with_peers = SyncPeers(
         plan=plan,
@@ -419,6 +420,7 @@ def _layout_costs(
             micro_batch=plan.micro_batch,
             recompute=stage.recompute,
             precision=plan.precision,
+            sequence_parallel=plan.sequence_parallel,
         )
         times = pricing.work(group, shape)
         forward.append(times.forward_s)

@@ -84,11 +84,13 @@ def layer_activation_bytes(
     micro_batch: int,
     precision: Precision,
     kernels: Kernels = Kernels.FUSED,
+    sequence_parallel: bool = False,
 ) -> float:
     """Activations one layer keeps for its backward, one micro-batch, no recomputation: what
     spec.layer_ops says the runtime's layer saves on ``kernels`` (an accelerator's unless told:
-    a CPU's RMSNorm keeps fp32 copies besides)."""
-    return float(layer_ops(model, tp, micro_batch, precision, kernels).saved_bytes)
+    a CPU's RMSNorm keeps fp32 copies besides), sequence-parallel where told."""
+    ops = layer_ops(model, tp, micro_batch, precision, kernels, Recompute.NONE, sequence_parallel)
+    return float(ops.saved_bytes)
 
 
 def selective_saving_bytes(
@@ -138,17 +140,37 @@ def layers_bytes(
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
+    split: int = 1,
 ) -> float:
     """What a stage's layers keep for their backward at the schedule's peak, from what one
-    layer keeps for one micro-batch (``per_layer`` bytes)."""
+    layer keeps for one micro-batch (``per_layer`` bytes); ``split``: the ranks a layer's input
+    is split over along the sequence (sequence parallelism's tp, else 1)."""
     if recompute == Recompute.FULL:
         # The runtime checkpoints each layer on its own (runtime.model.Stage): a micro-batch in
         # flight keeps each layer's input (the first's: a received activation, or the first
         # stage's embedding output), and a backward rebuilds one layer at a time, whose
         # activations include its input, held already.
-        layer_input = layer_input_bytes(model, micro_batch, bytes_per_element)
+        layer_input = layer_input_bytes(model, micro_batch, bytes_per_element) / split
         return in_flight * layers * layer_input + rebuilt_layer_bytes(per_layer, layer_input)
     return in_flight * layers * per_layer
+
+
+def _whole_inputs_bytes(
+    model: ModelSpec,
+    split: int,
+    position: StagePosition,
+    in_flight: float,
+    micro_batch: int,
+    precision: Precision,
+) -> float:
+    """Sequence parallelism (``split`` > 1): a stage other than the first receives each
+    micro-batch's activation whole, and its first layer keeps (for its norm, or as its
+    checkpoint's input) this rank's shard of it, a view: the rest of the whole tensor, which a
+    layer's saved bytes (its shard) leave out, lives as long."""
+    if split == 1 or position.first:
+        return 0.0
+    whole = layer_input_bytes(model, micro_batch, precision.element_bytes)
+    return in_flight * (whole - whole / split)
 
 
 def layer_input_bytes(model: ModelSpec, micro_batch: int, bytes_per_element: int) -> float:
@@ -306,14 +328,15 @@ def late_backward_bytes(
     micro_batch: int,
     recompute: Recompute,
     precision: Precision,
+    split: int = 1,
 ) -> float:
     """What a stage holds above its state as a micro-batch's backward reaches its first layer:
     the other micro-batches in flight (each its layers' activations, or under full
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
-    tensors (the outputs sent; on the last stage its logits)."""
+    tensors (the outputs sent; on the last stage its logits). ``split``: as layers_bytes'."""
     layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
-    one = layers * (layer_input if recompute == Recompute.FULL else per_layer)
+    one = layers * (layer_input / split if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
     if position.last:
         boundary = micro_batch * model.seq_len * model.vocab / tp * precision.element_bytes
@@ -393,13 +416,18 @@ def stage_memory_at(
     precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
+    *,
+    sequence_parallel: bool = False,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
     its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer), on a
-    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator)."""
+    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator);
+    ``sequence_parallel``: the stage runs so (tp > 1)."""
     return stage_memory_of(
         model,
-        per_layer=layer_activation_bytes(model, tp, micro_batch, precision, kernels),
+        per_layer=layer_activation_bytes(
+            model, tp, micro_batch, precision, kernels, sequence_parallel
+        ),
         layers=layers,
         tp=tp,
         position=position,
@@ -409,6 +437,7 @@ def stage_memory_at(
         precision=precision,
         optimizer_shards=optimizer_shards,
         kernels=kernels,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -425,6 +454,7 @@ def stage_memory_of(
     precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
+    sequence_parallel: bool = False,
 ) -> StageMemory:
     """stage_memory_at's, from what one layer keeps for its backward, one micro-batch, without
     recomputation (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
@@ -434,6 +464,7 @@ def stage_memory_of(
         # rebuilt inner part lives only while the backward is past the MLP, whose activations,
         # larger, are freed by then.
         per_layer -= selective_saving_bytes(model, tp, micro_batch, precision, kernels)
+    split = tp if sequence_parallel else 1
     activations = layers_bytes(
         model,
         per_layer=per_layer,
@@ -442,7 +473,8 @@ def stage_memory_of(
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
-    )
+        split=split,
+    ) + _whole_inputs_bytes(model, split, position, in_flight, micro_batch, precision)
     buffers = buffer_bytes(
         model,
         tp,
@@ -452,7 +484,7 @@ def stage_memory_of(
         recompute,
         precision,
         rebuilt=rebuilt_layer_bytes(
-            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes)
+            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes) / split
         ),
         kernels=kernels,
     )
@@ -471,6 +503,7 @@ def stage_memory_of(
         micro_batch=micro_batch,
         recompute=recompute,
         precision=precision,
+        split=split,
     )
     buffers = max(buffers, late - activations)
     return StageMemory(

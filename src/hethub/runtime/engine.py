@@ -86,6 +86,7 @@ class Engine:
                     is_last=chunk.is_last,
                     seed=seed,
                     device=self.device,
+                    sequence_parallel=plan.sequence_parallel,
                 )
                 for chunk in self.me.chunks
             ]

@@ -211,6 +211,10 @@ class Plan:
     """Compile each transformer layer with torch.compile (runtime.compiled), as torchtitan does
     per block: the same training, in fewer and fused kernels, after a compilation at the first
     step. Off by default: docs/runtime.md, "Compile", has where it pays."""
+    sequence_parallel: bool = False
+    """At every stage of TP > 1, split the norms' and the residual's activations along the
+    sequence over the TP ranks, with all-gather and reduce-scatter in place of the TP all-reduces
+    (Megatron-LM's sequence parallelism): docs/runtime.md, "Sequence parallelism"."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
@@ -249,6 +253,7 @@ class Plan:
             **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
             **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
             **({"compile": True} if self.compile else {}),
+            **({"sequence_parallel": True} if self.sequence_parallel else {}),
             "pipelines": [
                 {
                     "count": p.count,
@@ -297,6 +302,7 @@ class Plan:
                 ("overlapped grad sync", self.overlap_grad_sync),
                 ("overlapped param gather", self.overlap_param_gather),
                 ("compiled layers", self.compile),
+                ("sequence parallel", self.sequence_parallel),
             )
             if on
         )
@@ -335,6 +341,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "overlap_grad_sync",
             "overlap_param_gather",
             "compile",
+            "sequence_parallel",
             "pipelines",
         ),
     )
@@ -413,6 +420,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
         overlap_grad_sync=top.boolean("overlap_grad_sync", False),
         overlap_param_gather=top.boolean("overlap_param_gather", False),
         compile=top.boolean("compile", False),
+        sequence_parallel=top.boolean("sequence_parallel", False),
         pipelines=tuple(pipelines),
     )
     if plan.overlap_param_gather and not plan.shard_optimizer:
