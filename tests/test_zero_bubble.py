@@ -15,6 +15,7 @@ import pytest
 
 from hethub.predictor import predict
 from hethub.predictor.schedule import schedule_order, simulate
+from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.weight_split import weight_gradient_share, weight_held_share
 from hethub.spec import parse_cluster, parse_plan
 from hethub.spec.layer_ops import Kernels
@@ -271,3 +272,28 @@ def test_predict_prices_w_in_the_bubbles_and_the_memory_it_holds():
     assert last[1] == pytest.approx(4 * last[0], rel=1e-12)
     # ZBV's first stage holds the head, its last stage none
     assert results["zbv"].stages[0].memory.buffers_gb > results["zbv"].stages[-1].memory.buffers_gb
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_ranks_sharing_cores_run_w_too(schedule):
+    # with no slowdown from sharing (alone = 1), the fluid simulation is the max-plus one
+    rng = random.Random(3)
+    p, m = 3, 5
+    v = chunks_per_stage(schedule)
+    costs = chunk_costs(rng, p * v)
+    per_kind = [[costs[kind, g] for g in range(p * v)] for kind in (FORWARD, BACKWARD, WEIGHT)]
+    sends = [0.01] * (p * v - 1)
+    order = schedule_order(schedule, p, m, v)
+    layout = SharedLayout(
+        order=order,
+        forward_s=per_kind[0],
+        backward_s=per_kind[1],
+        weight_s=per_kind[2],
+        send_forward_s=sends,
+        send_backward_s=sends,
+        ranks=[1] * p,
+        speed=[1.0] * p,
+    )
+    ((_, shared),) = simulate_shared([layout], CoreSharing(cores=2, ranks=p, least=1, alone=1.0))
+    alone = simulate(order, *per_kind[:2], sends, sends, weight_s=per_kind[2], every_op=True)
+    assert shared == pytest.approx(alone, rel=1e-9)
