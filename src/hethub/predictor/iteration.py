@@ -358,6 +358,7 @@ def _assemble_step(
         schedule=str(plan.schedule),
         shard_optimizer=plan.shard_optimizer,
         overlap_grad_sync=plan.overlap_grad_sync,
+        overlap_param_gather=plan.overlap_param_gather,
         timeline=(
             None
             if schedule_events is None

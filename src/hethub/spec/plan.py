@@ -373,17 +373,25 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             raise f.error(
                 "virtual_stages",
                 virtual_stages,
-                f"schedule {layout_schedule.value} runs {fixed_chunks} chunk(s) per stage; more "
-                f"than one needs schedule {Schedule.INTERLEAVED_1F1B.value}, or exactly 2 "
-                f"{Schedule.ZBV.value}",
+                f"schedule {layout_schedule.value} runs {fixed_chunks} chunk(s) per stage"
+                + (
+                    f"; more needs schedule {Schedule.INTERLEAVED_1F1B.value} (any count) or "
+                    f"{Schedule.ZBV.value} (2)"
+                    if fixed_chunks == 1
+                    else "; give each stage's layers as a list of 2 (its chunks s and 2p - 1 - s)"
+                ),
             )
         raw_stages = f.mapping_list("stages")
         if virtual_stages > 1 and len(raw_stages) < 2:
+            what = (
+                f"schedule {layout_schedule.value}"
+                if fixed_chunks
+                else "more than one chunk per stage"
+            )
             raise f.error(
-                "virtual_stages",
-                virtual_stages,
-                "more than one chunk per stage needs a pipeline of at least 2 stages "
-                "(this one has 1)",
+                "schedule" if fixed_chunks else "virtual_stages",
+                layout_schedule.value if fixed_chunks else virtual_stages,
+                f"{what} needs a pipeline of at least 2 stages (this one has 1)",
             )
         stages = []
         for j, raw_stage in enumerate(raw_stages):
@@ -503,6 +511,8 @@ def uniform_plan(
     virtual_stages: int = 1,
     shard_optimizer: bool = False,
     overlap_grad_sync: bool = False,
+    overlap_param_gather: bool = False,
+    sequence_parallel: bool = False,
     compile: bool = False,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
@@ -523,6 +533,8 @@ def uniform_plan(
             "precision": precision,
             "shard_optimizer": shard_optimizer,
             "overlap_grad_sync": overlap_grad_sync,
+            "overlap_param_gather": overlap_param_gather,
+            "sequence_parallel": sequence_parallel,
             "compile": compile,
             "pipelines": [
                 {
