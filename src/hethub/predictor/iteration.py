@@ -30,14 +30,15 @@ from hethub.predictor.schedule import (
 )
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import StagePosition
+from hethub.predictor.weight_split import split_backward, weight_gradient_share
 from hethub.profiles.store import Profiles
-from hethub.report.timeline import TimelineEvent
+from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision
-from hethub.spec.schedules import in_flight_micro_batches
+from hethub.spec.schedules import in_flight_micro_batches, model_chunk
 from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 
@@ -50,6 +51,12 @@ class _LayoutCosts:
     forward_s: list[float]
     """Per model chunk (per stage, without interleaving): one micro-batch."""
     backward_s: list[float]
+    """Per model chunk: its backward, or under a zero-bubble schedule its B (the input's
+    gradient)."""
+    weight_s: list[float]
+    """Per model chunk: under a zero-bubble schedule its W (the weights' gradients); else 0."""
+    chunk_stage: tuple[int, ...]
+    """Per model chunk: the stage that holds it (spec.schedules.model_chunk's inverse)."""
     send_s: list[float]
     """Per boundary between chunks: an activation forward."""
     send_back_s: list[float]
@@ -66,10 +73,13 @@ class _LayoutCosts:
 
     def stage_forward_s(self, s: int) -> float:
         """One micro-batch through all of stage ``s``'s chunks, forward."""
-        return sum(self.forward_s[s :: len(self.groups)])
+        return sum(t for t, at in zip(self.forward_s, self.chunk_stage) if at == s)
 
     def stage_backward_s(self, s: int) -> float:
-        return sum(self.backward_s[s :: len(self.groups)])
+        """One micro-batch through all of stage ``s``'s chunks, backward (B and W)."""
+        return sum(
+            b + w for b, w, at in zip(self.backward_s, self.weight_s, self.chunk_stage) if at == s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +91,8 @@ class _LayoutRun(_LayoutCosts):
     compute_s: list[float]
     """Per stage: its forwards and backwards of the step, as simulated."""
     chunk_done_s: list[float]
-    """Per model chunk: when its last backward ends (its gradients are then final)."""
+    """Per model chunk: when its last backward (its last W, under a zero-bubble schedule)
+    ends: its gradients are then final."""
 
 
 def predict(
@@ -239,7 +250,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         model=step.model,
         layers=stage.layers,
         tp=stage.tp,
-        position=StagePosition.of(s, p),
+        position=_stage_position(run, s),
         micro_batch=plan.micro_batch,
         recompute=stage.recompute,
         precision=plan.precision,
@@ -382,17 +393,23 @@ def _layout_costs(
     model: ModelSpec,
     pricing: Pricing,
 ) -> _LayoutCosts:
-    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward and
-    the sends over each boundary between the model's chunks. Chunk g is stage g mod p's chunk
-    g div p; the first holds the embedding, the last the head; under interleaving, the boundary
-    after each round of chunks wraps from the last stage to the first."""
-    p = len(pipeline.stages)
+    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward (B and
+    W apart under a zero-bubble schedule: predictor.weight_split) and the sends over each
+    boundary between the model's chunks. Stage s's chunk c is the model's
+    spec.schedules.model_chunk; the first holds the embedding, the last the head; under
+    interleaving, the boundary after each round of chunks wraps from the last stage to the
+    first; under ZBV, the one at the V's turn stays on the last stage and costs nothing."""
+    p, schedule = len(pipeline.stages), pipeline.schedule
     chunk_layers = pipeline.chunk_layers()
     chunks = len(chunk_layers)
+    chunk_stage = [0] * chunks
+    for s in range(p):
+        for c in range(chunks // p):
+            chunk_stage[model_chunk(schedule, s, p, c)] = s
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
-    forward, backward, sends, sends_back = [], [], [], []
+    forward, backward, weight, sends, sends_back = [], [], [], [], []
     for g, layers in enumerate(chunk_layers):
-        s = g % p
+        s = chunk_stage[g]
         stage, group = pipeline.stages[s], groups[s]
         shape = StageShape(
             model=model,
@@ -405,9 +422,25 @@ def _layout_costs(
         )
         times = pricing.work(group, shape)
         forward.append(times.forward_s)
-        backward.append(times.backward_s)
+        share = 0.0
+        if schedule.splits_backward:
+            share = weight_gradient_share(
+                model,
+                stage.tp,
+                plan.micro_batch,
+                plan.precision,
+                pricing.kernels_on(group),
+                stage.recompute,
+            )
+        input_grad, weight_grad = split_backward(times.backward_s, share)
+        backward.append(input_grad)
+        weight.append(weight_grad)
         if g < chunks - 1:
-            nxt = (s + 1) % p
+            nxt = chunk_stage[g + 1]
+            if nxt == s:  # the V's turn: the next chunk is on the same stage
+                sends.append(0.0)
+                sends_back.append(0.0)
+                continue
             boundary = Boundary(
                 cluster=cluster,
                 model=model,
@@ -422,21 +455,40 @@ def _layout_costs(
             sent = pricing.send(boundary)
             sends.append(sent.forward_s)
             sends_back.append(sent.backward_s)
-    return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
+    return _LayoutCosts(
+        pipeline, groups, forward, backward, weight, tuple(chunk_stage), sends, sends_back
+    )
+
+
+def _stage_position(costs: _LayoutCosts, s: int) -> StagePosition:
+    """Where stage ``s`` sits, by the chunks it holds: the first holds the model's first chunk
+    (the embedding), the last its last (the head); under ZBV the first stage holds both."""
+    first, last = costs.chunk_stage[0] == s, costs.chunk_stage[-1] == s
+    if first and last:
+        return StagePosition.of(0, 1)
+    return StagePosition.of(0 if first else 2 if last else 1, 3)
 
 
 def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:
     """One layout's schedule, each operation taking its cost; with ``every_op``, also the
     (order, starts, ends) of every operation, for a timeline."""
     p, m, v = len(costs.groups), costs.pipeline.micro_batches, costs.chunks
+    schedule = costs.pipeline.schedule
     compute = [m * (costs.stage_forward_s(s) + costs.stage_backward_s(s)) for s in range(p)]
-    if every_op or v > 1:  # a timeline needs every operation; interleaving runs them all anyway
-        order = schedule_order(costs.pipeline.schedule, p, m, v)
+    if every_op or v > 1 or schedule.splits_backward:  # orders simulated whole (a timeline's too)
+        order = schedule_order(schedule, p, m, v)
         end = simulate(
-            order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True
+            order,
+            costs.forward_s,
+            costs.backward_s,
+            costs.send_s,
+            costs.send_back_s,
+            weight_s=costs.weight_s,
+            every_op=True,
         )
+        durations = (costs.forward_s, costs.backward_s, costs.weight_s)
         start = [
-            finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[order.chunk_of(i)]
+            finish - durations[kind][order.chunk_of(i)]
             for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
         ]
         stage_end = [end[i] for i in order.last_op]
@@ -449,7 +501,7 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
         )
         return run, (order, start, end) if every_op else None
     stage_end = stage_end_times(
-        costs.pipeline.schedule,
+        schedule,
         costs.forward_s,
         costs.backward_s,
         costs.send_s,
@@ -467,10 +519,11 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
 
 
 def _chunk_done(order: ScheduleOrder, end: list[float]) -> list[float]:
-    """Per model chunk, the end of its last backward."""
+    """Per model chunk, the end of its last backward or W (after which its gradients are
+    final)."""
     done = [0.0] * (order.stages * order.chunks)
     for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end)):
-        if kind == BACKWARD:
+        if kind != FORWARD:
             g = order.chunk_of(i)
             done[g] = max(done[g], finish)
     return done
@@ -488,6 +541,7 @@ def _simulate_shared(
             ),
             forward_s=c.forward_s,
             backward_s=c.backward_s,
+            weight_s=c.weight_s,
             send_forward_s=c.send_s,
             send_backward_s=c.send_back_s,
             ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
@@ -523,12 +577,14 @@ def _overlapped_sync_end(
     time, each taking its share of ``grad_sync`` by parameters. Only what is left after the
     stage's last backward shows."""
     run = runs[peers[0]]
-    p, chunks = len(run.groups), run.chunks
+    p, chunks, schedule = len(run.groups), run.chunks, run.pipeline.schedule
+    # The pass that makes the weights' gradients: the backward, or a zero-bubble schedule's W.
+    gradients_s = run.weight_s if schedule.splits_backward else run.backward_s
     pieces = []  # (ready, parameters)
     for c, layers in enumerate(run.pipeline.stages[s].chunks):
-        g = c * p + s
+        g = model_chunk(schedule, s, p, c)
         params = stage_params(model, layers, StagePosition.of(g, p * chunks))
-        done, backward = max(runs[i].chunk_done_s[g] for i in peers), run.backward_s[g]
+        done, backward = max(runs[i].chunk_done_s[g] for i in peers), gradients_s[g]
         pieces += [
             (done - backward * (1 - (k + 1) / layers), params / layers) for k in range(layers)
         ]
@@ -556,31 +612,21 @@ def _across_nodes(
 
 
 def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
-    """Every simulated operation and activation/gradient send, as trace events."""
+    """Every simulated operation and activation/gradient send, as trace events (a W sends
+    nothing, nor does the V's turn, which stays on its stage)."""
     events = []
     for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
         last_chunk = len(run.forward_s) - 1
         for i, ((s, kind, j), begin, finish) in enumerate(zip(order.ops, start, end)):
             where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
             g = order.chunk_of(i)
-            events.append(
-                TimelineEvent(
-                    **where,
-                    kind="backward" if kind == BACKWARD else "forward",
-                    start_s=begin,
-                    end_s=finish,
-                )
-            )
-            if kind == FORWARD and g < last_chunk:
-                events.append(
-                    TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[g]
-                    )
-                )
-            if kind == BACKWARD and g > 0:
-                events.append(
-                    TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[g - 1]
-                    )
-                )
+            computed = OPERATION_KINDS[kind]
+            events.append(TimelineEvent(**where, kind=computed, start_s=begin, end_s=finish))
+            if kind == FORWARD and g < last_chunk and run.chunk_stage[g + 1] != s:
+                sent = run.send_s[g]
+            elif kind == BACKWARD and g > 0 and run.chunk_stage[g - 1] != s:
+                sent = run.send_back_s[g - 1]
+            else:
+                continue
+            events.append(TimelineEvent(**where, kind="send", start_s=finish, end_s=finish + sent))
     return events
