@@ -88,7 +88,8 @@ class Pipeline:
         self._weights = [list(chunk.parameters()) for chunk in stage.chunks]
         self.peak_in_flight = 0.0
         """Micro-batches of the whole stage's activations held at once in the last step, at its
-        peak (a chunk's forward holds its layers' until its backward): what the predictor's
+        peak (a chunk's forward holds its layers' until its backward, under a zero-bubble
+        schedule until its WEIGHT): what the predictor's
         memory reads from spec.schedules.in_flight_micro_batches, measured as the step ran."""
 
     def run(
@@ -120,10 +121,11 @@ class Pipeline:
                 peak = max(peak, held)
             elif kind == BACKWARD:
                 self._backward_op(step, c, j)
-                held -= chunks[c].layers
             else:
                 with self.timeline.timed("backward", j, self.stretch):
                     step.weight_passes.pop((c, j)).run()
+            if kind == gives_weights:  # W frees the graph B kept (split_backward)
+                held -= chunks[c].layers
         self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
             waits = [w for ws in step.activation_sends.values() for w in ws]
