@@ -39,6 +39,7 @@ class _Step:
     shape: tuple[int, ...]
     """A message between stages: (B, T, h)."""
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """A chunk's input (a received activation takes its gradient) until its backward."""
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """A chunk's output (its loss on the last chunk) until its backward."""
     weight_passes: dict[tuple[int, int], WeightPass] = field(default_factory=dict)
@@ -89,8 +90,8 @@ class Pipeline:
         self.peak_in_flight = 0.0
         """Micro-batches of the whole stage's activations held at once in the last step, at its
         peak (a chunk's forward holds its layers' until its backward, under a zero-bubble
-        schedule until its WEIGHT): what the predictor's
-        memory reads from spec.schedules.in_flight_micro_batches, measured as the step ran."""
+        schedule until its WEIGHT): what the predictor's memory reads from
+        spec.schedules.in_flight_micro_batches, measured as the step ran."""
 
     def run(
         self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
@@ -104,16 +105,16 @@ class Pipeline:
         there."""
         micro = self._my_micro_batches(tokens)
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
-        stages = self.topology.replica_stages(self.me.replica)
         shape = (self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)  # (B, T, h)
-        chunks = self.me.chunks
-        order = chunk_sequence(self.layout.schedule, self.me.stage, stages, len(chunks), len(micro))
-        gives_weights = WEIGHT if self.layout.schedule.splits_backward else BACKWARD
-        last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == gives_weights}
+        chunks, schedule = self.me.chunks, self.layout.schedule
+        order = chunk_sequence(schedule, self.me.stage, self.stages, len(chunks), len(micro))
+        # the operation that gives a chunk's weights their gradients and frees its activations
+        gives_weights = WEIGHT if schedule.splits_backward else BACKWARD
+        last_gradients = {c: i for i, (kind, c, _) in enumerate(order) if kind == gives_weights}
         step = _Step(shape)
-        held = peak = 0  # layers' activations awaiting their backward
+        held = peak = 0  # layers' activations awaiting the operation that frees them
         for i, (kind, c, j) in enumerate(order):
-            if before_last_backward is not None and i == last_backward[c]:
+            if before_last_backward is not None and i == last_gradients[c]:
                 before_last_backward(c)
             if kind == FORWARD:
                 self._forward_op(step, c, j, micro, total)
@@ -158,7 +159,7 @@ class Pipeline:
                 step.loss_sum = share if step.loss_sum is None else step.loss_sum + share
         else:
             step.outputs[key] = out
-            if self._turns(1 - c):  # the last stage's chunk 0 feeds its chunk 1
+            if self._hands_over(c):
                 step.turning[j] = out.detach().requires_grad_()
             else:
                 step.activation_sends[key] = self.links.send(
@@ -173,7 +174,7 @@ class Pipeline:
         returning = self._returning(c)
         if chunk.is_last:
             grad = None
-        elif self._turns(1 - c):  # the V's turn: chunk 1's input gradient, here
+        elif self._hands_over(c):  # the V's turn: chunk 1's input gradient, here
             grad = step.turned_grads.pop(j)
         else:
             grad = self._receive(step.shape, False, j, returning)
@@ -200,6 +201,11 @@ class Pipeline:
         """Whether chunk c's input is this rank's own chunk 0's output: the V's turn, on the
         last stage (chunk 1)."""
         return self.v_shaped and c == 1 and self.me.stage == self.stages - 1
+
+    def _hands_over(self, c: int) -> bool:
+        """Whether chunk c's output is this rank's own chunk 1's input: the V's turn, on the
+        last stage (chunk 0)."""
+        return self.v_shaped and c == 0 and self.me.stage == self.stages - 1
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """This replica's micro-batches, on the device: replicas take consecutive slices of the
