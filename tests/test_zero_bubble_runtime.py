@@ -22,7 +22,7 @@ from hethub.spec import check_plan, load_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
 from hethub.spec.plan import Recompute
 from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence
-from hethub.spec.topology import build_topology
+from hethub.spec.topology import build_topology, layout_classes
 
 
 def own_stage(group, tp, layers, recompute):
@@ -134,6 +134,30 @@ BF16_PLANS = [
 def test_a_zero_bubble_plan_matches_the_single_process_reference(name, monkeypatch):
     monkeypatch.setitem(PLANS, name, ZERO_BUBBLE_PLANS[name])
     check_against_reference(name, BUCKET_BYTES)
+
+
+def test_overlapped_zero_bubble_replicas_match_the_reference_in_many_small_buckets(monkeypatch):
+    # W gives the weights' gradients, and so the overlapped sync's hooks, in one order on every
+    # peer: with buckets of a tensor or two, the peers' sums start in that order.
+    name = "zb-h1 replicas, sharded and overlapped sync, full recompute on one stage"
+    monkeypatch.setitem(PLANS, name, ZERO_BUBBLE_PLANS[name])
+    check_against_reference(name, 4096)
+
+
+def test_a_zero_bubble_layout_and_a_1f1b_one_of_the_same_stages_are_not_peers():
+    # Their backwards give the gradients in different orders, which an overlapped sync between
+    # peers cannot take: they sum through the stage leaders instead.
+    stages = [stage("nv", 1, 5), stage("amd", 1, 3)]
+    layouts = [
+        {"count": 2, "micro_batches": 1, "schedule": schedule, "stages": stages}
+        for schedule in ("zb-h1", "1f1b")
+    ]
+    plan = parse_plan(
+        {"model": "tiny-llama", "micro_batch": 1, "global_batch": 4, "pipelines": layouts}
+    )
+    assert layout_classes(plan) == (0, 1)
+    topology = build_topology(plan, CLUSTER)
+    assert {len(topology.data_parallel_peers(r.rank)) for r in topology.ranks} == {2}
 
 
 @pytest.mark.parametrize("name", BF16_PLANS)
