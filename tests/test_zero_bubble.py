@@ -13,11 +13,14 @@ import random
 
 import pytest
 
+from hethub.predictor import predict
 from hethub.predictor.schedule import schedule_order, simulate
+from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.weight_split import weight_gradient_share, weight_held_share
+from hethub.spec import parse_cluster, parse_plan
 from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import load_model
-from hethub.spec.plan import Precision, Recompute
+from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.schedules import (
     BACKWARD,
     FORWARD,
@@ -206,3 +209,91 @@ def test_w_reads_what_the_forward_keeps_and_takes_under_half_the_backward(name):
         # a recomputed forward runs on B's side: W's FLOPs are the same, the backward's more
         full = weight_gradient_share(model, tp, 1, Precision.BF16, Kernels.FUSED, Recompute.FULL)
         assert full < share
+
+
+def _plan(schedule: str, split: list) -> Plan:
+    return parse_plan(
+        {
+            "model": "llama-7b",
+            "global_batch": 16,
+            "micro_batch": 1,
+            "schedule": schedule,
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 16,
+                    **({"virtual_stages": 2} if schedule == "zbv" else {}),
+                    "stages": [
+                        {"group": group, "tp": 2, "layers": layers}
+                        for group, layers in zip(("fast", "fast", "slow", "slow"), split)
+                    ],
+                }
+            ],
+        }
+    )
+
+
+def test_predict_prices_w_in_the_bubbles_and_the_memory_it_holds():
+    accelerator = {
+        "vendor": "other",
+        "memory_gb": 80,
+        "memory_bw_gb_s": 2000,
+        "intra_node_gb_s": 300,
+        "host_link_gb_s": 32,
+        "network_gbps": 800,
+    }
+    groups = [
+        {
+            "name": n,
+            "accelerator": {**accelerator, "name": n, "bf16_tflops": t},
+            "nodes": 1,
+            "devices_per_node": 4,
+        }
+        for n, t in (("fast", 400), ("slow", 300))
+    ]
+    cluster = parse_cluster({"groups": groups, "cross_group_gbps": 400}, "test")
+    model = load_model("llama-7b")
+    plans = {
+        "1f1b": _plan("1f1b", [7, 7, 9, 9]),
+        "zb-h1": _plan("zb-h1", [7, 7, 9, 9]),
+        "zbv": _plan("zbv", [[4, 3], [4, 3], [5, 4], [5, 4]]),
+    }
+    results = {name: predict(plan, cluster, model, timeline=True) for name, plan in plans.items()}
+    bubbles = {name: r.bubble_fraction for name, r in results.items()}
+    assert bubbles["zbv"] < bubbles["zb-h1"] < bubbles["1f1b"]
+    # the same work: each stage's forward and whole backward, W included
+    for one, zb in zip(results["1f1b"].stages, results["zb-h1"].stages):
+        assert zb.compute_s == pytest.approx(one.compute_s, rel=1e-12)
+    for name, chunks in (("zb-h1", 1), ("zbv", 2)):
+        weights = [e for e in results[name].timeline if e.kind == "weight"]
+        assert len(weights) == 4 * chunks * 16
+    # ZB-H1's last stage holds its W's inputs: the first stage's micro-batches in flight
+    last = [r.stages[-1].memory.activations_gb for r in (results["1f1b"], results["zb-h1"])]
+    assert last[1] == pytest.approx(4 * last[0], rel=1e-12)
+    # ZBV's first stage holds the head, its last stage none
+    assert results["zbv"].stages[0].memory.buffers_gb > results["zbv"].stages[-1].memory.buffers_gb
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_ranks_sharing_cores_run_w_too(schedule):
+    # with no slowdown from sharing (alone = 1), the fluid simulation is the max-plus one
+    rng = random.Random(3)
+    p, m = 3, 5
+    v = chunks_per_stage(schedule)
+    costs = chunk_costs(rng, p * v)
+    per_kind = [[costs[kind, g] for g in range(p * v)] for kind in (FORWARD, BACKWARD, WEIGHT)]
+    sends = [0.01] * (p * v - 1)
+    order = schedule_order(schedule, p, m, v)
+    layout = SharedLayout(
+        order=order,
+        forward_s=per_kind[0],
+        backward_s=per_kind[1],
+        weight_s=per_kind[2],
+        send_forward_s=sends,
+        send_backward_s=sends,
+        ranks=[1] * p,
+        speed=[1.0] * p,
+    )
+    ((_, shared),) = simulate_shared([layout], CoreSharing(cores=2, ranks=p, least=1, alone=1.0))
+    alone = simulate(order, *per_kind[:2], sends, sends, weight_s=per_kind[2], every_op=True)
+    assert shared == pytest.approx(alone, rel=1e-9)

@@ -17,7 +17,7 @@ from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32
-from hethub.predictor.memory import stage_params
+from hethub.predictor.memory import stage_params, stage_position
 from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
 from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.schedule import (
@@ -250,7 +250,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         model=step.model,
         layers=stage.layers,
         tp=stage.tp,
-        position=_stage_position(run, s),
+        position=stage_position(run.pipeline.schedule, s, p),
         micro_batch=plan.micro_batch,
         recompute=stage.recompute,
         precision=plan.precision,
@@ -458,15 +458,6 @@ def _layout_costs(
     return _LayoutCosts(
         pipeline, groups, forward, backward, weight, tuple(chunk_stage), sends, sends_back
     )
-
-
-def _stage_position(costs: _LayoutCosts, s: int) -> StagePosition:
-    """Where stage ``s`` sits, by the chunks it holds: the first holds the model's first chunk
-    (the embedding), the last its last (the head); under ZBV the first stage holds both."""
-    first, last = costs.chunk_stage[0] == s, costs.chunk_stage[-1] == s
-    if first and last:
-        return StagePosition.of(0, 1)
-    return StagePosition.of(0 if first else 2 if last else 1, 3)
 
 
 def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:

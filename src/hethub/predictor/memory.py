@@ -25,7 +25,12 @@ from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table, stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
-from hethub.spec.schedules import Schedule, in_flight_micro_batches
+from hethub.spec.schedules import (
+    Schedule,
+    chunks_per_stage,
+    in_flight_micro_batches,
+    model_chunk,
+)
 
 GB = 1e9
 
@@ -108,12 +113,24 @@ def stage_memory(
         model,
         layers,
         tp,
-        StagePosition.of(position, stages),
+        stage_position(schedule, position, stages),
         in_flight,
         micro_batch,
         recompute,
         precision,
     )
+
+
+def stage_position(schedule: Schedule, stage: int, stages: int) -> StagePosition:
+    """Where ``stage`` of ``stages`` sits, by the model chunks it holds under ``schedule``
+    (spec.schedules.model_chunk): the first holds the embedding, the last the head; under ZBV's
+    V the first stage holds both and the last neither."""
+    chunks = chunks_per_stage(schedule) or 1  # interleaved: the ends are the same at any count
+    held = {model_chunk(schedule, stage, stages, c) for c in range(chunks)}
+    first, last = 0 in held, stages * chunks - 1 in held
+    if first and last:
+        return StagePosition.of(0, 1)
+    return StagePosition.of(0 if first else 2 if last else 1, 3)
 
 
 def layers_bytes(
