@@ -15,6 +15,7 @@ from test_checkpoint import job, step_dir, train
 from test_checkpoint import plan_dict as checkpoint_plan
 from test_engine import CLUSTER, PLANS, check_against_reference, stage
 
+from hethub.errors import SpecError
 from hethub.runtime.model import Stage
 from hethub.runtime.process_groups import Role, job_groups, rank_groups
 from hethub.runtime.split_backward import input_backward
@@ -279,3 +280,17 @@ def test_both_ends_of_each_pair_run_its_messages_in_the_same_order(schedule, sta
         for kind in (FORWARD, BACKWARD):
             for chunk in range(chunks):
                 assert micro_batches_of(s, kind, chunk) == micro_batches_of(s + 1, kind, chunk)
+
+
+def test_zbv_refuses_a_model_whose_head_is_tied_to_its_embedding():
+    # The V's first stage would hold GPT's embedding and its tied head together.
+    raw = {
+        "model": "tiny-gpt",
+        "global_batch": 2,
+        "schedule": "zbv",
+        "pipelines": [{"count": 1, "stages": [stage("nv", 1, [2, 2]), stage("amd", 1, [2, 2])]}],
+    }
+    with pytest.raises(SpecError, match=r"pipelines\[0\]\.schedule.*tied to its embedding"):
+        check_plan(parse_plan(raw), CLUSTER, load_model("tiny-gpt"))
+    llama = {**raw, "model": "tiny-llama"}
+    check_plan(parse_plan(llama), CLUSTER, load_model("tiny-llama"))
