@@ -26,7 +26,7 @@ def check_plan(
     network) for measured reference runs, but hethub's planner and runtime never do it.
     """
     for i, pipeline in enumerate(plan.pipelines):
-        if pipeline.schedule == Schedule.ZBV and model.arch == "gpt":
+        if pipeline.schedule == Schedule.ZBV and model.tied_head:
             # The V's first stage holds the embedding and the head, which GPT ties to it: the
             # runtime would hold two parameters of one name on one rank (not run exactly yet).
             raise SpecError(
