@@ -145,6 +145,7 @@ def _search_alone(query: SearchQuery, name: str, global_batch: int) -> SearchRes
         calibration=query.calibration,
         profiles=query.profiles,
         precision=query.precision,
+        prune=query.prune,
     )
 
 
@@ -196,6 +197,8 @@ class _StandIn:
         self.planned: dict[tuple[str, int], Ranked | None] = {}
         self.recipes: dict[str, list[_Recipe]] = {g.name: [] for g in query.cluster.groups}
         self.values: dict[tuple[str, int], float] = {}
+        self.made: dict[tuple[str, int, _Recipe], float] = {}
+        """Each recipe's throughput at a share: new recipes leave the old ones' figures."""
 
     def note(self, name: str, share: int, best: Ranked | None, ranked: list[Ranked]) -> None:
         """The search's best for ``name`` alone at ``share`` and its other plans (recipes)."""
@@ -215,13 +218,18 @@ class _StandIn:
             return _speed(self.planned[name, share])
         if (name, share) not in self.values:
             made = max(
-                (self._concrete(name, share, recipe) for recipe in self.recipes[name]), default=0.0
+                (self._made(name, share, recipe) for recipe in self.recipes[name]), default=0.0
             )
             if made == 0.0:
                 self.plan(name, share)
                 return _speed(self.planned[name, share])
             self.values[name, share] = made
         return self.values[name, share]
+
+    def _made(self, name: str, share: int, recipe: _Recipe) -> float:
+        if (name, share, recipe) not in self.made:
+            self.made[name, share, recipe] = self._concrete(name, share, recipe)
+        return self.made[name, share, recipe]
 
     def _concrete(self, name: str, share: int, recipe: _Recipe) -> float:
         if share % recipe.setting.micro_batch:

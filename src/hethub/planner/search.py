@@ -12,6 +12,8 @@ polished by moving single layers; a plan that does not fit in memory is never ke
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from hethub.planner.candidates import (
     mixed_tp,
     tp_degrees,
 )
-from hethub.planner.costs import Setting, end_time, layer_cap, layer_time
+from hethub.planner.costs import Setting, StageSlot, end_time, layer_cap, layer_time
 from hethub.planner.partition import chunk_split, partition_chunks, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
@@ -87,6 +89,7 @@ class SearchQuery:
     profiles: Profiles | None
     """Already selected for ``precision``."""
     precision: Precision
+    prune: bool = True
 
 
 @dataclass(slots=True)
@@ -124,6 +127,9 @@ class _Search:
     """The fastest fitting step predicted so far in this phase: the bar a candidate must beat."""
     unplaceable: list[tuple[Setting, Structure]] = field(default_factory=list)
     """Structures whose layers fit no split in memory (for the error when no plan fits)."""
+    prune: bool = True
+    """Skip the drafts and predictions that bounds show cannot win (False: make every one, for
+    the tests that hold the pruning to the same plans)."""
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.perf_counter() > self.deadline
@@ -141,10 +147,12 @@ def search(
     progress: Progress | None = None,
     profiles: Profiles | None = None,
     precision: Precision = Precision.BF16,
+    prune: bool = True,
 ) -> SearchResult:
     """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``, all
     of ``precision``; ``profiles`` (selected under the job's run conditions) price what they hold
-    of that precision's dtype, as in predict()."""
+    of that precision's dtype, as in predict(). ``prune`` False drafts and predicts every
+    candidate that the bounds would skip as unable to win: the same plans, slower (for tests)."""
     started = time.perf_counter()
     cal = calibration or default_calibration()
     precision = Precision(precision)
@@ -160,6 +168,7 @@ def search(
         progress,
         cal,
         profiles,
+        prune=prune,
     )
     settings = [
         Setting(
@@ -239,7 +248,7 @@ def search(
         group_best,
         state.evaluated,
         time.perf_counter() - started,
-        SearchQuery(cluster, model, global_batch, model_ref, cal, profiles, precision),
+        SearchQuery(cluster, model, global_batch, model_ref, cal, profiles, precision, prune),
         state.closest,
         state.timed_out,
     )
@@ -274,29 +283,78 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
     """Polish a phase's plans, best first (each setting's best early on), by moving single layers
     across stage boundaries, judged by the predictor itself: the partitioner's objective leaves
     out communication, gradient sync and the optimizer step, which matter for short steps.
-    Returns the phase's best plan."""
+    Returns the phase's best plan.
+
+    A neighbour whose busiest stage alone (_compute_floor) takes as long as the plan it would
+    replace cannot replace it, and is not predicted; it still counts against the budget, so the
+    same plans are polished as far as if it were."""
     found = sorted(found, key=_speed, reverse=True)
     best_per_setting = {}
     for ranked in found:
         best_per_setting.setdefault((ranked.plan.micro_batch, ranked.plan.recompute), ranked)
-    budget = state.evaluated + REFINE_BUDGET
+    tried = 0  # neighbours weighed, predicted or not: the budget
     polished = []
     for ranked in dict.fromkeys([*found[:1], *best_per_setting.values(), *found]):
         best = ranked
         for _ in range(REFINE_ROUNDS):
             improved = False
             for plan in _neighbours(best.plan):
-                if state.evaluated >= budget or state.out_of_time():
+                if tried >= REFINE_BUDGET or state.out_of_time():
                     break
+                tried += 1
+                if state.prune and _compute_floor(state, plan) >= _step_s(best):
+                    continue
                 candidate = _predict(state, plan)
                 if candidate is not None and _speed(candidate) > _speed(best):
                     best, improved = candidate, True
             if not improved:
                 break
         polished.append(best)
-        if state.evaluated >= budget or state.out_of_time():
+        if tried >= REFINE_BUDGET or state.out_of_time():
             break
     return max([*found, *polished], key=_speed, default=None)
+
+
+def _step_s(ranked: Ranked) -> float:
+    return ranked.prediction.iteration_time_s
+
+
+def _compute_floor(state: _Search, plan: Plan) -> float:
+    """At most ``plan``'s predicted step: its busiest stage's forwards and backwards of every
+    micro-batch, one after another, priced as the predictor prices them (a stage runs its
+    operations in turn, and its gradient sync and optimizer step end after its last one). 0
+    where ranks share the cores, which speeds a stage up while others wait."""
+    if state.profiles is not None:
+        return 0.0
+    setting = Setting(
+        model=state.model,
+        calibration=state.calibration,
+        micro_batch=plan.micro_batch,
+        recompute=plan.recompute,
+        precision=plan.precision,
+    )
+    return max(
+        pipeline.micro_batches * _stage_work_s(setting, state.cluster, pipeline.stages)
+        for pipeline in plan.pipelines
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_work_s(setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...]) -> float:
+    """The slowest stage's forward plus backward of one micro-batch over all its chunks, each
+    chunk priced at its place among the model's chunks, as predict() prices it."""
+    p, chunks = len(stages), len(stages[0].chunks)
+    slowest = 0.0
+    for s, stage in enumerate(stages):
+        group = cluster.group(stage.group)
+        total = 0.0
+        for c, layers in enumerate(stage.chunks):
+            times = setting.pricing.work(
+                group, setting.shape(stage.tp, layers, StagePosition.of(c * p + s, p * chunks))
+            )
+            total += times.forward_s + times.backward_s
+        slowest = max(slowest, total)
+    return slowest
 
 
 def _neighbours(plan: Plan):
@@ -359,28 +417,98 @@ def _evaluate(
     plus a quarter of the other stages' time per micro-batch (the forwards before it and the
     backwards after it), a v-th of that over v chunks a stage. A structure is predicted unless
     even its most interleaved bound is above the best step predicted so far.
+
+    Drafting (partitioning the layers, splitting the micro-batches) costs more than most
+    candidates are worth, so a job is drafted only once its floor (_structure_floor: at most
+    its draft's bound) is the least of what is left: the drafts then come in the order of their
+    bounds, exactly as if all were drafted first, and those whose floor is above the bar are
+    never drafted.
     """
-    drafts = []
+    queue: list[tuple[float, int, Plan | None]] = []  # (floor or bound, job, draft's plan)
+    unplaceable_before = len(state.unplaceable)
     for index, (setting, structure) in enumerate(jobs):
         if state.progress and index % 64 == 0:
             state.progress(phase, index, 2 * len(jobs))
         if state.out_of_time():
             break
+        if state.prune:
+            floor = _structure_floor(state, setting, structure)
+            if floor is not None:
+                queue.append((floor, index, None))
+            continue
         draft = _draft(state, setting, structure, 1)
         if draft is not None:
-            drafts.append((draft.interleaved_bound, index, draft.plan))
-    drafts.sort(key=lambda d: d[:2])
+            queue.append((draft.interleaved_bound, index, draft.plan))
+    heapq.heapify(queue)
     results: list[Ranked | None] = [None] * len(jobs)
-    for done, (bound, index, plan) in enumerate(drafts):
+    done = 0
+    while queue and not state.out_of_time():
+        bound, index, plan = heapq.heappop(queue)
+        if bound >= state.best_time:
+            break  # a floor or bound is at most every bound behind it
+        if plan is None:  # a floor: draft the job, and queue it by its bound
+            draft = _draft(state, *jobs[index], 1)
+            if draft is not None:
+                heapq.heappush(queue, (draft.interleaved_bound, index, draft.plan))
+            continue
         if state.progress and done % 16 == 0:
-            state.progress(phase, len(jobs) + done * len(jobs) // len(drafts), 2 * len(jobs))
-        if bound >= state.best_time or state.out_of_time():
-            break
+            share = done * len(jobs) // (done + len(queue))
+            state.progress(phase, len(jobs) + share, 2 * len(jobs))
+        done += 1
         results[index] = _predict(state, plan)
+    # Drafted in the order of their floors: the structures that fit no split go in the jobs'
+    # order, as without floors, for the error when no plan fits.
+    position = {job: index for index, job in reversed(list(enumerate(jobs)))}
+    state.unplaceable[unplaceable_before:] = sorted(
+        state.unplaceable[unplaceable_before:], key=position.__getitem__
+    )
     if state.progress:
         state.progress(phase, 2 * len(jobs), 2 * len(jobs))
     fitting = [(ranked, index) for index, ranked in enumerate(results) if ranked is not None]
     return fitting + _interleave(state, jobs, results)
+
+
+def _structure_floor(state: _Search, setting: Setting, structure: Structure) -> float | None:
+    """At most the bounds of every draft of ``structure`` (None: no draft, too few
+    micro-batches for its replicas), without partitioning it: the slowest replica takes at least
+    the time at which the layouts, each running micro-batches at its bottleneck's least possible
+    time (_bottleneck_floor), would share them all. 0 where the ranks share the cores (the draft
+    scales its bound by how much faster a stage may then run)."""
+    total = state.global_batch // setting.micro_batch
+    replicas = sum(layout.count for layout in structure)
+    if replicas == 0 or total < replicas:
+        return None
+    if state.profiles is not None:
+        return 0.0
+    rate = sum(
+        layout.count / _bottleneck_floor(setting, state.cluster, layout.slots)
+        for layout in structure
+    )
+    return total / rate * (1 - FLOOR_MARGIN)
+
+
+FLOOR_MARGIN = 1e-9
+"""Rounding headroom: a floor must never exceed the bound it stands for."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _bottleneck_floor(
+    setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
+) -> float:
+    """The least slowest-stage time per micro-batch of any split of the layers over ``slots``:
+    with layers as real numbers (any sign), the slowest stage is least when all take the same T,
+    n_s c_s + e_s = T with sum(n_s) = L, so T = (L + sum(e_s / c_s)) / sum(1 / c_s); whole
+    layers, at least one (or one a chunk) a stage, and memory caps only raise it."""
+    p = len(slots)
+    groups = [cluster.group(slot.group) for slot in slots]
+    per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, slots)]
+    extra = [
+        end_time(setting, g, slot.tp, StagePosition.of(s, p))
+        for s, (g, slot) in enumerate(zip(groups, slots))
+    ]
+    return (setting.model.layers + sum(e / c for e, c in zip(extra, per_layer))) / sum(
+        1 / c for c in per_layer
+    )
 
 
 def _interleave(
