@@ -12,8 +12,10 @@ polished by moving single layers; a plan that does not fit in memory is never ke
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from hethub.planner.candidates import (
     mixed_tp,
     tp_degrees,
 )
-from hethub.planner.costs import Setting, StageSlot, end_time, layer_cap, layer_time
+from hethub.planner.costs import Setting, StageSlot, end_time, layer_time, stage_caps
 from hethub.planner.partition import chunk_split, partition_chunks, stage_times
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
@@ -424,7 +426,8 @@ def _evaluate(
     bounds, exactly as if all were drafted first, and those whose floor is above the bar are
     never drafted.
     """
-    queue: list[tuple[float, int, Plan | None]] = []  # (floor or bound, job, draft's plan)
+    # (floor or bound, job, how far it is made out, the draft's plan)
+    queue: list[tuple[float, int, _Floor, Plan | None]] = []
     unplaceable_before = len(state.unplaceable)
     for index, (setting, structure) in enumerate(jobs):
         if state.progress and index % 64 == 0:
@@ -432,30 +435,40 @@ def _evaluate(
         if state.out_of_time():
             break
         if state.prune:
-            floor = _structure_floor(state, setting, structure)
+            floor = _structure_floor(state, setting, structure, whole_layers=False)
             if floor is not None:
-                queue.append((floor, index, None))
+                queue.append((floor, index, _Floor.RELAXED, None))
             continue
         draft = _draft(state, setting, structure, 1)
         if draft is not None:
-            queue.append((draft.interleaved_bound, index, draft.plan))
+            queue.append((draft.interleaved_bound, index, _Floor.DRAFTED, draft.plan))
     heapq.heapify(queue)
     results: list[Ranked | None] = [None] * len(jobs)
-    done = 0
+    done, drafted = 0, set()
     while queue and not state.out_of_time():
-        bound, index, plan = heapq.heappop(queue)
+        bound, index, known, plan = heapq.heappop(queue)
         if bound >= state.best_time:
             break  # a floor or bound is at most every bound behind it
-        if plan is None:  # a floor: draft the job, and queue it by its bound
+        if known == _Floor.RELAXED:  # make it out further, and queue it again
+            floor = _structure_floor(state, *jobs[index], whole_layers=True)
+            if floor is not None:
+                heapq.heappush(queue, (floor, index, _Floor.WHOLE, None))
+            continue
+        if known == _Floor.WHOLE:
+            drafted.add(index)
             draft = _draft(state, *jobs[index], 1)
             if draft is not None:
-                heapq.heappush(queue, (draft.interleaved_bound, index, draft.plan))
+                heapq.heappush(queue, (draft.interleaved_bound, index, _Floor.DRAFTED, draft.plan))
             continue
         if state.progress and done % 16 == 0:
             share = done * len(jobs) // (done + len(queue))
             state.progress(phase, len(jobs) + share, 2 * len(jobs))
         done += 1
         results[index] = _predict(state, plan)
+    if state.prune and state.best_time == float("inf"):  # nothing fits: draft the rest too
+        for index in range(len(jobs)):
+            if index not in drafted and not state.out_of_time():
+                _draft(state, *jobs[index], 1)
     # Drafted in the order of their floors: the structures that fit no split go in the jobs'
     # order, as without floors, for the error when no plan fits.
     position = {job: index for index, job in reversed(list(enumerate(jobs)))}
@@ -468,22 +481,40 @@ def _evaluate(
     return fitting + _interleave(state, jobs, results)
 
 
-def _structure_floor(state: _Search, setting: Setting, structure: Structure) -> float | None:
-    """At most the bounds of every draft of ``structure`` (None: no draft, too few
-    micro-batches for its replicas), without partitioning it: the slowest replica takes at least
-    the time at which the layouts, each running micro-batches at its bottleneck's least possible
-    time (_bottleneck_floor), would share them all. 0 where the ranks share the cores (the draft
-    scales its bound by how much faster a stage may then run)."""
+class _Floor(enum.IntEnum):
+    """How far a job in _evaluate's queue is made out: each key is at most the next one's."""
+
+    RELAXED = 0  # _structure_floor over _relaxed_bottleneck
+    WHOLE = 1  # _structure_floor over _least_bottleneck
+    DRAFTED = 2  # the draft's bound
+
+
+def _structure_floor(
+    state: _Search, setting: Setting, structure: Structure, whole_layers: bool
+) -> float | None:
+    """At most the bounds of every draft of ``structure``, without drafting it (None: it has no
+    draft): the slowest replica takes at least the time at which the layouts, each running
+    micro-batches at its least bottleneck, would share them all. The least bottleneck is that
+    of whole layers under the memory caps (_least_bottleneck) or, cheaper and lower, of layers
+    as real numbers (_relaxed_bottleneck). 0 where the ranks share the cores (the draft scales
+    its bound by how much faster a stage may then run)."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
         return None
     if state.profiles is not None:
         return 0.0
-    rate = sum(
-        layout.count / _bottleneck_floor(setting, state.cluster, layout.slots)
-        for layout in structure
-    )
+    nominal = max(1, total // replicas)
+    rate = 0.0
+    for layout in structure:
+        bottleneck = (
+            _least_bottleneck(setting, state.cluster, layout, nominal)
+            if whole_layers
+            else _relaxed_bottleneck(setting, state.cluster, layout.slots)
+        )
+        if bottleneck is None:
+            return None
+        rate += layout.count / bottleneck
     return total / rate * (1 - FLOOR_MARGIN)
 
 
@@ -492,23 +523,72 @@ FLOOR_MARGIN = 1e-9
 
 
 @functools.lru_cache(maxsize=65536)
-def _bottleneck_floor(
+def _stage_costs(
     setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
-) -> float:
-    """The least slowest-stage time per micro-batch of any split of the layers over ``slots``:
-    with layers as real numbers (any sign), the slowest stage is least when all take the same T,
-    n_s c_s + e_s = T with sum(n_s) = L, so T = (L + sum(e_s / c_s)) / sum(1 / c_s); whole
-    layers, at least one (or one a chunk) a stage, and memory caps only raise it."""
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each stage's time per layer and its extra time (embedding, head) per micro-batch."""
     p = len(slots)
     groups = [cluster.group(slot.group) for slot in slots]
-    per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, slots)]
-    extra = [
+    per_layer = tuple(layer_time(setting, g, slot.tp) for g, slot in zip(groups, slots))
+    extra = tuple(
         end_time(setting, g, slot.tp, StagePosition.of(s, p))
         for s, (g, slot) in enumerate(zip(groups, slots))
-    ]
+    )
+    return per_layer, extra
+
+
+@functools.lru_cache(maxsize=65536)
+def _relaxed_bottleneck(
+    setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
+) -> float:
+    """The least slowest-stage time per micro-batch of any split of the layers over ``slots``
+    with layers as real numbers of any sign: all stages then take the same T, n_s c_s + e_s = T
+    with sum(n_s) = L, so T = (L + sum(e_s / c_s)) / sum(1 / c_s). Whole layers, at least one a
+    stage, and memory caps only raise it."""
+    per_layer, extra = _stage_costs(setting, cluster, slots)
     return (setting.model.layers + sum(e / c for e, c in zip(extra, per_layer))) / sum(
         1 / c for c in per_layer
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def _least_bottleneck(
+    setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int
+) -> float | None:
+    """The least slowest-stage time per micro-batch of any split of the layers over the layout's
+    stages that the draft's partition may choose (a layer at least a stage, at most what its
+    memory holds: the same caps), or None where none fits, as for the partition.
+
+    Adding each layer to the stage that is fastest with it is exact for this min-max (the layers
+    being alike on a stage, it takes the L - p cheapest additions). Every addition that ends at
+    or under the relaxed bottleneck (_relaxed_bottleneck) is among them, so the stages start
+    with those, and the few left are added one by one."""
+    p, layers = len(layout.slots), setting.model.layers
+    caps = [
+        min(layers - p + 1, cap)
+        for cap in stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
+    ]
+    if p > layers or min(caps) < 1 or sum(caps) < layers:
+        return None
+    per_layer, extra = _stage_costs(setting, cluster, layout.slots)
+    level = _relaxed_bottleneck(setting, cluster, layout.slots) * (1 - FLOOR_MARGIN)
+    held = [
+        max(1, min(cap, math.floor((level - e) / c))) for cap, c, e in zip(caps, per_layer, extra)
+    ]
+    if sum(held) > layers:  # rounding at the level itself: start from one layer a stage
+        held = [1] * p
+    heap = [
+        ((n + 1) * c + e, s)
+        for s, (n, c, e, cap) in enumerate(zip(held, per_layer, extra, caps))
+        if n < cap
+    ]
+    heapq.heapify(heap)
+    for _ in range(layers - sum(held)):
+        _, s = heapq.heappop(heap)
+        held[s] += 1
+        if held[s] < caps[s]:
+            heapq.heappush(heap, ((held[s] + 1) * per_layer[s] + extra[s], s))
+    return max(n * c + e for n, c, e in zip(held, per_layer, extra))
 
 
 def _interleave(
@@ -648,10 +728,7 @@ def _partition(
         end_time(setting, g, slot.tp, StagePosition.of(s, p))
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
-    caps = [
-        layer_cap(setting, g, slot.tp, s, p, micro_batches, chunks, layout.count)
-        for s, (g, slot) in enumerate(zip(groups, layout.slots))
-    ]
+    caps = list(stage_caps(setting, cluster, layout.slots, micro_batches, chunks, layout.count))
     split = partition_chunks(setting.model.layers, per_layer, extra, caps, micro_batches, chunks)
     if split is None:
         return None, None
