@@ -322,10 +322,11 @@ def _step_s(ranked: Ranked) -> float:
 
 
 def _compute_floor(state: _Search, plan: Plan) -> float:
-    """At most ``plan``'s predicted step: its busiest stage's forwards and backwards of every
-    micro-batch, one after another, priced as the predictor prices them (a stage runs its
-    operations in turn, and its gradient sync and optimizer step end after its last one). 0
-    where ranks share the cores, which speeds a stage up while others wait."""
+    """At most ``plan``'s predicted step: the most, over its pipelines' stages, of a stage's
+    forwards and backwards of every micro-batch one after another, after the forwards of the
+    first round of chunks before it and followed by their backwards (_stage_floors), priced as
+    the predictor prices them. 0 where ranks share the cores, which speeds a stage up while
+    others wait."""
     if state.profiles is not None:
         return 0.0
     setting = Setting(
@@ -336,27 +337,40 @@ def _compute_floor(state: _Search, plan: Plan) -> float:
         precision=plan.precision,
     )
     return max(
-        pipeline.micro_batches * _stage_work_s(setting, state.cluster, pipeline.stages)
+        before + pipeline.micro_batches * work
         for pipeline in plan.pipelines
+        for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
     )
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_work_s(setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...]) -> float:
-    """The slowest stage's forward plus backward of one micro-batch over all its chunks, each
-    chunk priced at its place among the model's chunks, as predict() prices it."""
+def _stage_floors(
+    setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...]
+) -> tuple[tuple[float, float], ...]:
+    """Per stage s: (the forward plus backward of one micro-batch through the model's chunks 0
+    to s - 1, its forward plus backward of one micro-batch over all its chunks), each chunk
+    priced at its place among the model's chunks, as predict() prices it.
+
+    A stage runs its operations one at a time. Every one of them waits for its micro-batch's
+    forward through the model's chunks before the stage's first (chunks 0 to s - 1, on the
+    stages before), and its last operation, a backward, is followed by that micro-batch's
+    backward through them; the step ends after both, and after the stage's gradient sync and
+    optimizer step (predictor.iteration): so the step takes at least the sum."""
     p, chunks = len(stages), len(stages[0].chunks)
-    slowest = 0.0
-    for s, stage in enumerate(stages):
-        group = cluster.group(stage.group)
-        total = 0.0
+    groups = [cluster.group(stage.group) for stage in stages]
+    chunk_s = {}  # model chunk -> forward plus backward of one micro-batch
+    for s, (stage, group) in enumerate(zip(stages, groups)):
         for c, layers in enumerate(stage.chunks):
+            g = c * p + s
             times = setting.pricing.work(
-                group, setting.shape(stage.tp, layers, StagePosition.of(c * p + s, p * chunks))
+                group, setting.shape(stage.tp, layers, StagePosition.of(g, p * chunks))
             )
-            total += times.forward_s + times.backward_s
-        slowest = max(slowest, total)
-    return slowest
+            chunk_s[g] = times.forward_s + times.backward_s
+    floors, before = [], 0.0
+    for s in range(p):
+        floors.append((before, sum(chunk_s[c * p + s] for c in range(chunks))))
+        before += chunk_s[s]
+    return tuple(floors)
 
 
 def _neighbours(plan: Plan):
