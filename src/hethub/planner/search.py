@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import functools
 import heapq
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,13 @@ from hethub.planner.candidates import (
     tp_degrees,
 )
 from hethub.planner.costs import Setting, StageSlot, end_time, layer_time, stage_caps
-from hethub.planner.partition import chunk_split, partition_chunks, stage_times
+from hethub.planner.partition import (
+    chunk_split,
+    least_bottleneck,
+    partition_chunks,
+    relaxed_bottleneck,
+    stage_times,
+)
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
@@ -329,17 +334,23 @@ def _compute_floor(state: _Search, plan: Plan) -> float:
     others wait."""
     if state.profiles is not None:
         return 0.0
-    setting = Setting(
+    setting = _setting_of(state, plan)
+    return max(
+        before + pipeline.micro_batches * work
+        for pipeline in plan.pipelines
+        for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
+    )
+
+
+def _setting_of(state: _Search, plan: Plan) -> Setting:
+    """The setting ``plan`` is costed under in ``state``'s search."""
+    return Setting(
         model=state.model,
         calibration=state.calibration,
         micro_batch=plan.micro_batch,
         recompute=plan.recompute,
         precision=plan.precision,
-    )
-    return max(
-        before + pipeline.micro_batches * work
-        for pipeline in plan.pipelines
-        for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
+        profiles=state.profiles,
     )
 
 
@@ -540,69 +551,41 @@ FLOOR_MARGIN = 1e-9
 def _stage_costs(
     setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each stage's time per layer and its extra time (embedding, head) per micro-batch."""
+    """Each stage's time per layer and its extra time (embedding, head) per micro-batch, as
+    _partition prices them (each kind of stage and place priced once: a pipeline has few)."""
     p = len(slots)
-    groups = [cluster.group(slot.group) for slot in slots]
-    per_layer = tuple(layer_time(setting, g, slot.tp) for g, slot in zip(groups, slots))
-    extra = tuple(
-        end_time(setting, g, slot.tp, StagePosition.of(s, p))
-        for s, (g, slot) in enumerate(zip(groups, slots))
-    )
-    return per_layer, extra
+    priced: dict[tuple[StageSlot, StagePosition], tuple[float, float]] = {}
+    per_layer, extra = [], []
+    for s, slot in enumerate(slots):
+        where = (slot, StagePosition.of(s, p))
+        if where not in priced:
+            group = cluster.group(slot.group)
+            priced[where] = (
+                layer_time(setting, group, slot.tp),
+                end_time(setting, group, slot.tp, where[1]),
+            )
+        per_layer.append(priced[where][0])
+        extra.append(priced[where][1])
+    return tuple(per_layer), tuple(extra)
 
 
 @functools.lru_cache(maxsize=65536)
 def _relaxed_bottleneck(
     setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
 ) -> float:
-    """The least slowest-stage time per micro-batch of any split of the layers over ``slots``
-    with layers as real numbers of any sign: all stages then take the same T, n_s c_s + e_s = T
-    with sum(n_s) = L, so T = (L + sum(e_s / c_s)) / sum(1 / c_s). Whole layers, at least one a
-    stage, and memory caps only raise it."""
     per_layer, extra = _stage_costs(setting, cluster, slots)
-    return (setting.model.layers + sum(e / c for e, c in zip(extra, per_layer))) / sum(
-        1 / c for c in per_layer
-    )
+    return relaxed_bottleneck(setting.model.layers, per_layer, extra)
 
 
 @functools.lru_cache(maxsize=65536)
 def _least_bottleneck(
     setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int
 ) -> float | None:
-    """The least slowest-stage time per micro-batch of any split of the layers over the layout's
-    stages that the draft's partition may choose (a layer at least a stage, at most what its
-    memory holds: the same caps), or None where none fits, as for the partition.
-
-    Adding each layer to the stage that is fastest with it is exact for this min-max (the layers
-    being alike on a stage, it takes the L - p cheapest additions). Every addition that ends at
-    or under the relaxed bottleneck (_relaxed_bottleneck) is among them, so the stages start
-    with those, and the few left are added one by one."""
-    p, layers = len(layout.slots), setting.model.layers
-    caps = [
-        min(layers - p + 1, cap)
-        for cap in stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
-    ]
-    if p > layers or min(caps) < 1 or sum(caps) < layers:
-        return None
+    """least_bottleneck of the layout under the draft's memory caps: at most the bottleneck of
+    the draft's split."""
     per_layer, extra = _stage_costs(setting, cluster, layout.slots)
-    level = _relaxed_bottleneck(setting, cluster, layout.slots) * (1 - FLOOR_MARGIN)
-    held = [
-        max(1, min(cap, math.floor((level - e) / c))) for cap, c, e in zip(caps, per_layer, extra)
-    ]
-    if sum(held) > layers:  # rounding at the level itself: start from one layer a stage
-        held = [1] * p
-    heap = [
-        ((n + 1) * c + e, s)
-        for s, (n, c, e, cap) in enumerate(zip(held, per_layer, extra, caps))
-        if n < cap
-    ]
-    heapq.heapify(heap)
-    for _ in range(layers - sum(held)):
-        _, s = heapq.heappop(heap)
-        held[s] += 1
-        if held[s] < caps[s]:
-            heapq.heappush(heap, ((held[s] + 1) * per_layer[s] + extra[s], s))
-    return max(n * c + e for n, c, e in zip(held, per_layer, extra))
+    caps = stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
+    return least_bottleneck(setting.model.layers, per_layer, extra, caps)
 
 
 def _interleave(
