@@ -48,7 +48,6 @@ from hethub.planner.search import (
     _Search,
     search,
 )
-from hethub.spec.cluster import ClusterSpec
 from hethub.spec.plan import Plan
 
 MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
@@ -84,21 +83,6 @@ class UpperBound:
             },
             "each_group_whole_batch_tokens_per_s": self.whole_batch_tokens_per_s,
         }
-
-    def above_reason(self, plan: Plan, cluster: ClusterSpec) -> str:
-        """One line on how ``plan`` can beat the bound: it uses devices the groups alone leave
-        idle, or its replicas cross kinds (the bound prices no plan that no group alone has)."""
-        idle = []
-        for name, share in self.groups.items():
-            used = _devices_used(share.best.plan, name) if share.best else 0
-            if used < _devices_used(plan, name):
-                idle.append(f"{name} alone uses {used} of its {cluster.group(name).devices}")
-        if idle:
-            return f"the plan uses devices that no group alone can use ({'; '.join(idle)})"
-        return (
-            "its replicas cross kinds, holding the model on both kinds' memory: alone, a group "
-            "needs more devices a replica to hold it, so fewer or deeper replicas, and more bubble"
-        )
 
 
 def upper_bound(result: SearchResult) -> UpperBound:
