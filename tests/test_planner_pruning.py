@@ -107,13 +107,16 @@ def test_floors_are_at_most_the_drafts_bounds_and_the_predicted_steps():
     ]
     drafted = 0
     for setting, structure in jobs:
-        relaxed = planner_search._structure_floor(state, setting, structure, whole_layers=False)
-        whole = planner_search._structure_floor(state, setting, structure, whole_layers=True)
+        floors = [
+            planner_search._structure_floor(state, setting, structure, known)
+            for known in list(planner_search._Floor)[:-1]
+        ]
         draft = planner_search._draft(state, setting, structure, 1)
         if draft is None:
             continue
-        assert relaxed <= draft.interleaved_bound and whole <= draft.interleaved_bound
-        assert relaxed <= whole * (1 + 1e-12)  # the cheap floor comes first, and is lower
+        assert all(floor <= draft.interleaved_bound for floor in floors)
+        # the cheaper floors come first, and are lower
+        assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(floors))
         drafted += 1
     assert drafted >= 50
     for ranked in result.ranked:  # interleaved, unlike layouts side by side, mixed replicas

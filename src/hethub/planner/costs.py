@@ -18,6 +18,7 @@ from hethub.spec.schedules import Schedule, in_flight_micro_batches, megatron_in
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()  # a key of the planner's caches, inside every layout
 class StageSlot:
     """A pipeline stage before its layers are chosen: ``tp`` devices of one group."""
 

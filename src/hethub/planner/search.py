@@ -460,7 +460,7 @@ def _evaluate(
         if state.out_of_time():
             break
         if state.prune:
-            floor = _structure_floor(state, setting, structure, whole_layers=False)
+            floor = _structure_floor(state, setting, structure, _Floor.RELAXED)
             if floor is not None:
                 queue.append((floor, index, _Floor.RELAXED, None))
             continue
@@ -474,12 +474,12 @@ def _evaluate(
         bound, index, known, plan = heapq.heappop(queue)
         if bound >= state.best_time:
             break  # a floor or bound is at most every bound behind it
-        if known == _Floor.RELAXED:  # make it out further, and queue it again
-            floor = _structure_floor(state, *jobs[index], whole_layers=True)
+        if known < _Floor.CAPPED:  # make it out further, and queue it again
+            floor = _structure_floor(state, *jobs[index], _Floor(known + 1))
             if floor is not None:
-                heapq.heappush(queue, (floor, index, _Floor.WHOLE, None))
+                heapq.heappush(queue, (floor, index, _Floor(known + 1), None))
             continue
-        if known == _Floor.WHOLE:
+        if known == _Floor.CAPPED:
             drafted.add(index)
             draft = _draft(state, *jobs[index], 1)
             if draft is not None:
@@ -490,16 +490,16 @@ def _evaluate(
             state.progress(phase, len(jobs) + share, 2 * len(jobs))
         done += 1
         results[index] = _predict(state, plan)
-    if state.prune and state.best_time == float("inf"):  # nothing fits: draft the rest too
+    if state.prune and state.best_time == float("inf"):
+        # Nothing fits: the error names the closest candidate of all, so every job is drafted,
+        # and those that fit no split go in the jobs' order, as without floors.
         for index in range(len(jobs)):
             if index not in drafted and not state.out_of_time():
                 _draft(state, *jobs[index], 1)
-    # Drafted in the order of their floors: the structures that fit no split go in the jobs'
-    # order, as without floors, for the error when no plan fits.
-    position = {job: index for index, job in reversed(list(enumerate(jobs)))}
-    state.unplaceable[unplaceable_before:] = sorted(
-        state.unplaceable[unplaceable_before:], key=position.__getitem__
-    )
+        position = {job: index for index, job in reversed(list(enumerate(jobs)))}
+        state.unplaceable[unplaceable_before:] = sorted(
+            state.unplaceable[unplaceable_before:], key=position.__getitem__
+        )
     if state.progress:
         state.progress(phase, 2 * len(jobs), 2 * len(jobs))
     fitting = [(ranked, index) for index, ranked in enumerate(results) if ranked is not None]
@@ -510,19 +510,21 @@ class _Floor(enum.IntEnum):
     """How far a job in _evaluate's queue is made out: each key is at most the next one's."""
 
     RELAXED = 0  # _structure_floor over _relaxed_bottleneck
-    WHOLE = 1  # _structure_floor over _least_bottleneck
-    DRAFTED = 2  # the draft's bound
+    WHOLE = 1  # over _least_bottleneck without memory caps
+    CAPPED = 2  # over _least_bottleneck under the draft's memory caps
+    DRAFTED = 3  # the draft's bound
 
 
 def _structure_floor(
-    state: _Search, setting: Setting, structure: Structure, whole_layers: bool
+    state: _Search, setting: Setting, structure: Structure, known: _Floor
 ) -> float | None:
     """At most the bounds of every draft of ``structure``, without drafting it (None: it has no
     draft): the slowest replica takes at least the time at which the layouts, each running
-    micro-batches at its least bottleneck, would share them all. The least bottleneck is that
-    of whole layers under the memory caps (_least_bottleneck) or, cheaper and lower, of layers
-    as real numbers (_relaxed_bottleneck). 0 where the ranks share the cores (the draft scales
-    its bound by how much faster a stage may then run)."""
+    micro-batches at its least bottleneck, would share them all. The least bottleneck, from
+    cheapest and lowest to dearest and highest (``known``): that of layers as real numbers
+    (_relaxed_bottleneck), of whole layers, of whole layers under the memory caps
+    (_least_bottleneck). 0 where the ranks share the cores (the draft scales its bound by how
+    much faster a stage may then run)."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
@@ -533,9 +535,11 @@ def _structure_floor(
     rate = 0.0
     for layout in structure:
         bottleneck = (
-            _least_bottleneck(setting, state.cluster, layout, nominal)
-            if whole_layers
-            else _relaxed_bottleneck(setting, state.cluster, layout.slots)
+            _relaxed_bottleneck(setting, state.cluster, layout.slots)
+            if known == _Floor.RELAXED
+            else _least_bottleneck(
+                setting, state.cluster, layout, nominal if known == _Floor.CAPPED else None
+            )
         )
         if bottleneck is None:
             return None
@@ -579,13 +583,18 @@ def _relaxed_bottleneck(
 
 @functools.lru_cache(maxsize=65536)
 def _least_bottleneck(
-    setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int
+    setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int | None
 ) -> float | None:
-    """least_bottleneck of the layout under the draft's memory caps: at most the bottleneck of
-    the draft's split."""
+    """least_bottleneck of the layout under the memory caps of its draft at ``micro_batches``
+    (None: no caps): at most the bottleneck of the draft's split."""
     per_layer, extra = _stage_costs(setting, cluster, layout.slots)
-    caps = stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
-    return least_bottleneck(setting.model.layers, per_layer, extra, caps)
+    layers = setting.model.layers
+    caps = (
+        [layers] * len(layout.slots)
+        if micro_batches is None
+        else stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
+    )
+    return least_bottleneck(layers, per_layer, extra, caps)
 
 
 def _interleave(
