@@ -43,7 +43,7 @@ from hethub.predictor.iteration import check_precision
 from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
-from hethub.spec.cluster import ClusterSpec
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import (
     PipelineLayout,
@@ -53,7 +53,8 @@ from hethub.spec.plan import (
     StageSpec,
     uniform_layers,
 )
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
+from hethub.spec.topology import data_parallel_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 VIRTUAL_STAGES = (1, 2, 4)  # chunks per stage (interleaved 1F1B) where the layers allow
@@ -292,8 +293,9 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
     out communication, gradient sync and the optimizer step, which matter for short steps.
     Returns the phase's best plan.
 
-    A neighbour whose busiest stage alone (_compute_floor) takes as long as the plan it would
-    replace cannot replace it, and is not predicted; it still counts against the budget, so the
+    A neighbour that cannot replace the plan, as its step takes at least as long
+    (_compute_floor) or it does not fit in memory (_fits: most moves of a layer onto a stage
+    that memory already bounds), is not predicted; it still counts against the budget, so the
     same plans are polished as far as if it were."""
     found = sorted(found, key=_speed, reverse=True)
     best_per_setting = {}
@@ -309,7 +311,9 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
                 if tried >= REFINE_BUDGET or state.out_of_time():
                     break
                 tried += 1
-                if state.prune and _compute_floor(state, plan) >= _step_s(best):
+                if state.prune and (
+                    _compute_floor(state, plan) >= _step_s(best) or not _fits(state, plan)
+                ):
                     continue
                 candidate = _predict(state, plan)
                 if candidate is not None and _speed(candidate) > _speed(best):
@@ -340,6 +344,37 @@ def _compute_floor(state: _Search, plan: Plan) -> float:
         for pipeline in plan.pipelines
         for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
     )
+
+
+def _fits(state: _Search, plan: Plan) -> bool:
+    """Whether every stage of ``plan`` fits in its devices' memory as predict() finds it: the
+    same pricing of the same stage shape, micro-batches in flight and optimizer shards."""
+    setting = _setting_of(state, plan)
+    shards = data_parallel_degrees(plan) if plan.shard_optimizer else [1] * len(plan.pipelines)
+    for pipeline, shard in zip(plan.pipelines, shards):
+        p, m = len(pipeline.stages), pipeline.micro_batches
+        for s, stage in enumerate(pipeline.stages):
+            in_flight = in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks)
+            group = state.cluster.group(stage.group)
+            where = StagePosition.of(s, p)
+            if not _stage_fits(setting, group, stage.tp, stage.layers, where, in_flight, shard):
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_fits(
+    setting: Setting,
+    group: DeviceGroup,
+    tp: int,
+    layers: int,
+    position: StagePosition,
+    in_flight: float,
+    shards: int,
+) -> bool:
+    shape = setting.shape(tp, layers, position)
+    memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
+    return memory.total_gb <= group.accelerator.memory_gb
 
 
 def _setting_of(state: _Search, plan: Plan) -> Setting:
