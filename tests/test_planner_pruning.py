@@ -107,9 +107,10 @@ def test_floors_are_at_most_the_drafts_bounds_and_the_predicted_steps():
     ]
     drafted = 0
     for setting, structure in jobs:
-        floors = [
+        tiers = planner_search._Floor
+        floors = [planner_search._setting_floor(state, setting)] + [
             planner_search._structure_floor(state, setting, structure, known)
-            for known in list(planner_search._Floor)[:-1]
+            for known in (tiers.RELAXED, tiers.WHOLE, tiers.CAPPED)
         ]
         draft = planner_search._draft(state, setting, structure, 1)
         if draft is None:

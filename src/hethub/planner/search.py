@@ -489,16 +489,19 @@ def _evaluate(
     # (floor or bound, job, how far it is made out, the draft's plan)
     queue: list[tuple[float, int, _Floor, Plan | None]] = []
     unplaceable_before = len(state.unplaceable)
-    for index, (setting, structure) in enumerate(jobs):
+    # A setting's jobs by the first one's index, which stands for them all in the queue.
+    members: dict[int, list[int]] = {}
+    if state.prune:
+        first_of: dict[Setting, int] = {}
+        for index, (setting, _) in enumerate(jobs):
+            members.setdefault(first_of.setdefault(setting, index), []).append(index)
+        for first in members:
+            queue.append((_setting_floor(state, jobs[first][0]), first, _Floor.SETTING, None))
+    for index, (setting, structure) in enumerate(jobs if not state.prune else ()):
         if state.progress and index % 64 == 0:
             state.progress(phase, index, 2 * len(jobs))
         if state.out_of_time():
             break
-        if state.prune:
-            floor = _structure_floor(state, setting, structure, _Floor.RELAXED)
-            if floor is not None:
-                queue.append((floor, index, _Floor.RELAXED, None))
-            continue
         draft = _draft(state, setting, structure, 1)
         if draft is not None:
             queue.append((draft.interleaved_bound, index, _Floor.DRAFTED, draft.plan))
@@ -509,6 +512,12 @@ def _evaluate(
         bound, index, known, plan = heapq.heappop(queue)
         if bound >= state.best_time:
             break  # a floor or bound is at most every bound behind it
+        if known == _Floor.SETTING:  # the setting's jobs, each by its own floor
+            for member in members[index]:
+                floor = _structure_floor(state, *jobs[member], _Floor.RELAXED)
+                if floor is not None:
+                    heapq.heappush(queue, (floor, member, _Floor.RELAXED, None))
+            continue
         if known < _Floor.CAPPED:  # make it out further, and queue it again
             floor = _structure_floor(state, *jobs[index], _Floor(known + 1))
             if floor is not None:
@@ -544,10 +553,28 @@ def _evaluate(
 class _Floor(enum.IntEnum):
     """How far a job in _evaluate's queue is made out: each key is at most the next one's."""
 
-    RELAXED = 0  # _structure_floor over _relaxed_bottleneck
-    WHOLE = 1  # over _least_bottleneck without memory caps
-    CAPPED = 2  # over _least_bottleneck under the draft's memory caps
-    DRAFTED = 3  # the draft's bound
+    SETTING = 0  # _setting_floor: every job of one setting at once
+    RELAXED = 1  # _structure_floor over _relaxed_bottleneck
+    WHOLE = 2  # over _least_bottleneck without memory caps
+    CAPPED = 3  # over _least_bottleneck under the draft's memory caps
+    DRAFTED = 4  # the draft's bound
+
+
+def _setting_floor(state: _Search, setting: Setting) -> float:
+    """At most _structure_floor of every structure under ``setting``: a stage of TP t on group
+    g passes a layer at a rate 1 / layer_time, at most t x r_g, r_g the best rate a device of g
+    reaches at any degree, so the layers of all micro-batches take at least their count over
+    the rate of every device at its best (the embedding and the head only add). 0 where the
+    ranks share the cores."""
+    if state.profiles is not None:
+        return 0.0
+    rate = sum(
+        group.devices
+        * max(1 / (tp * layer_time(setting, group, tp)) for tp in tp_degrees(group, state.model))
+        for group in state.cluster.groups
+    )
+    total = state.global_batch // setting.micro_batch
+    return total * state.model.layers / rate * (1 - FLOOR_MARGIN)
 
 
 def _structure_floor(
