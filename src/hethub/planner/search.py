@@ -294,7 +294,7 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
     Returns the phase's best plan.
 
     A neighbour that cannot replace the plan, as its step takes at least as long
-    (_compute_floor) or it does not fit in memory (_fits: most moves of a layer onto a stage
+    (_compute_floor) or it does not fit in memory (_predict: most moves of a layer onto a stage
     that memory already bounds), is not predicted; it still counts against the budget, so the
     same plans are polished as far as if it were."""
     found = sorted(found, key=_speed, reverse=True)
@@ -311,9 +311,7 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
                 if tried >= REFINE_BUDGET or state.out_of_time():
                     break
                 tried += 1
-                if state.prune and (
-                    _compute_floor(state, plan) >= _step_s(best) or not _fits(state, plan)
-                ):
+                if state.prune and _compute_floor(state, plan) >= _step_s(best):
                     continue
                 candidate = _predict(state, plan)
                 if candidate is not None and _speed(candidate) > _speed(best):
@@ -771,6 +769,11 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
 
 
 def _predict(state: _Search, plan: Plan) -> Ranked | None:
+    """The plan predicted and kept, if it fits. Once a plan fits, one that _fits shows does not
+    is not predicted: it would not be kept, and the closest overflow only matters while none
+    fits."""
+    if state.prune and state.ranked and not _fits(state, plan):
+        return None
     state.evaluated += 1
     prediction = predict(
         plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles
