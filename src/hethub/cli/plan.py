@@ -14,6 +14,7 @@ from hethub.cli.args import positive_int
 from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
+from hethub.planner.above_bound import why_above
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
@@ -116,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
                     "out": str(out),
                     "upper_bound": bound.to_json(),
                     "efficiency": efficiency,
+                    "above_bound_because": why_above(bound, best, cluster)
+                    if efficiency > 1
+                    else [],
                     "search_time_s": result.search_time_s,
                     "candidates_evaluated": result.candidates_evaluated,
                     "timed_out": result.timed_out,
@@ -153,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"efficiency           {100 * efficiency:.2f}% of the upper bound")
     if efficiency > 1:
-        print(f"                     above it: {bound.above_reason(best.plan, cluster)}")
+        first, *more = why_above(bound, best, cluster)
+        print(f"                     above it: {first}")
+        for line in more:
+            print(f"                               {line}")
     print(
         f"search               {plural(result.candidates_evaluated, 'plan')} predicted "
         f"in {result.search_time_s:.2f} s"

@@ -42,12 +42,12 @@ from hethub.planner.search import (
     Ranked,
     SearchQuery,
     SearchResult,
+    _compute_floor,
     _draft,
     _predict,
     _Search,
     search,
 )
-from hethub.spec.cluster import ClusterSpec
 from hethub.spec.plan import Plan
 
 MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
@@ -83,21 +83,6 @@ class UpperBound:
             },
             "each_group_whole_batch_tokens_per_s": self.whole_batch_tokens_per_s,
         }
-
-    def above_reason(self, plan: Plan, cluster: ClusterSpec) -> str:
-        """One line on how ``plan`` can beat the bound: it uses devices the groups alone leave
-        idle, or its replicas cross kinds (the bound prices no plan that no group alone has)."""
-        idle = []
-        for name, share in self.groups.items():
-            used = _devices_used(share.best.plan, name) if share.best else 0
-            if used < _devices_used(plan, name):
-                idle.append(f"{name} alone uses {used} of its {cluster.group(name).devices}")
-        if idle:
-            return f"the plan uses devices that no group alone can use ({'; '.join(idle)})"
-        return (
-            "its replicas cross kinds, holding the model on both kinds' memory: alone, a group "
-            "needs more devices a replica to hold it, so fewer or deeper replicas, and more bubble"
-        )
 
 
 def upper_bound(result: SearchResult) -> UpperBound:
@@ -145,6 +130,7 @@ def _search_alone(query: SearchQuery, name: str, global_batch: int) -> SearchRes
         calibration=query.calibration,
         profiles=query.profiles,
         precision=query.precision,
+        prune=query.prune,
     )
 
 
@@ -195,13 +181,14 @@ class _StandIn:
         self.query = query
         self.planned: dict[tuple[str, int], Ranked | None] = {}
         self.recipes: dict[str, list[_Recipe]] = {g.name: [] for g in query.cluster.groups}
-        self.values: dict[tuple[str, int], float] = {}
+        self.made: dict[tuple[str, int], tuple[Ranked | None, int]] = {}
+        """Per group and share: the best of its recipes made concrete there, and how many of
+        its recipes (the first ones: a group's recipes only grow) that is the best of."""
 
     def note(self, name: str, share: int, best: Ranked | None, ranked: list[Ranked]) -> None:
         """The search's best for ``name`` alone at ``share`` and its other plans (recipes)."""
         self.planned[name, share] = best
         _add_recipes(self.recipes[name], [best, *ranked] if best else ranked, self.query)
-        self.values.clear()  # new recipes: the values read so far may rise
 
     def plan(self, name: str, share: int) -> None:
         if share and (name, share) not in self.planned:
@@ -211,31 +198,41 @@ class _StandIn:
     def value(self, name: str, share: int) -> float:
         if share == 0:
             return 0.0
-        if (name, share) in self.planned:
-            return _speed(self.planned[name, share])
-        if (name, share) not in self.values:
-            made = max(
-                (self._concrete(name, share, recipe) for recipe in self.recipes[name]), default=0.0
-            )
-            if made == 0.0:
-                self.plan(name, share)
-                return _speed(self.planned[name, share])
-            self.values[name, share] = made
-        return self.values[name, share]
+        if (name, share) not in self.planned:
+            made = self._made(name, share)
+            if made is not None:
+                return _speed(made)
+            self.plan(name, share)
+        return _speed(self.planned[name, share])
 
-    def _concrete(self, name: str, share: int, recipe: _Recipe) -> float:
-        if share % recipe.setting.micro_batch:
-            return 0.0
+    def _made(self, name: str, share: int) -> Ranked | None:
+        """The best of the group's recipes made concrete at ``share`` (None: none applies).
+        Those not weighed there yet are drafted and predicted most promising first; one whose
+        step cannot be shorter than the best's (_compute_floor) cannot be the best, and is not
+        predicted."""
+        best, weighed = self.made.get((name, share), (None, 0))
+        recipes = self.recipes[name]
         q = self.query
         cluster = dataclasses.replace(q.cluster, groups=(q.cluster.group(name),))
         state = _Search(
             cluster, q.model, q.model_ref, share, float("inf"), None, q.calibration, q.profiles
         )
-        draft = _draft(state, recipe.setting, recipe.structure, recipe.chunks)
-        if draft is None:
-            return 0.0
-        ranked = _predict(state, draft.plan)
-        return _speed(ranked) if ranked else 0.0
+        drafts = []
+        for index, recipe in enumerate(recipes[weighed:]):
+            if share % recipe.setting.micro_batch:
+                continue
+            draft = _draft(state, recipe.setting, recipe.structure, recipe.chunks)
+            if draft is not None:
+                floor = _compute_floor(state, draft.plan) if q.prune else 0.0
+                drafts.append((floor, index, draft.plan))
+        for floor, _, plan in sorted(drafts, key=lambda d: d[:2]):
+            if best is not None and floor >= best.prediction.iteration_time_s:
+                break
+            ranked = _predict(state, plan)
+            if ranked is not None and (best is None or _speed(ranked) > _speed(best)):
+                best = ranked
+        self.made[name, share] = best, len(recipes)
+        return best
 
 
 def _climb(

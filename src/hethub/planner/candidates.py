@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 from hethub.planner.costs import StageSlot
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()  # a key of the planner's caches
 class Layout:
     """``count`` identical replicas whose stages are ``slots``."""
 
@@ -104,11 +106,12 @@ def mixed(
                     )
                     if layout is not None
                 )
+                slot_of = {g.name: StageSlot(g.name, tp_of[g.name]) for g in used}
                 for order in _orders(used):
                     slots = tuple(
-                        StageSlot(g.name, tp_of[g.name])
-                        for g in order
-                        for _ in range(stages_of[g.name])
+                        itertools.chain.from_iterable(
+                            (slot_of[g.name],) * stages_of[g.name] for g in order
+                        )
                     )
                     out.append((Layout(count, slots),))
                     if extra:

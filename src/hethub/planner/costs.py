@@ -10,7 +10,7 @@ from hethub.predictor.calibration import Calibration
 from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profiles.store import Profiles
-from hethub.spec.cluster import DeviceGroup
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.hashing import hashed_once
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
@@ -18,6 +18,7 @@ from hethub.spec.schedules import Schedule, in_flight_micro_batches, megatron_in
 
 
 @dataclass(frozen=True, slots=True)
+@hashed_once()  # a key of the planner's caches, inside every layout
 class StageSlot:
     """A pipeline stage before its layers are chosen: ``tp`` devices of one group."""
 
@@ -79,29 +80,49 @@ def _work(
     return setting.pricing.work(group, setting.shape(tp, layers, position))
 
 
-def layer_cap(
+def stage_caps(
     setting: Setting,
-    group: DeviceGroup,
-    tp: int,
-    position: int,
-    stages: int,
+    cluster: ClusterSpec,
+    slots: tuple[StageSlot, ...],
     micro_batches: int,
     chunks: int = 1,
     shards: int = 1,
-) -> int:
-    """The most layers a stage at ``position`` of ``stages`` can hold in its devices' memory,
+) -> tuple[int, ...]:
+    """The most layers each stage of a pipeline over ``slots`` can hold in its devices' memory,
     in ``chunks`` chunks of about equal size (interleaved 1F1B), its optimizer state split over
     ``shards`` ranks."""
+    p = len(slots)
     if chunks == 1:
-        in_flight = in_flight_micro_batches(setting.schedule, position, stages, micro_batches)
+        in_flight = tuple(
+            in_flight_micro_batches(setting.schedule, s, p, micro_batches) for s in range(p)
+        )
     else:
         # Interleaved: the schedule's own warm-up for equal chunks (megatron_in_flight, the
         # walk's closed form at any micro-batch count). Walking the exact, unequal chunks
         # (in_flight_micro_batches) costs the paper scenario's search 50% more (building its
         # orders: 2.7 s CPU), for a draft whose micro-batches are nominal anyway (the split
         # comes after); the prediction of a candidate checks its memory on the exact order.
-        in_flight = megatron_in_flight(position, stages, micro_batches, chunks)
-    return _layer_cap(setting, group, tp, StagePosition.of(position, stages), in_flight, shards)
+        in_flight = tuple(megatron_in_flight(s, p, micro_batches, chunks) for s in range(p))
+    # Keyed on what the caps depend on: the micro-batches in flight, the same for every count
+    # of micro-batches beyond the stages (a planner asks for many).
+    return _stage_caps(setting, cluster, slots, in_flight, shards)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_caps(
+    setting: Setting,
+    cluster: ClusterSpec,
+    slots: tuple[StageSlot, ...],
+    in_flight: tuple[float, ...],
+    shards: int,
+) -> tuple[int, ...]:
+    p = len(slots)
+    return tuple(
+        _layer_cap(
+            setting, cluster.group(slot.group), slot.tp, StagePosition.of(s, p), held, shards
+        )
+        for s, (slot, held) in enumerate(zip(slots, in_flight))
+    )
 
 
 @functools.lru_cache(maxsize=65536)

@@ -114,6 +114,46 @@ def partition_chunks(
     return None if split is None else [n + fixed for n in split]
 
 
+BELOW = 1e-9
+"""A level this much under relaxed_bottleneck is under it despite rounding."""
+
+
+def relaxed_bottleneck(layers: int, per_layer: list[float], extra: list[float]) -> float:
+    """The least max(w) of any split with layers as real numbers of any sign: every stage then
+    takes the same T, n_s c_s + e_s = T with sum(n_s) = layers, so T = (layers + sum(e_s /
+    c_s)) / sum(1 / c_s). Whole layers, at least one a stage, and caps only raise it."""
+    return (layers + sum(e / c for e, c in zip(extra, per_layer))) / sum(1 / c for c in per_layer)
+
+
+def least_bottleneck(
+    layers: int, per_layer: list[float], extra: list[float], cap: list[int]
+) -> float | None:
+    """The least max(w) of any split that partition_layers may choose (1 <= n <= cap a stage),
+    or None where none fits the caps, as for partition_layers.
+
+    Adding each layer to the stage that is fastest with it is exact for this min-max: the
+    layers being alike on a stage, it takes the layers - p cheapest additions. Every addition
+    that ends under relaxed_bottleneck is among them, so the stages start with those and the
+    few left are added one by one."""
+    p = len(per_layer)
+    caps = [min(c, layers - p + 1) for c in cap]
+    if p > layers or min(caps) < 1 or sum(caps) < layers:
+        return None
+    level = relaxed_bottleneck(layers, per_layer, extra) * (1 - BELOW)
+    held = [max(1, min(c, math.floor((level - e) / w))) for c, w, e in zip(caps, per_layer, extra)]
+    if sum(held) > layers:  # rounding at the level itself: start from one layer a stage
+        held = [1] * p
+    heap = [((n + 1) * w + e, s) for s, (n, w, e) in enumerate(zip(held, per_layer, extra))]
+    heap = [(t, s) for t, s in heap if held[s] < caps[s]]
+    heapq.heapify(heap)
+    for _ in range(layers - sum(held)):
+        _, s = heapq.heappop(heap)
+        held[s] += 1
+        if held[s] < caps[s]:
+            heapq.heappush(heap, ((held[s] + 1) * per_layer[s] + extra[s], s))
+    return max(stage_times(held, per_layer, extra))
+
+
 def chunk_split(layers: int, chunks: int, per_layer: float, extra: list[float]) -> list[int]:
     """``layers`` over ``chunks`` chunks, at least one each, so that the slowest chunk (layers x
     per_layer + its extra: the embedding on a first chunk, the head on a last) is the fastest it

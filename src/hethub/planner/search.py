@@ -12,6 +12,9 @@ polished by moving single layers; a plan that does not fit in memory is never ke
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +28,14 @@ from hethub.planner.candidates import (
     mixed_tp,
     tp_degrees,
 )
-from hethub.planner.costs import Setting, end_time, layer_cap, layer_time
-from hethub.planner.partition import chunk_split, partition_chunks, stage_times
+from hethub.planner.costs import Setting, StageSlot, end_time, layer_time, stage_caps
+from hethub.planner.partition import (
+    chunk_split,
+    least_bottleneck,
+    partition_chunks,
+    relaxed_bottleneck,
+    stage_times,
+)
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
@@ -34,7 +43,7 @@ from hethub.predictor.iteration import check_precision
 from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
-from hethub.spec.cluster import ClusterSpec
+from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import (
     PipelineLayout,
@@ -44,7 +53,8 @@ from hethub.spec.plan import (
     StageSpec,
     uniform_layers,
 )
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, in_flight_micro_batches
+from hethub.spec.topology import data_parallel_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 VIRTUAL_STAGES = (1, 2, 4)  # chunks per stage (interleaved 1F1B) where the layers allow
@@ -92,6 +102,7 @@ class SearchQuery:
     profiles: Profiles | None
     """Already selected for ``precision``."""
     precision: Precision
+    prune: bool = True
 
 
 @dataclass(slots=True)
@@ -129,6 +140,9 @@ class _Search:
     """The fastest fitting step predicted so far in this phase: the bar a candidate must beat."""
     unplaceable: list[tuple[Setting, Structure]] = field(default_factory=list)
     """Structures whose layers fit no split in memory (for the error when no plan fits)."""
+    prune: bool = True
+    """Skip the drafts and predictions that bounds show cannot win (False: make every one, for
+    the tests that hold the pruning to the same plans)."""
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.perf_counter() > self.deadline
@@ -146,10 +160,12 @@ def search(
     progress: Progress | None = None,
     profiles: Profiles | None = None,
     precision: Precision = Precision.BF16,
+    prune: bool = True,
 ) -> SearchResult:
     """The fastest plans for ``model`` at ``global_batch`` sequences per step on ``cluster``, all
     of ``precision``; ``profiles`` (selected under the job's run conditions) price what they hold
-    of that precision's dtype, as in predict()."""
+    of that precision's dtype, as in predict(). ``prune`` False drafts and predicts every
+    candidate that the bounds would skip as unable to win: the same plans, slower (for tests)."""
     started = time.perf_counter()
     cal = calibration or default_calibration()
     precision = Precision(precision)
@@ -165,6 +181,7 @@ def search(
         progress,
         cal,
         profiles,
+        prune=prune,
     )
     settings = [
         Setting(
@@ -244,7 +261,7 @@ def search(
         group_best,
         state.evaluated,
         time.perf_counter() - started,
-        SearchQuery(cluster, model, global_batch, model_ref, cal, profiles, precision),
+        SearchQuery(cluster, model, global_batch, model_ref, cal, profiles, precision, prune),
         state.closest,
         state.timed_out,
     )
@@ -279,29 +296,130 @@ def _refine(state: _Search, found: list[Ranked]) -> Ranked | None:
     """Polish a phase's plans, best first (each setting's best early on), by moving single layers
     across stage boundaries, judged by the predictor itself: the partitioner's objective leaves
     out communication, gradient sync and the optimizer step, which matter for short steps.
-    Returns the phase's best plan."""
+    Returns the phase's best plan.
+
+    A neighbour that cannot replace the plan, as its step takes at least as long
+    (_compute_floor) or it does not fit in memory (_predict: most moves of a layer onto a stage
+    that memory already bounds), is not predicted; it still counts against the budget, so the
+    same plans are polished as far as if it were."""
     found = sorted(found, key=_speed, reverse=True)
     best_per_setting = {}
     for ranked in found:
         best_per_setting.setdefault((ranked.plan.micro_batch, ranked.plan.recompute), ranked)
-    budget = state.evaluated + REFINE_BUDGET
+    tried = 0  # neighbours weighed, predicted or not: the budget
     polished = []
     for ranked in dict.fromkeys([*found[:1], *best_per_setting.values(), *found]):
         best = ranked
         for _ in range(REFINE_ROUNDS):
             improved = False
             for plan in _neighbours(best.plan):
-                if state.evaluated >= budget or state.out_of_time():
+                if tried >= REFINE_BUDGET or state.out_of_time():
                     break
+                tried += 1
+                if state.prune and _compute_floor(state, plan) >= _step_s(best):
+                    continue
                 candidate = _predict(state, plan)
                 if candidate is not None and _speed(candidate) > _speed(best):
                     best, improved = candidate, True
             if not improved:
                 break
         polished.append(best)
-        if state.evaluated >= budget or state.out_of_time():
+        if tried >= REFINE_BUDGET or state.out_of_time():
             break
     return max([*found, *polished], key=_speed, default=None)
+
+
+def _step_s(ranked: Ranked) -> float:
+    return ranked.prediction.iteration_time_s
+
+
+def _compute_floor(state: _Search, plan: Plan) -> float:
+    """At most ``plan``'s predicted step: the most, over its pipelines' stages, of a stage's
+    forwards and backwards of every micro-batch one after another, after the forwards of the
+    first round of chunks before it and followed by their backwards (_stage_floors), priced as
+    the predictor prices them. 0 where ranks share the cores, which speeds a stage up while
+    others wait."""
+    if state.profiles is not None:
+        return 0.0
+    setting = _setting_of(state, plan)
+    return max(
+        before + pipeline.micro_batches * work
+        for pipeline in plan.pipelines
+        for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
+    )
+
+
+def _fits(state: _Search, plan: Plan) -> bool:
+    """Whether every stage of ``plan`` fits in its devices' memory as predict() finds it: the
+    same pricing of the same stage shape, micro-batches in flight and optimizer shards."""
+    setting = _setting_of(state, plan)
+    shards = data_parallel_degrees(plan) if plan.shard_optimizer else [1] * len(plan.pipelines)
+    for pipeline, shard in zip(plan.pipelines, shards):
+        p, m = len(pipeline.stages), pipeline.micro_batches
+        for s, stage in enumerate(pipeline.stages):
+            in_flight = in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks)
+            group = state.cluster.group(stage.group)
+            where = StagePosition.of(s, p)
+            if not _stage_fits(setting, group, stage.tp, stage.layers, where, in_flight, shard):
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_fits(
+    setting: Setting,
+    group: DeviceGroup,
+    tp: int,
+    layers: int,
+    position: StagePosition,
+    in_flight: float,
+    shards: int,
+) -> bool:
+    shape = setting.shape(tp, layers, position)
+    memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
+    return memory.total_gb <= group.accelerator.memory_gb
+
+
+def _setting_of(state: _Search, plan: Plan) -> Setting:
+    """The setting ``plan`` is costed under in ``state``'s search."""
+    return Setting(
+        model=state.model,
+        calibration=state.calibration,
+        micro_batch=plan.micro_batch,
+        recompute=plan.recompute,
+        precision=plan.precision,
+        profiles=state.profiles,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_floors(
+    setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...]
+) -> tuple[tuple[float, float], ...]:
+    """Per stage s: (the forward plus backward of one micro-batch through the model's chunks 0
+    to s - 1, its forward plus backward of one micro-batch over all its chunks), each chunk
+    priced at its place among the model's chunks, as predict() prices it.
+
+    A stage runs its operations one at a time. Every one of them waits for its micro-batch's
+    forward through the model's chunks before the stage's first (chunks 0 to s - 1, on the
+    stages before), and its last operation, a backward, is followed by that micro-batch's
+    backward through them; the step ends after both, and after the stage's gradient sync and
+    optimizer step (predictor.iteration): so the step takes at least the sum."""
+    p, chunks = len(stages), len(stages[0].chunks)
+    groups = [cluster.group(stage.group) for stage in stages]
+    chunk_s = {}  # model chunk -> forward plus backward of one micro-batch
+    for s, (stage, group) in enumerate(zip(stages, groups)):
+        for c, layers in enumerate(stage.chunks):
+            g = c * p + s
+            times = setting.pricing.work(
+                group, setting.shape(stage.tp, layers, StagePosition.of(g, p * chunks))
+            )
+            chunk_s[g] = times.forward_s + times.backward_s
+    floors, before = [], 0.0
+    for s in range(p):
+        floors.append((before, sum(chunk_s[c * p + s] for c in range(chunks))))
+        before += chunk_s[s]
+    return tuple(floors)
 
 
 def _neighbours(plan: Plan):
@@ -364,28 +482,184 @@ def _evaluate(
     plus a quarter of the other stages' time per micro-batch (the forwards before it and the
     backwards after it), a v-th of that over v chunks a stage. A structure is predicted unless
     even its most interleaved bound is above the best step predicted so far.
+
+    Drafting (partitioning the layers, splitting the micro-batches) costs more than most
+    candidates are worth, so a job is drafted only once its floor (_structure_floor: at most
+    its draft's bound) is the least of what is left: the drafts then come in the order of their
+    bounds, exactly as if all were drafted first, and those whose floor is above the bar are
+    never drafted.
     """
-    drafts = []
-    for index, (setting, structure) in enumerate(jobs):
+    # (floor or bound, job, how far it is made out, the draft's plan)
+    queue: list[tuple[float, int, _Floor, Plan | None]] = []
+    unplaceable_before = len(state.unplaceable)
+    # A setting's jobs by the first one's index, which stands for them all in the queue.
+    members: dict[int, list[int]] = {}
+    if state.prune:
+        first_of: dict[Setting, int] = {}
+        for index, (setting, _) in enumerate(jobs):
+            members.setdefault(first_of.setdefault(setting, index), []).append(index)
+        for first in members:
+            queue.append((_setting_floor(state, jobs[first][0]), first, _Floor.SETTING, None))
+    for index, (setting, structure) in enumerate(jobs if not state.prune else ()):
         if state.progress and index % 64 == 0:
             state.progress(phase, index, 2 * len(jobs))
         if state.out_of_time():
             break
         draft = _draft(state, setting, structure, 1)
         if draft is not None:
-            drafts.append((draft.interleaved_bound, index, draft.plan))
-    drafts.sort(key=lambda d: d[:2])
+            queue.append((draft.interleaved_bound, index, _Floor.DRAFTED, draft.plan))
+    heapq.heapify(queue)
     results: list[Ranked | None] = [None] * len(jobs)
-    for done, (bound, index, plan) in enumerate(drafts):
+    done, drafted = 0, set()
+    while queue and not state.out_of_time():
+        bound, index, known, plan = heapq.heappop(queue)
+        if bound >= state.best_time:
+            break  # a floor or bound is at most every bound behind it
+        if known == _Floor.SETTING:  # the setting's jobs, each by its own floor
+            for member in members[index]:
+                floor = _structure_floor(state, *jobs[member], _Floor.RELAXED)
+                if floor is not None:
+                    heapq.heappush(queue, (floor, member, _Floor.RELAXED, None))
+            continue
+        if known < _Floor.CAPPED:  # make it out further, and queue it again
+            floor = _structure_floor(state, *jobs[index], _Floor(known + 1))
+            if floor is not None:
+                heapq.heappush(queue, (floor, index, _Floor(known + 1), None))
+            continue
+        if known == _Floor.CAPPED:
+            drafted.add(index)
+            draft = _draft(state, *jobs[index], 1)
+            if draft is not None:
+                heapq.heappush(queue, (draft.interleaved_bound, index, _Floor.DRAFTED, draft.plan))
+            continue
         if state.progress and done % 16 == 0:
-            state.progress(phase, len(jobs) + done * len(jobs) // len(drafts), 2 * len(jobs))
-        if bound >= state.best_time or state.out_of_time():
-            break
+            share = done * len(jobs) // (done + len(queue))
+            state.progress(phase, len(jobs) + share, 2 * len(jobs))
+        done += 1
         results[index] = _predict(state, plan)
+    if state.prune and state.best_time == float("inf"):
+        # Nothing fits: the error names the closest candidate of all, so every job is drafted,
+        # and those that fit no split go in the jobs' order, as without floors.
+        for index in range(len(jobs)):
+            if index not in drafted and not state.out_of_time():
+                _draft(state, *jobs[index], 1)
+        position = {job: index for index, job in reversed(list(enumerate(jobs)))}
+        state.unplaceable[unplaceable_before:] = sorted(
+            state.unplaceable[unplaceable_before:], key=position.__getitem__
+        )
     if state.progress:
         state.progress(phase, 2 * len(jobs), 2 * len(jobs))
     fitting = [(ranked, index) for index, ranked in enumerate(results) if ranked is not None]
     return fitting + _interleave(state, jobs, results)
+
+
+class _Floor(enum.IntEnum):
+    """How far a job in _evaluate's queue is made out: each key is at most the next one's."""
+
+    SETTING = 0  # _setting_floor: every job of one setting at once
+    RELAXED = 1  # _structure_floor over _relaxed_bottleneck
+    WHOLE = 2  # over _least_bottleneck without memory caps
+    CAPPED = 3  # over _least_bottleneck under the draft's memory caps
+    DRAFTED = 4  # the draft's bound
+
+
+def _setting_floor(state: _Search, setting: Setting) -> float:
+    """At most _structure_floor of every structure under ``setting``: a stage of TP t on group
+    g passes a layer at a rate 1 / layer_time, at most t x r_g, r_g the best rate a device of g
+    reaches at any degree, so the layers of all micro-batches take at least their count over
+    the rate of every device at its best (the embedding and the head only add). 0 where the
+    ranks share the cores."""
+    if state.profiles is not None:
+        return 0.0
+    rate = sum(
+        group.devices
+        * max(1 / (tp * layer_time(setting, group, tp)) for tp in tp_degrees(group, state.model))
+        for group in state.cluster.groups
+    )
+    total = state.global_batch // setting.micro_batch
+    return total * state.model.layers / rate * (1 - FLOOR_MARGIN)
+
+
+def _structure_floor(
+    state: _Search, setting: Setting, structure: Structure, known: _Floor
+) -> float | None:
+    """At most the bounds of every draft of ``structure``, without drafting it (None: it has no
+    draft): the slowest replica takes at least the time at which the layouts, each running
+    micro-batches at its least bottleneck, would share them all. The least bottleneck, from
+    cheapest and lowest to dearest and highest (``known``): that of layers as real numbers
+    (_relaxed_bottleneck), of whole layers, of whole layers under the memory caps
+    (_least_bottleneck). 0 where the ranks share the cores (the draft scales its bound by how
+    much faster a stage may then run)."""
+    total = state.global_batch // setting.micro_batch
+    replicas = sum(layout.count for layout in structure)
+    if replicas == 0 or total < replicas:
+        return None
+    if state.profiles is not None:
+        return 0.0
+    nominal = max(1, total // replicas)
+    rate = 0.0
+    for layout in structure:
+        bottleneck = (
+            _relaxed_bottleneck(setting, state.cluster, layout.slots)
+            if known == _Floor.RELAXED
+            else _least_bottleneck(
+                setting, state.cluster, layout, nominal if known == _Floor.CAPPED else None
+            )
+        )
+        if bottleneck is None:
+            return None
+        rate += layout.count / bottleneck
+    return total / rate * (1 - FLOOR_MARGIN)
+
+
+FLOOR_MARGIN = 1e-9
+"""Rounding headroom: a floor must never exceed the bound it stands for."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_costs(
+    setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each stage's time per layer and its extra time (embedding, head) per micro-batch, as
+    _partition prices them (each kind of stage and place priced once: a pipeline has few)."""
+    p = len(slots)
+    priced: dict[tuple[StageSlot, StagePosition], tuple[float, float]] = {}
+    per_layer, extra = [], []
+    for s, slot in enumerate(slots):
+        where = (slot, StagePosition.of(s, p))
+        if where not in priced:
+            group = cluster.group(slot.group)
+            priced[where] = (
+                layer_time(setting, group, slot.tp),
+                end_time(setting, group, slot.tp, where[1]),
+            )
+        per_layer.append(priced[where][0])
+        extra.append(priced[where][1])
+    return tuple(per_layer), tuple(extra)
+
+
+@functools.lru_cache(maxsize=65536)
+def _relaxed_bottleneck(
+    setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
+) -> float:
+    per_layer, extra = _stage_costs(setting, cluster, slots)
+    return relaxed_bottleneck(setting.model.layers, per_layer, extra)
+
+
+@functools.lru_cache(maxsize=65536)
+def _least_bottleneck(
+    setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int | None
+) -> float | None:
+    """least_bottleneck of the layout under the memory caps of its draft at ``micro_batches``
+    (None: no caps): at most the bottleneck of the draft's split."""
+    per_layer, extra = _stage_costs(setting, cluster, layout.slots)
+    layers = setting.model.layers
+    caps = (
+        [layers] * len(layout.slots)
+        if micro_batches is None
+        else stage_caps(setting, cluster, layout.slots, micro_batches, 1, layout.count)
+    )
+    return least_bottleneck(layers, per_layer, extra, caps)
 
 
 def _interleave(
@@ -500,6 +774,11 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
 
 
 def _predict(state: _Search, plan: Plan) -> Ranked | None:
+    """The plan predicted and kept, if it fits. Once a plan fits, one that _fits shows does not
+    is not predicted: it would not be kept, and the closest overflow only matters while none
+    fits."""
+    if state.prune and state.ranked and not _fits(state, plan):
+        return None
     state.evaluated += 1
     prediction = predict(
         plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles
@@ -525,10 +804,7 @@ def _partition(
         end_time(setting, g, slot.tp, StagePosition.of(s, p))
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
-    caps = [
-        layer_cap(setting, g, slot.tp, s, p, micro_batches, chunks, layout.count)
-        for s, (g, slot) in enumerate(zip(groups, layout.slots))
-    ]
+    caps = list(stage_caps(setting, cluster, layout.slots, micro_batches, chunks, layout.count))
     split = partition_chunks(setting.model.layers, per_layer, extra, caps, micro_batches, chunks)
     if split is None:
         return None, None
