@@ -131,7 +131,7 @@ def measured_layers_bytes(plan, model, stage, held: Held, in_flight: float) -> f
         layers=stage.layers,
         in_flight=in_flight,
         micro_batch=plan.micro_batch,
-        recompute=plan.recompute,
+        recompute=plan.pipelines[stage.pipeline].stages[stage.position].recompute,
     )
 
 

@@ -5,7 +5,8 @@ Usage: python benchmarks/predictor_vs_runtime.py [--steps N] [--rounds R] [--wor
 Target (issue 5): MAPE of predicted vs measured iteration time <= 10% (aim 5%) over at least 6
 plans on 2 and 4 ranks (PP splits, DP, TP, recomputation, an uneven batch split), worst case
 printed; issue 17's plans (interleaved 1F1B, a sharded optimizer, an overlapped gradient sync)
-each within 10%. Every prediction is made before its run, from profiles (`hethub validate`).
+and issue 28's per-stage recomputation each within 10%. Every prediction is made before its run,
+from profiles (`hethub validate`).
 
 This shared machine's speed drifts by 20% and more over minutes, so a profile taken at one moment
 misprices a run a few minutes later. Each plan is therefore profiled afresh right before each of
@@ -176,6 +177,25 @@ PLANS = [
         CPU,
         plan(16, 2, [{"count": 2, "stages": [stage("cpu", 1, 8)]}], overlap_grad_sync=True),
         "2 ranks: DP 2, gradient sync overlapped",
+    ),
+    # issue 28: each stage its own recomputation
+    (
+        "pp2-stage-recompute",
+        CPU,
+        plan(
+            16,
+            2,
+            [
+                {
+                    "count": 1,
+                    "stages": [
+                        {**stage("cpu", 1, 5), "recompute": "full"},
+                        {**stage("cpu", 1, 3), "recompute": "selective"},
+                    ],
+                }
+            ],
+        ),
+        "2 ranks: PP 5/3, full then selective recomputation",
     ),
 ]
 

@@ -75,15 +75,37 @@ def _compiled_rank(rank, world, preset, plan_dict):
 
 
 # One compiled layout per precision, between them GPT and Llama, TP 2 (the region functions'
-# all-reduces inside the compiled graph), pipeline stages and recomputation. Each rank's process
-# compiles its graph, tens of seconds on 2 cores, so no more.
-COMPILED = [("tp 2", "fp32"), ("recompute, gpipe", "bf16")]
+# all-reduces inside the compiled graph), pipeline stages and recomputation: full on one stage
+# (each compiled layer checkpointed), selective on the other (the checkpoint of the attention's
+# inner part inside the compiled graph). Each rank's process compiles its graph, tens of seconds
+# on 2 cores, so no more.
+STAGE_RECOMPUTE = "recompute full then selective, gpipe"
+COMPILED_PLANS = {
+    **PLANS,
+    STAGE_RECOMPUTE: (
+        PLANS["recompute, gpipe"][0],
+        {
+            **PLANS["recompute, gpipe"][1],
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 4,
+                    "stages": [
+                        {"group": "nv", "tp": 1, "layers": 2},
+                        {"group": "amd", "tp": 1, "layers": 6, "recompute": "selective"},
+                    ],
+                }
+            ],
+        },
+    ),
+}
+COMPILED = [("tp 2", "fp32"), (STAGE_RECOMPUTE, "bf16")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "precision"), COMPILED)
 def test_a_compiled_layout_matches_the_single_process_reference(name, precision):
-    preset, fields = PLANS[name]
+    preset, fields = COMPILED_PLANS[name]
     plan_dict = {"model": preset, "micro_batch": 1, "precision": precision, **fields}
     plan_dict["compile"] = True
     plan = parse_plan(plan_dict)

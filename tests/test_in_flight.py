@@ -10,6 +10,7 @@ from hethub.spec.schedules import (
     BACKWARD,
     FORWARD,
     Schedule,
+    chunks_per_stage,
     in_flight_micro_batches,
     interleaved_orders,
     megatron_in_flight,
@@ -18,7 +19,7 @@ from hethub.spec.schedules import (
 )
 
 
-@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("schedule", [s for s in Schedule if chunks_per_stage(s) != 2])
 def test_one_chunk_s_closed_form_is_the_walk(schedule: Schedule) -> None:
     for p in range(1, 13):
         for m in range(1, 3 * p + 2):

@@ -24,7 +24,7 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
 GEMMS = {"mm", "addmm"}
-COLLECTIVES = {"allreduce_"}
+COLLECTIVES = {"allreduce_", "_allgather_base_", "_reduce_scatter_base_"}
 ALLOCATIONS = {"empty", "empty_like", "empty_strided"}
 """Operations that only allocate: they read and write no bytes."""
 
@@ -128,6 +128,7 @@ def traced_layer(
         for param in layer.parameters():
             param.normal_(std=0.02)
     layer.to(dtype)
+    layer.checkpoint_attention = recompute is Recompute.SELECTIVE  # as its Stage sets it
     x = torch.randn(micro_batch, model.seq_len, model.hidden, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     saved = SavedBytes([*layer.parameters(), *layer.buffers()])
@@ -155,7 +156,7 @@ def check_layer(model, group, tp, precision, micro_batch=2, recompute=Recompute.
     what = f"{model.name} kv_heads={model.kv_heads} tp={tp} {precision} {recompute}"
     assert_same_ops(forward, described.forward, f"{what} forward")
     assert_same_ops(backward, described.backward, f"{what} backward")
-    if recompute is Recompute.NONE:
+    if recompute is not Recompute.FULL:
         assert saved == described.saved_bytes, what
 
 
@@ -172,6 +173,18 @@ def test_recomputation_runs_the_forward_again_inside_the_backward():
         check_layer(LLAMA_GQA, None, 1, Precision.BF16, recompute=Recompute.FULL)
 
 
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("model", [LLAMA, LLAMA_GQA, GPT], ids=["llama", "llama-gqa", "gpt"])
+def test_selective_recomputation_runs_the_inner_attention_again_and_keeps_less(model, precision):
+    check_layer(model, None, 1, precision, recompute=Recompute.SELECTIVE)
+    # What it saves is the kernel's log-sum-exp, fp32, one per query of each head: the QKV
+    # output it keeps instead of q, k and v has their bytes, and the output projection keeps
+    # the kernel's output either way.
+    kept = {r: layer_ops(model, 1, 2, precision, Kernels.CPU, r).saved_bytes for r in Recompute}
+    log_sum_exp = 2 * model.heads * model.seq_len * 4
+    assert kept[Recompute.NONE] - kept[Recompute.SELECTIVE] == log_sum_exp
+
+
 SAVED_SHAPES = [
     {"hidden": 64, "heads": 4, "seq": 16},
     {"hidden": 96, "heads": 6, "seq": 32},
@@ -184,9 +197,10 @@ SAVED_SHAPES = [
 def test_saved_bytes_are_the_description_s_at_three_shapes(arch, shape):
     model = spec(arch, kv_heads=shape["heads"] // 2 if arch == "llama" else shape["heads"], **shape)
     for precision in (Precision.BF16, Precision.FP32):
-        *_, saved = traced_layer(model, None, precision, 3, Recompute.NONE)
-        described = layer_ops(model, 1, 3, precision, Kernels.CPU).saved_bytes
-        assert saved == described, (arch, shape, precision)
+        for recompute in (Recompute.NONE, Recompute.SELECTIVE):
+            *_, saved = traced_layer(model, None, precision, 3, recompute)
+            described = layer_ops(model, 1, 3, precision, Kernels.CPU, recompute).saved_bytes
+            assert saved == described, (arch, shape, precision, recompute)
 
 
 def _tp2_rank(rank: int, world: int) -> None:
@@ -194,6 +208,7 @@ def _tp2_rank(rank: int, world: int) -> None:
     for model in (LLAMA_GQA, GPT):
         for precision in (Precision.FP32, Precision.BF16):
             check_layer(model, group, world, precision)
+        check_layer(model, group, world, Precision.BF16, recompute=Recompute.SELECTIVE)
 
 
 def test_the_description_is_what_the_layer_dispatches_at_tp2():

@@ -4,6 +4,8 @@ GPT's alone, and the measured rows are priced with it, not with hethub's own lay
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 from benchmark_scripts import load_benchmark
 
@@ -54,6 +56,26 @@ def test_saved_bytes_are_korthikanti_eq2(hidden, heads, seq, tp, micro_batch):
     assert (
         layer_ops(gpt(hidden, heads, seq), tp, 1, BF16, MEGATRON, Recompute.FULL).saved_bytes == 0
     )
+    # Selective recomputation keeps no scores: Korthikanti et al.'s sbh (10 + 24/t) (their
+    # section 4.2, without sequence parallelism); the core attention's forward runs again.
+    selective = layer_ops(
+        gpt(hidden, heads, seq), tp, micro_batch, BF16, MEGATRON, Recompute.SELECTIVE
+    )
+    assert selective.saved_bytes == pytest.approx(
+        korthikanti_eq2_bytes(seq, micro_batch, hidden, 0, tp), rel=1e-12
+    )
+    outside_core = {
+        "fused_layer_norm",
+        "addmm",
+        "mm",
+        "allreduce_",
+        "bias_dropout_add",
+        "bias_gelu",
+    }
+    core = [op for op in ops.forward if op.name not in outside_core]
+    assert core[0].name == "baddbmm" and core[-1].name == "clone"
+    rerun = collections.Counter(selective.backward) - collections.Counter(ops.backward)
+    assert rerun == collections.Counter(core)
 
 
 @pytest.mark.parametrize(

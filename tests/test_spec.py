@@ -3,6 +3,8 @@ files."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -21,7 +23,15 @@ from hethub.spec import (
 )
 from hethub.spec.model import llama_ffn_hidden
 from hethub.spec.parameters import parameter_count, parameter_counts
-from hethub.spec.plan import PipelineLayout, Precision, StageSpec, uniform_layers
+from hethub.spec.plan import (
+    PipelineLayout,
+    Precision,
+    Recompute,
+    StageSpec,
+    load_plan,
+    uniform_layers,
+)
+from hethub.spec.schedules import Schedule
 
 # --------------------------------------------------------------------------------------------
 # Model presets and parameter counts
@@ -380,11 +390,64 @@ def test_plan_defaults() -> None:
     # 512 sequences split evenly over 1 + 3 = 4 replicas of micro-batch 1
     assert first.micro_batches == 128
     assert second.micro_batches == 128
+    # each stage's recomputation and each layout's schedule are the plan's, filled in
     assert first.stages == (
-        StageSpec(group="nv", tp=4, layers=18),
-        StageSpec(group="amd", tp=8, layers=14),
+        StageSpec(group="nv", tp=4, layers=18, recompute=Recompute.NONE),
+        StageSpec(group="amd", tp=8, layers=14, recompute=Recompute.NONE),
     )
+    assert first.schedule == second.schedule == Schedule.ONE_F_ONE_B
     assert first.devices == 12
+
+
+def test_a_layout_may_set_its_own_schedule_and_a_stage_its_own_recomputation(tmp_path) -> None:
+    raw = {
+        "model": "tiny-llama",
+        "global_batch": 8,
+        "recompute": "full",
+        "schedule": "1f1b",
+        "pipelines": [
+            {"stages": [{"group": "a", "layers": 2}, {"group": "b", "layers": 2}]},
+            {
+                "schedule": "zbv",
+                "stages": [
+                    {"group": "a", "layers": [1, 1], "recompute": "none"},
+                    {"group": "b", "layers": [2, 0 + 1]},
+                ],
+            },
+        ],
+    }
+    plan = parse_plan(raw, "plan.yaml")
+    one, v = plan.pipelines
+    assert (one.schedule, v.schedule) == (Schedule.ONE_F_ONE_B, Schedule.ZBV)
+    assert [s.recompute for s in v.stages] == [Recompute.NONE, Recompute.FULL]
+    assert [s.recompute for s in one.stages] == [Recompute.FULL, Recompute.FULL]
+    # the V: stage 0 holds the model's chunks 0 and 3, stage 1 chunks 1 and 2
+    assert v.chunk_layers() == [1, 2, 1, 1]
+    # the file keeps only what differs from the plan's defaults, and reads back the same plan
+    out = tmp_path / "plan.yaml"
+    out.write_text(plan.to_yaml())
+    assert "recompute: none" in out.read_text() and "schedule: zbv" in out.read_text()
+    assert load_plan(out) == plan
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages", "says"),
+    [("zbv", 3, "runs 2 chunk(s) per stage"), ("1f1b", 2, "runs 1 chunk(s) per stage")],
+)
+def test_a_schedule_refuses_a_chunk_count_it_cannot_run(schedule, virtual_stages, says) -> None:
+    raw = {
+        "model": "tiny-llama",
+        "global_batch": 2,
+        "pipelines": [
+            {
+                "schedule": schedule,
+                "virtual_stages": virtual_stages,
+                "stages": [{"group": "a", "layers": [1] * virtual_stages}] * 2,
+            }
+        ],
+    }
+    with pytest.raises(SpecError, match=re.escape(says)):
+        parse_plan(raw, "plan.yaml")
 
 
 def test_plan_stage_tp_defaults_to_one_and_even_split_uses_micro_batch() -> None:

@@ -25,6 +25,13 @@ from hethub.spec import (
 from hethub.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, uniform_plan
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages")
+SWITCHES = {
+    "shard_optimizer": "split the optimizer state across the data-parallel replicas",
+    "overlap_grad_sync": "sync gradient buckets during the backwards",
+    "overlap_param_gather": "gather a sharded optimizer's weights during the next forwards",
+    "sequence_parallel": "split the norms' and residuals' activations over the TP ranks",
+}
+"""The shorthand plan's on/off fields, each a flag of its own name."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,23 +52,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             help=f"shorthand plan: {flag.replace('_', ' ')}",
         )
     parser.add_argument(
-        "--recompute", choices=RECOMPUTE, default="none", help="shorthand plan: recomputation"
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="shorthand plan: every stage's recomputation (selective: the attention's inner part)",
     )
     parser.add_argument(
         "--schedule",
         choices=SCHEDULES,
         help="shorthand plan: schedule (default 1f1b; interleaved-1f1b with --virtual-stages)",
     )
-    parser.add_argument(
-        "--shard-optimizer",
-        action="store_true",
-        help="shorthand plan: split the optimizer state across the data-parallel replicas",
-    )
-    parser.add_argument(
-        "--overlap-grad-sync",
-        action="store_true",
-        help="shorthand plan: sync gradient buckets during the backwards",
-    )
+    for flag, what in SWITCHES.items():
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}", action="store_true", help=f"shorthand plan: {what}"
+        )
     parser.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -112,7 +116,7 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
     """The plan from --plan or the shorthand flags, checked against the cluster and the model."""
     given = [
         flag
-        for flag in (*SHORTHAND, "precision", "schedule", "shard_optimizer", "overlap_grad_sync")
+        for flag in (*SHORTHAND, "precision", "schedule", *SWITCHES)
         if getattr(args, flag, None) not in (None, False)
     ]
     if args.plan:
@@ -142,6 +146,9 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
         )
     model = load_model(args.model, source="--model")
     tp, pp, dp, v = (getattr(args, flag) or 1 for flag in ("tp", "pp", "dp", "virtual_stages"))
+    zbv = args.schedule == "zbv"
+    if zbv and not args.virtual_stages:
+        v = 2  # the V: two chunks a stage
     if pp * v > model.layers:
         given = f"--pp = {pp}" if v == 1 else f"--pp x --virtual-stages = {pp} x {v}"
         raise HethubError(
@@ -149,12 +156,14 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
             f"(the model has {plural(model.layers, 'layer')})"
         )
     if v > 1 and pp < 2:
-        raise HethubError(f"--virtual-stages = {v}: interleaving needs --pp 2 or more")
+        raise HethubError(
+            f"--virtual-stages = {v}: more than one chunk per stage needs --pp 2 or more"
+        )
     schedule = args.schedule or ("interleaved-1f1b" if v > 1 else "1f1b")
-    if v > 1 and schedule != "interleaved-1f1b":
+    if v > 1 and schedule not in ("interleaved-1f1b", "zbv") or zbv and v != 2:
         raise HethubError(
             f"--virtual-stages = {v}: more than one chunk per stage needs --schedule "
-            f"interleaved-1f1b (not {schedule})"
+            f"interleaved-1f1b (any count) or zbv (2), not {schedule}"
         )
     if args.global_batch % (dp * args.micro_batch):
         raise HethubError(
@@ -174,8 +183,7 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
         precision=getattr(args, "precision", None) or "bf16",
         layers=model.layers,
         virtual_stages=v,
-        shard_optimizer=args.shard_optimizer,
-        overlap_grad_sync=args.overlap_grad_sync,
+        **{flag: getattr(args, flag) for flag in SWITCHES},
     )
     check_plan(plan, cluster, model, "command line")
     return plan, model, "command line"

@@ -111,6 +111,11 @@ def describe(
         "grad sync ms",
         "memory GB",
     ]
+    # A column of each stage's recomputation where a stage sets its own (the plan's otherwise,
+    # on the line above the table).
+    per_stage = {s.recompute for p in plan.pipelines for s in p.stages} != {plan.recompute}
+    if per_stage:
+        header.insert(header.index("micro-batches"), "recompute")
     rows = []
     for s in prediction.stages:
         layout = plan.pipelines[s.pipeline]
@@ -133,6 +138,8 @@ def describe(
                 f"{s.memory.total_gb:.1f} / {capacity:g}{flag}",
             ]
         )
+        if per_stage:
+            rows[-1].insert(header.index("recompute"), str(layout.stages[s.position].recompute))
     p = prediction
     params = parameter_count(model)
     size = (
@@ -143,7 +150,7 @@ def describe(
             f"model {model.name} ({size} parameters), plan {source}: "
             f"global batch {plan.global_batch} x {model.seq_len} tokens, "
             f"{plan.precision}, micro-batch {plan.micro_batch}, "
-            f"recompute {plan.recompute}, {schedule_text(plan)}, "
+            f"recompute {'per stage' if per_stage else plan.recompute}, {schedule_text(plan)}, "
             f"{plural(p.devices, 'device')}"
         ),
         "",

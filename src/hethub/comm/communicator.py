@@ -122,10 +122,29 @@ class Communicator:
         (``bridge``, one per vendor, host-staged), broadcast the sum back inside the part. Only
         one copy per vendor crosses the bridge, where a flat ring over every rank would send
         2 (n - 1) / n of it out of each."""
-        first = local.ranks[0]
         if local.size > 1:
             self._count(local.ranks, tensor, local.size - 1, local.size)
-            self._collective(dist.reduce, tensor, local.handle, dst=first)
+            self._collective(dist.reduce, tensor, local.handle, dst=local.ranks[0])
+        return self.finish_hierarchical_all_reduce(tensor, local, bridge)
+
+    def start_hierarchical_all_reduce(self, tensor: torch.Tensor, local: Group) -> Pending | None:
+        """Start the part of ``hierarchical_all_reduce`` that stays inside this rank's vendor,
+        asynchronously: the reduce to the first rank of ``local`` (None where ``local`` is
+        this rank alone: nothing to reduce). ``finish_hierarchical_all_reduce`` does the rest
+        once it is waited for. (Native, as ``start_all_reduce``.)"""
+        if local.size == 1:
+            return None
+        self._count(local.ranks, tensor, local.size - 1, local.size)
+        work = dist.reduce(tensor, local.ranks[0], group=local.handle, async_op=True)
+        return Pending(work, tensor)
+
+    def finish_hierarchical_all_reduce(
+        self, tensor: torch.Tensor, local: Group, bridge: Group
+    ) -> torch.Tensor:
+        """The rest of ``hierarchical_all_reduce`` once ``tensor`` is reduced to the first rank
+        of ``local``: the exchange among the vendors' first ranks (``bridge``), then the
+        broadcast of the sum inside the vendor."""
+        first = local.ranks[0]
         if self.rank == first:
             self.all_reduce(tensor, bridge)
         if local.size > 1:
@@ -179,6 +198,20 @@ class Communicator:
         native backend reads the tensors where they are.)"""
         self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)
         return Pending(dist.all_reduce(tensor, group=group.handle, async_op=True), tensor)
+
+    def start_all_gather_into(
+        self, whole: torch.Tensor, piece: torch.Tensor, group: Group
+    ) -> Pending:
+        """``all_gather_into``, asynchronously: its result is ``whole``, which is not to be read
+        before it is waited for. (Native, as ``start_all_reduce``.)"""
+        if whole.numel() != group.size * piece.numel():
+            raise ValueError(
+                f"an all-gather of {piece.numel()} elements over {group.size} ranks fills "
+                f"{group.size * piece.numel()}, not {whole.numel()}"
+            )
+        self._count(group.ranks, piece, group.size - 1)
+        work = dist.all_gather_single(whole, piece, group=group.handle, async_op=True)
+        return Pending(work, whole)
 
     def start_reduce_scatter(
         self, flat: torch.Tensor, group: Group, out: torch.Tensor | None = None

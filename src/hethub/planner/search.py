@@ -64,6 +64,11 @@ UNPLACEABLE_PRICED = (
     200  # when no plan fits, how many unplaceable structures to price for the error
 )
 
+SEARCHED_RECOMPUTE = (Recompute.NONE, Recompute.FULL)
+"""The recomputations the search tries, each for a whole plan: selective, which saves only the
+attention kernel's log-sum-exp with flash kernels (spec.layer_ops), would price half as many
+plans again for next to no memory; the per-stage choice is the search's next step (issue 28)."""
+
 Progress = Callable[[str, int, int], None]
 
 
@@ -189,7 +194,7 @@ def search(
         )
         for b in MICRO_BATCH_SIZES
         if global_batch % b == 0
-        for r in Recompute
+        for r in SEARCHED_RECOMPUTE
     ]
 
     group_best: dict[str, Ranked | None] = {}

@@ -81,6 +81,14 @@ def group_allreduce_time(
     return hierarchical_allreduce_time(nbytes, per_node, nodes, group, cal)
 
 
+def group_all_gather_time(nbytes: float, ranks: int, group: DeviceGroup, cal: Calibration) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` (the whole tensor, each rank holding or
+    keeping 1/ranks of it) over ``ranks`` devices of one group: half an all-reduce of the same
+    tensor, which a ring runs as a reduce-scatter then an all-gather (sequence parallelism's
+    collectives, in place of the TP all-reduces)."""
+    return group_allreduce_time(nbytes, ranks, group, cal) / 2
+
+
 def p2p_time(nbytes: float, bandwidth: float, cal: Calibration) -> float:
     """One point-to-point message."""
     return nbytes / bandwidth + cal.collective_latency_us * 1e-6

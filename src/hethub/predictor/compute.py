@@ -4,18 +4,21 @@ GEMMs are priced by FLOPs at a size-dependent efficiency, memory-bound operators
 activations, dropout, residual adds) by bytes over memory bandwidth, and the host by a launch
 cost per operator: a piece of work takes the larger of its host time and its device time.
 Backward is twice the forward (input and weight gradients); full recomputation repeats the
-forward inside the backward.
+forward inside the backward, selective recomputation the attention's inner part (spec.layer_ops).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hethub.errors import HethubError
+from hethub.predictor import comm
 from hethub.predictor.calibration import Calibration
 from hethub.spec.accelerator import AcceleratorSpec
-from hethub.spec.layer_ops import Kernels, Op, OpKind, layer_ops
+from hethub.spec.cluster import DeviceGroup
+from hethub.spec.layer_ops import ALL_REDUCE, Kernels, Op, OpKind, collective_bytes, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Precision, Recompute
 
@@ -93,17 +96,17 @@ def pass_time(
     accelerator: AcceleratorSpec,
     cal: Calibration,
     precision: Precision,
-    tp_allreduce_s: float,
+    collective_s: Callable[[Op], float],
 ) -> float:
     """Seconds of one pass (forward or backward) over ``ops``: the larger of the host's time to
     launch them and the device's to run them, GEMMs and attention at the GEMM efficiency, the
-    memory-bound operations by the bytes they move, each all-reduce ``tp_allreduce_s``."""
+    memory-bound operations by the bytes they move, each TP collective ``collective_s`` of it."""
     device = 0.0
     for op in ops:
         if op.kind is OpKind.MEMORY:
             device += memory_time(op.bytes_moved, accelerator, cal)
         elif op.kind is OpKind.COLLECTIVE:
-            device += tp_allreduce_s
+            device += collective_s(op)
         else:
             device += gemm_time(op.flops, op.narrowest, accelerator, cal, precision)
     return max(len(ops) * cal.launch_us * 1e-6, device)
@@ -120,18 +123,68 @@ def layer_cost(
     tp_allreduce_s: float,
     precision: Precision,
     kernels: Kernels | None = None,
+    *,
+    tp_group: DeviceGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> WorkCost:
     """One transformer layer, one micro-batch, on one of ``tp`` devices: spec.layer_ops'
     inventory of the layer, priced pass by pass (pass_time). With full recomputation the
-    backward runs the forward again first. ``kernels``: the layer that ran (Kernels.MEGATRON_LM
-    for Megatron-LM's runs); None, the runtime's on the device's own (kernels_of)."""
+    backward runs the forward again first; with selective, the attention's rotations, v's copy
+    and kernel (Megatron-LM's layer: its core attention). ``kernels``: the layer that ran
+    (Kernels.MEGATRON_LM for Megatron-LM's runs); None, the runtime's on the device's own
+    (kernels_of).
+
+    Its TP collectives: each all-reduce ``tp_allreduce_s`` (the layer's are all of its (B, T, h)
+    activation), or, on ``tp_group`` (needed under ``sequence_parallel``, whose layer also
+    all-reduces its norms' weight gradients), each priced on its own bytes (tp_collective_time).
+    """
     kernels = kernels or kernels_of(accelerator)
-    ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute)
+    ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute, sequence_parallel)
+    if tp_group is None:
+        if sequence_parallel and tp > 1:
+            raise HethubError("a sequence-parallel layer is priced on its TP group: give tp_group")
+        collective_s = functools.partial(_same_seconds, tp_allreduce_s)
+    else:
+        collective_s = functools.partial(tp_collective_time, tp=tp, group=tp_group, cal=cal)
     return WorkCost(
-        pass_time(ops.forward, accelerator, cal, precision, tp_allreduce_s),
-        pass_time(ops.backward, accelerator, cal, precision, tp_allreduce_s),
+        pass_time(ops.forward, accelerator, cal, precision, collective_s),
+        pass_time(ops.backward, accelerator, cal, precision, collective_s),
         sum(op.flops for op in ops.forward),
     )
+
+
+def selective_rerun_share(
+    model: ModelSpec,
+    accelerator: AcceleratorSpec,
+    cal: Calibration,
+    tp: int,
+    micro_batch: int,
+    tp_allreduce_s: float,
+    precision: Precision,
+    kernels: Kernels | None = None,
+) -> float:
+    """What selective recomputation adds to a layer's backward, as a share of the layer's
+    forward, as layer_cost prices both: a measured forward times it prices the rerun from a
+    profile (predictor.profiled), which measures a layer's times without it."""
+    plain, selective = (
+        layer_cost(model, accelerator, cal, tp, micro_batch, r, tp_allreduce_s, precision, kernels)
+        for r in (Recompute.NONE, Recompute.SELECTIVE)
+    )
+    return (selective.backward_s - plain.backward_s) / plain.forward_s
+
+
+def _same_seconds(seconds: float, _op: Op) -> float:
+    return seconds
+
+
+def tp_collective_time(op: Op, *, tp: int, group: DeviceGroup, cal: Calibration) -> float:
+    """Seconds of the TP collective ``op`` over ``tp`` devices of ``group``: an all-reduce of
+    its bytes, or an all-gather or reduce-scatter (sequence parallelism's) of them, half that
+    (comm.group_all_gather_time)."""
+    nbytes = collective_bytes(op)
+    if op.name == ALL_REDUCE:
+        return comm.group_allreduce_time(nbytes, tp, group, cal)
+    return comm.group_all_gather_time(nbytes, tp, group, cal)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -17,7 +17,7 @@ from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32
-from hethub.predictor.memory import stage_params
+from hethub.predictor.memory import stage_params, stage_position
 from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
 from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.schedule import (
@@ -30,14 +30,15 @@ from hethub.predictor.schedule import (
 )
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import StagePosition
+from hethub.predictor.weight_split import split_backward, weight_gradient_share
 from hethub.profiles.store import Profiles
-from hethub.report.timeline import TimelineEvent
+from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision
-from hethub.spec.schedules import in_flight_micro_batches
+from hethub.spec.schedules import in_flight_micro_batches, model_chunk
 from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 
@@ -50,6 +51,12 @@ class _LayoutCosts:
     forward_s: list[float]
     """Per model chunk (per stage, without interleaving): one micro-batch."""
     backward_s: list[float]
+    """Per model chunk: its backward, or under a zero-bubble schedule its B (the input's
+    gradient)."""
+    weight_s: list[float]
+    """Per model chunk: under a zero-bubble schedule its W (the weights' gradients); else 0."""
+    chunk_stage: tuple[int, ...]
+    """Per model chunk: the stage that holds it (spec.schedules.model_chunk's inverse)."""
     send_s: list[float]
     """Per boundary between chunks: an activation forward."""
     send_back_s: list[float]
@@ -66,10 +73,13 @@ class _LayoutCosts:
 
     def stage_forward_s(self, s: int) -> float:
         """One micro-batch through all of stage ``s``'s chunks, forward."""
-        return sum(self.forward_s[s :: len(self.groups)])
+        return sum(t for t, at in zip(self.forward_s, self.chunk_stage) if at == s)
 
     def stage_backward_s(self, s: int) -> float:
-        return sum(self.backward_s[s :: len(self.groups)])
+        """One micro-batch through all of stage ``s``'s chunks, backward (B and W)."""
+        return sum(
+            b + w for b, w, at in zip(self.backward_s, self.weight_s, self.chunk_stage) if at == s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +91,8 @@ class _LayoutRun(_LayoutCosts):
     compute_s: list[float]
     """Per stage: its forwards and backwards of the step, as simulated."""
     chunk_done_s: list[float]
-    """Per model chunk: when its last backward ends (its gradients are then final)."""
+    """Per model chunk: when its last backward (its last W, under a zero-bubble schedule)
+    ends: its gradients are then final."""
 
 
 def predict(
@@ -218,7 +229,16 @@ class _PricedStage:
     prediction: StagePrediction
     sync_start_s: float
     """When its gradient sync can start: its last backward, or, with peers in other layouts,
-    the last backward of them all."""
+    the last backward of them all (an overlapped sync: so that it ends when its overlapped
+    end is, its whole length before)."""
+    gather_hidden_s: float = 0.0
+    """Of its param gather, what an overlapped one hides behind the next step's first
+    forwards."""
+
+    @property
+    def gather_exposed_s(self) -> float:
+        """Of its param gather, what shows at the step's end."""
+        return self.prediction.param_gather_s - self.gather_hidden_s
 
 
 def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
@@ -239,10 +259,11 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         model=step.model,
         layers=stage.layers,
         tp=stage.tp,
-        position=StagePosition.of(s, p),
+        position=stage_position(run.pipeline.schedule, s, p),
         micro_batch=plan.micro_batch,
-        recompute=plan.recompute,
+        recompute=stage.recompute,
         precision=plan.precision,
+        sequence_parallel=plan.sequence_parallel,
     )
     with_peers = SyncPeers(
         plan=plan,
@@ -254,15 +275,23 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         fewest=sync.fewest,
         cross_bw=sync.cross_bw.get(group.name, 0.0),
     )
-    reduce, gather = step.pricing.sync(group, shape, with_peers)
+    reduce, gather, exchange = step.pricing.sync(group, shape, with_peers)
     shards = sync.replicas[index] if plan.shard_optimizer else 1
     optimizer = step.pricing.optimizer_s(group, shape) / shards
     if plan.overlap_grad_sync and sync.classes == 1:
         start = _overlapped_sync_end(step.model, runs, peers, s, reduce) - reduce
+    elif plan.overlap_grad_sync:
+        # What stays inside the vendor hides behind the backwards as a layout's own sync does;
+        # the exchange between layouts waits for the slowest of them, and shows after it.
+        inside = _overlapped_sync_end(step.model, runs, peers, s, reduce - exchange)
+        start = max(start, inside) + exchange - reduce
+    hidden = 0.0
+    if plan.overlap_param_gather:
+        hidden = min(gather, _first_forward_end(run, s))
     memory = step.pricing.memory(
         group,
         shape,
-        in_flight=in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks),
+        in_flight=in_flight_micro_batches(run.pipeline.schedule, s, p, m, stage.chunks),
         optimizer_shards=shards,
     )
     prediction = StagePrediction(
@@ -283,7 +312,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
         end_s=run.stage_end_s[s],
         memory=memory,
     )
-    return _PricedStage(prediction, start)
+    return _PricedStage(prediction, start, hidden)
 
 
 def _assemble_step(
@@ -297,9 +326,9 @@ def _assemble_step(
     iteration = busy = span = synced = stepped = 0.0
     for stage in priced:
         s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
-        iteration = max(iteration, start + s.grad_sync_s + s.optimizer_s)
         reduced = start + s.grad_sync_s - s.param_gather_s
-        synced, stepped = max(synced, reduced), max(stepped, s.optimizer_s + s.param_gather_s)
+        iteration = max(iteration, reduced + s.optimizer_s + stage.gather_exposed_s)
+        synced, stepped = max(synced, reduced), max(stepped, s.optimizer_s + stage.gather_exposed_s)
         devices = run.pipeline.count * s.tp
         busy += devices * s.compute_s
         span += devices * run.time_s
@@ -329,6 +358,7 @@ def _assemble_step(
         schedule=str(plan.schedule),
         shard_optimizer=plan.shard_optimizer,
         overlap_grad_sync=plan.overlap_grad_sync,
+        overlap_param_gather=plan.overlap_param_gather,
         timeline=(
             None
             if schedule_events is None
@@ -355,13 +385,13 @@ def _step_events(
             TimelineEvent(**where, kind="grad_sync", start_s=start, end_s=sync_end),
             TimelineEvent(**where, kind="optimizer", start_s=optimizer_start, end_s=optimizer_end),
         ]
-        if s.param_gather_s > 0:
+        if stage.gather_exposed_s > 0:  # what an overlapped gather hides is the next step's
             events.append(
                 TimelineEvent(
                     **where,
                     kind="param_gather",
                     start_s=optimizer_end,
-                    end_s=optimizer_end + s.param_gather_s,
+                    end_s=optimizer_end + stage.gather_exposed_s,
                 )
             )
     return events
@@ -382,17 +412,23 @@ def _layout_costs(
     model: ModelSpec,
     pricing: Pricing,
 ) -> _LayoutCosts:
-    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward and
-    the sends over each boundary between the model's chunks. Chunk g is stage g mod p's chunk
-    g div p; the first holds the embedding, the last the head; under interleaving, the boundary
-    after each round of chunks wraps from the last stage to the first."""
-    p = len(pipeline.stages)
+    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward (B and
+    W apart under a zero-bubble schedule: predictor.weight_split) and the sends over each
+    boundary between the model's chunks. Stage s's chunk c is the model's
+    spec.schedules.model_chunk; the first holds the embedding, the last the head; under
+    interleaving, the boundary after each round of chunks wraps from the last stage to the
+    first; under ZBV, the one at the V's turn stays on the last stage and costs nothing."""
+    p, schedule = len(pipeline.stages), pipeline.schedule
     chunk_layers = pipeline.chunk_layers()
     chunks = len(chunk_layers)
+    chunk_stage = [0] * chunks
+    for s in range(p):
+        for c in range(chunks // p):
+            chunk_stage[model_chunk(schedule, s, p, c)] = s
     groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
-    forward, backward, sends, sends_back = [], [], [], []
+    forward, backward, weight, sends, sends_back = [], [], [], [], []
     for g, layers in enumerate(chunk_layers):
-        s = g % p
+        s = chunk_stage[g]
         stage, group = pipeline.stages[s], groups[s]
         shape = StageShape(
             model=model,
@@ -400,14 +436,31 @@ def _layout_costs(
             tp=stage.tp,
             position=StagePosition.of(g, chunks),
             micro_batch=plan.micro_batch,
-            recompute=plan.recompute,
+            recompute=stage.recompute,
             precision=plan.precision,
+            sequence_parallel=plan.sequence_parallel,
         )
         times = pricing.work(group, shape)
         forward.append(times.forward_s)
-        backward.append(times.backward_s)
+        share = 0.0
+        if schedule.splits_backward:
+            share = weight_gradient_share(
+                model,
+                stage.tp,
+                plan.micro_batch,
+                plan.precision,
+                pricing.kernels_on(group),
+                stage.recompute,
+            )
+        input_grad, weight_grad = split_backward(times.backward_s, share)
+        backward.append(input_grad)
+        weight.append(weight_grad)
         if g < chunks - 1:
-            nxt = (s + 1) % p
+            nxt = chunk_stage[g + 1]
+            if nxt == s:  # the V's turn: the next chunk is on the same stage
+                sends.append(0.0)
+                sends_back.append(0.0)
+                continue
             boundary = Boundary(
                 cluster=cluster,
                 model=model,
@@ -422,21 +475,31 @@ def _layout_costs(
             sent = pricing.send(boundary)
             sends.append(sent.forward_s)
             sends_back.append(sent.backward_s)
-    return _LayoutCosts(pipeline, groups, forward, backward, sends, sends_back)
+    return _LayoutCosts(
+        pipeline, groups, forward, backward, weight, tuple(chunk_stage), sends, sends_back
+    )
 
 
 def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:
     """One layout's schedule, each operation taking its cost; with ``every_op``, also the
     (order, starts, ends) of every operation, for a timeline."""
     p, m, v = len(costs.groups), costs.pipeline.micro_batches, costs.chunks
+    schedule = costs.pipeline.schedule
     compute = [m * (costs.stage_forward_s(s) + costs.stage_backward_s(s)) for s in range(p)]
-    if every_op or v > 1:  # a timeline needs every operation; interleaving runs them all anyway
-        order = schedule_order(plan.schedule, p, m, v)
+    if every_op or v > 1 or schedule.splits_backward:  # orders simulated whole (a timeline's too)
+        order = schedule_order(schedule, p, m, v)
         end = simulate(
-            order, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, every_op=True
+            order,
+            costs.forward_s,
+            costs.backward_s,
+            costs.send_s,
+            costs.send_back_s,
+            weight_s=costs.weight_s,
+            every_op=True,
         )
+        durations = (costs.forward_s, costs.backward_s, costs.weight_s)
         start = [
-            finish - (costs.backward_s if kind == BACKWARD else costs.forward_s)[order.chunk_of(i)]
+            finish - durations[kind][order.chunk_of(i)]
             for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
         ]
         stage_end = [end[i] for i in order.last_op]
@@ -449,7 +512,12 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
         )
         return run, (order, start, end) if every_op else None
     stage_end = stage_end_times(
-        plan.schedule, costs.forward_s, costs.backward_s, costs.send_s, costs.send_back_s, m
+        schedule,
+        costs.forward_s,
+        costs.backward_s,
+        costs.send_s,
+        costs.send_back_s,
+        m,
     )
     run = _LayoutRun(
         **costs.fields(),
@@ -462,10 +530,11 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
 
 
 def _chunk_done(order: ScheduleOrder, end: list[float]) -> list[float]:
-    """Per model chunk, the end of its last backward."""
+    """Per model chunk, the end of its last backward or W (after which its gradients are
+    final)."""
     done = [0.0] * (order.stages * order.chunks)
     for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end)):
-        if kind == BACKWARD:
+        if kind != FORWARD:
             g = order.chunk_of(i)
             done[g] = max(done[g], finish)
     return done
@@ -478,9 +547,12 @@ def _simulate_shared(
     (predictor.sharing)."""
     layouts = [
         SharedLayout(
-            order=schedule_order(plan.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks),
+            order=schedule_order(
+                c.pipeline.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks
+            ),
             forward_s=c.forward_s,
             backward_s=c.backward_s,
+            weight_s=c.weight_s,
             send_forward_s=c.send_s,
             send_backward_s=c.send_back_s,
             ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
@@ -516,12 +588,14 @@ def _overlapped_sync_end(
     time, each taking its share of ``grad_sync`` by parameters. Only what is left after the
     stage's last backward shows."""
     run = runs[peers[0]]
-    p, chunks = len(run.groups), run.chunks
+    p, chunks, schedule = len(run.groups), run.chunks, run.pipeline.schedule
+    # The pass that makes the weights' gradients: the backward, or a zero-bubble schedule's W.
+    gradients_s = run.weight_s if schedule.splits_backward else run.backward_s
     pieces = []  # (ready, parameters)
     for c, layers in enumerate(run.pipeline.stages[s].chunks):
-        g = c * p + s
+        g = model_chunk(schedule, s, p, c)
         params = stage_params(model, layers, StagePosition.of(g, p * chunks))
-        done, backward = max(runs[i].chunk_done_s[g] for i in peers), run.backward_s[g]
+        done, backward = max(runs[i].chunk_done_s[g] for i in peers), gradients_s[g]
         pieces += [
             (done - backward * (1 - (k + 1) / layers), params / layers) for k in range(layers)
         ]
@@ -529,6 +603,14 @@ def _overlapped_sync_end(
     for ready, params in sorted(pieces):
         end = max(end, ready) + grad_sync * params / total
     return end
+
+
+def _first_forward_end(run: _LayoutRun, s: int) -> float:
+    """When stage ``s``'s first forward of a step ends (of its first chunk, the first
+    micro-batch): after that micro-batch's forwards through every stage before it and their
+    sends, whatever the schedule. An overlapped param gather hides behind this much of the next
+    step (a lower bound: a stage's later layers and chunks start later still)."""
+    return sum(run.forward_s[: s + 1]) + sum(run.send_s[:s])
 
 
 def _across_nodes(
@@ -549,31 +631,21 @@ def _across_nodes(
 
 
 def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
-    """Every simulated operation and activation/gradient send, as trace events."""
+    """Every simulated operation and activation/gradient send, as trace events (a W sends
+    nothing, nor does the V's turn, which stays on its stage)."""
     events = []
     for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
         last_chunk = len(run.forward_s) - 1
         for i, ((s, kind, j), begin, finish) in enumerate(zip(order.ops, start, end)):
             where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
             g = order.chunk_of(i)
-            events.append(
-                TimelineEvent(
-                    **where,
-                    kind="backward" if kind == BACKWARD else "forward",
-                    start_s=begin,
-                    end_s=finish,
-                )
-            )
-            if kind == FORWARD and g < last_chunk:
-                events.append(
-                    TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_s[g]
-                    )
-                )
-            if kind == BACKWARD and g > 0:
-                events.append(
-                    TimelineEvent(
-                        **where, kind="send", start_s=finish, end_s=finish + run.send_back_s[g - 1]
-                    )
-                )
+            computed = OPERATION_KINDS[kind]
+            events.append(TimelineEvent(**where, kind=computed, start_s=begin, end_s=finish))
+            if kind == FORWARD and g < last_chunk and run.chunk_stage[g + 1] != s:
+                sent = run.send_s[g]
+            elif kind == BACKWARD and g > 0 and run.chunk_stage[g - 1] != s:
+                sent = run.send_back_s[g - 1]
+            else:
+                continue
+            events.append(TimelineEvent(**where, kind="send", start_s=finish, end_s=finish + sent))
     return events

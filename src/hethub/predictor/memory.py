@@ -8,8 +8,9 @@ in fp32; sharded, 6 + 12 / d and 8 + 8 / d). Autograd's own gradients of a backw
 until its end, when the main gradients take them (runtime.precision): the buffers' moment.
 
 Above it, the schedule's peak: what the layers keep for their backward (layer_activation_bytes)
-for the micro-batches in flight under the schedule, or under full recomputation each layer's
-input and one rebuilt layer (the runtime checkpoints each layer on its own); the
+for the micro-batches in flight under the stage's own recomputation: under selective, less the
+attention's log-sum-exp (selective_saving_bytes); under full, each layer's input and one rebuilt
+layer (the runtime checkpoints each layer on its own); the
 stage's boundary tensors; and the highest moment of a backward: the last stage's loss, head and
 final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMemory).
 """
@@ -25,7 +26,12 @@ from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table, stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
-from hethub.spec.schedules import Schedule, in_flight_micro_batches
+from hethub.spec.schedules import (
+    Schedule,
+    chunks_per_stage,
+    in_flight_micro_batches,
+    model_chunk,
+)
 
 GB = 1e9
 
@@ -83,11 +89,25 @@ def layer_activation_bytes(
     micro_batch: int,
     precision: Precision,
     kernels: Kernels = Kernels.FUSED,
+    sequence_parallel: bool = False,
 ) -> float:
     """Activations one layer keeps for its backward, one micro-batch, no recomputation: what
     spec.layer_ops says the runtime's layer saves on ``kernels`` (an accelerator's unless told:
-    a CPU's RMSNorm keeps fp32 copies besides)."""
-    return float(layer_ops(model, tp, micro_batch, precision, kernels).saved_bytes)
+    a CPU's RMSNorm keeps fp32 copies besides), sequence-parallel where told."""
+    ops = layer_ops(model, tp, micro_batch, precision, kernels, Recompute.NONE, sequence_parallel)
+    return float(ops.saved_bytes)
+
+
+def selective_saving_bytes(
+    model: ModelSpec, tp: int, micro_batch: int, precision: Precision, kernels: Kernels
+) -> float:
+    """What one layer no longer keeps for its backward, one micro-batch, under selective
+    recomputation (spec.layer_ops: with a flash kernel, only its log-sum-exp)."""
+    kept = [
+        layer_ops(model, tp, micro_batch, precision, kernels, recompute).saved_bytes
+        for recompute in (Recompute.NONE, Recompute.SELECTIVE)
+    ]
+    return float(kept[0] - kept[1])
 
 
 def stage_memory(
@@ -108,12 +128,24 @@ def stage_memory(
         model,
         layers,
         tp,
-        StagePosition.of(position, stages),
+        stage_position(schedule, position, stages),
         in_flight,
         micro_batch,
         recompute,
         precision,
     )
+
+
+def stage_position(schedule: Schedule, stage: int, stages: int) -> StagePosition:
+    """Where ``stage`` of ``stages`` sits, by the model chunks it holds under ``schedule``
+    (spec.schedules.model_chunk): the first holds the embedding, the last the head; under ZBV's
+    V the first stage holds both and the last neither."""
+    chunks = chunks_per_stage(schedule) or 1  # interleaved: the ends are the same at any count
+    held = {model_chunk(schedule, stage, stages, c) for c in range(chunks)}
+    first, last = 0 in held, stages * chunks - 1 in held
+    if first and last:
+        return StagePosition.of(0, 1)
+    return StagePosition.of(0 if first else 2 if last else 1, 3)
 
 
 def layers_bytes(
@@ -125,17 +157,37 @@ def layers_bytes(
     in_flight: float,
     micro_batch: int,
     recompute: Recompute,
+    split: int = 1,
 ) -> float:
     """What a stage's layers keep for their backward at the schedule's peak, from what one
-    layer keeps for one micro-batch (``per_layer`` bytes)."""
+    layer keeps for one micro-batch (``per_layer`` bytes); ``split``: the ranks a layer's input
+    is split over along the sequence (sequence parallelism's tp, else 1)."""
     if recompute == Recompute.FULL:
         # The runtime checkpoints each layer on its own (runtime.model.Stage): a micro-batch in
         # flight keeps each layer's input (the first's: a received activation, or the first
         # stage's embedding output), and a backward rebuilds one layer at a time, whose
         # activations include its input, held already.
-        layer_input = layer_input_bytes(model, micro_batch, bytes_per_element)
+        layer_input = layer_input_bytes(model, micro_batch, bytes_per_element) / split
         return in_flight * layers * layer_input + rebuilt_layer_bytes(per_layer, layer_input)
     return in_flight * layers * per_layer
+
+
+def _whole_inputs_bytes(
+    model: ModelSpec,
+    split: int,
+    position: StagePosition,
+    in_flight: float,
+    micro_batch: int,
+    precision: Precision,
+) -> float:
+    """Sequence parallelism (``split`` > 1): a stage other than the first receives each
+    micro-batch's activation whole, and its first layer keeps (for its norm, or as its
+    checkpoint's input) this rank's shard of it, a view: the rest of the whole tensor, which a
+    layer's saved bytes (its shard) leave out, lives as long."""
+    if split == 1 or position.first:
+        return 0.0
+    whole = layer_input_bytes(model, micro_batch, precision.element_bytes)
+    return in_flight * (whole - whole / split)
 
 
 def layer_input_bytes(model: ModelSpec, micro_batch: int, bytes_per_element: int) -> float:
@@ -293,14 +345,15 @@ def late_backward_bytes(
     micro_batch: int,
     recompute: Recompute,
     precision: Precision,
+    split: int = 1,
 ) -> float:
     """What a stage holds above its state as a micro-batch's backward reaches its first layer:
     the other micro-batches in flight (each its layers' activations, or under full
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
-    tensors (the outputs sent; on the last stage its logits)."""
+    tensors (the outputs sent; on the last stage its logits). ``split``: as layers_bytes'."""
     layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
-    one = layers * (layer_input if recompute == Recompute.FULL else per_layer)
+    one = layers * (layer_input / split if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
     if position.last:
         boundary = micro_batch * model.seq_len * model.vocab / tp * precision.element_bytes
@@ -380,13 +433,18 @@ def stage_memory_at(
     precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
+    *,
+    sequence_parallel: bool = False,
 ) -> StageMemory:
     """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
     its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer), on a
-    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator)."""
+    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator);
+    ``sequence_parallel``: the stage runs so (tp > 1)."""
     return stage_memory_of(
         model,
-        per_layer=layer_activation_bytes(model, tp, micro_batch, precision, kernels),
+        per_layer=layer_activation_bytes(
+            model, tp, micro_batch, precision, kernels, sequence_parallel
+        ),
         layers=layers,
         tp=tp,
         position=position,
@@ -396,6 +454,7 @@ def stage_memory_at(
         precision=precision,
         optimizer_shards=optimizer_shards,
         kernels=kernels,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -412,10 +471,17 @@ def stage_memory_of(
     precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
+    sequence_parallel: bool = False,
 ) -> StageMemory:
-    """stage_memory_at's, from what one layer keeps for its backward, one micro-batch
-    (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
+    """stage_memory_at's, from what one layer keeps for its backward, one micro-batch, without
+    recomputation (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
     params = stage_params(model, layers, position) / tp
+    if recompute is Recompute.SELECTIVE:
+        # A layer then keeps less and is otherwise held as without recomputation: its attention's
+        # rebuilt inner part lives only while the backward is past the MLP, whose activations,
+        # larger, are freed by then.
+        per_layer -= selective_saving_bytes(model, tp, micro_batch, precision, kernels)
+    split = tp if sequence_parallel else 1
     activations = layers_bytes(
         model,
         per_layer=per_layer,
@@ -424,7 +490,8 @@ def stage_memory_of(
         in_flight=in_flight,
         micro_batch=micro_batch,
         recompute=recompute,
-    )
+        split=split,
+    ) + _whole_inputs_bytes(model, split, position, in_flight, micro_batch, precision)
     buffers = buffer_bytes(
         model,
         tp,
@@ -434,7 +501,7 @@ def stage_memory_of(
         recompute,
         precision,
         rebuilt=rebuilt_layer_bytes(
-            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes)
+            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes) / split
         ),
         kernels=kernels,
     )
@@ -453,6 +520,7 @@ def stage_memory_of(
         micro_batch=micro_batch,
         recompute=recompute,
         precision=precision,
+        split=split,
     )
     buffers = max(buffers, late - activations)
     return StageMemory(

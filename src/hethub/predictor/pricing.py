@@ -13,9 +13,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.compute import embedding_cost, head_cost, kernels_of, layer_cost
+from hethub.predictor.compute import (
+    embedding_cost,
+    head_cost,
+    kernels_of,
+    layer_cost,
+    selective_rerun_share,
+)
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
@@ -41,6 +48,13 @@ class StageShape(NamedTuple):
     micro_batch: int
     recompute: Recompute
     precision: Precision
+    sequence_parallel: bool = False
+    """The plan's sequence parallelism, which a stage runs where tp > 1."""
+
+    @property
+    def split_sequence(self) -> bool:
+        """This stage runs sequence-parallel: the plan asks for it and tp > 1."""
+        return self.sequence_parallel and self.tp > 1
 
 
 class Boundary(NamedTuple):
@@ -177,15 +191,16 @@ class AnalyticPricing(Pricing):
             gather = reduce * all_gather_share(precision)
             if peers.classes == 1:
                 reduce *= REDUCE_SCATTER_SHARE
+        exchange = 0.0
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
             params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
-            reduce += comm.ring_allreduce_time(
+            exchange = comm.ring_allreduce_time(
                 params * precision.main_grad_bytes / peers.fewest,
                 peers.classes,
                 peers.cross_bw,
                 cal,
             )
-        return SyncTimes(reduce, gather)
+        return SyncTimes(reduce + exchange, gather, exchange)
 
     def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
         return _analytic_optimizer_s(
@@ -212,6 +227,7 @@ class AnalyticPricing(Pricing):
             shape.precision,
             optimizer_shards,
             self.kernels_on(group),
+            sequence_parallel=shape.split_sequence,
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
@@ -238,8 +254,27 @@ class ProfiledPricing(AnalyticPricing):
         profile = self._layer(group, shape)
         if profile is None:
             return super().work(group, shape)
-        times = profiled.profiled_work(profile, shape.layers, shape.recompute, shape.position)
+        share = (
+            self._selective_share(group, shape) if shape.recompute is Recompute.SELECTIVE else 0.0
+        )
+        times = profiled.profiled_work(
+            profile, shape.layers, shape.recompute, shape.position, share
+        )
         return _at_speed(group, times)
+
+    def _selective_share(self, group: DeviceGroup, shape: StageShape) -> float:
+        """The analytic model's share of a layer's forward that selective recomputation runs
+        again in its backward (compute.selective_rerun_share), on ``group``'s kernels."""
+        return selective_rerun_share(
+            shape.model,
+            group.accelerator,
+            self.calibration,
+            shape.tp,
+            shape.micro_batch,
+            _tp_allreduce_s(group, self.calibration, shape),
+            shape.precision,
+            self.kernels_on(group),
+        )
 
     def send(self, boundary: Boundary) -> SendTimes:
         return _measured_send(self.profiles, boundary) or super().send(boundary)
@@ -262,7 +297,9 @@ class ProfiledPricing(AnalyticPricing):
             )
             measured = profiled.grad_sync_time(link, collectives)
             if measured is not None:  # over every holder of each tensor, whatever its layout
-                return measured
+                # one class of layouts: its sums through the leaders (the tied head's) wait for
+                # no other layout's stages
+                return measured if peers.classes > 1 else measured._replace(exchange_s=0.0)
         return super().sync(group, shape, peers)
 
     def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
@@ -293,6 +330,7 @@ class ProfiledPricing(AnalyticPricing):
             precision=shape.precision,
             optimizer_shards=optimizer_shards,
             kernels=self.kernels_on(group),
+            sequence_parallel=shape.split_sequence,
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
@@ -310,9 +348,19 @@ class ProfiledPricing(AnalyticPricing):
         return profiled.core_sharing(plan, cluster, model, self.profiles)
 
     def _layer(self, group: DeviceGroup, shape: StageShape) -> LayerProfile | None:
-        return self.profiles.layer_for(
+        profile = self.profiles.layer_for(
             group.accelerator.name, shape.model, shape.tp, shape.micro_batch
         )
+        if profile is not None and shape.split_sequence:
+            # A profile measures the layer without sequence parallelism (hethub profile runs
+            # none): its time and activations are not this layer's, and pricing it analytically
+            # beside measured stages would compare two calibrations.
+            raise HethubError(
+                f"sequence_parallel: profiles of {group.accelerator.name} at tp {shape.tp} "
+                f"measure the layer without sequence parallelism, which this plan runs: predict "
+                f"it without profiles, or with sequence_parallel: false"
+            )
+        return profile
 
 
 def all_gather_share(precision: Precision) -> float:
@@ -337,22 +385,67 @@ def _analytic_work(
     (None: the device's own)."""
     model, tp, micro_batch, precision = shape.model, shape.tp, shape.micro_batch, shape.precision
     acc = group.accelerator
-    tp_allreduce = comm.group_allreduce_time(
-        micro_batch * model.seq_len * model.hidden * precision.element_bytes, tp, group, cal
-    )
+    tp_allreduce = _tp_allreduce_s(group, cal, shape)
     layer = layer_cost(
-        model, acc, cal, tp, micro_batch, shape.recompute, tp_allreduce, precision, kernels
+        model,
+        acc,
+        cal,
+        tp,
+        micro_batch,
+        shape.recompute,
+        tp_allreduce,
+        precision,
+        kernels,
+        tp_group=group,
+        sequence_parallel=shape.split_sequence,
     )
     forward, backward = shape.layers * layer.forward_s, shape.layers * layer.backward_s
+    if shape.split_sequence:
+        edges = _sequence_parallel_edges(group, cal, shape)
+        forward, backward = forward + edges.forward_s, backward + edges.backward_s
     if shape.position.first:  # vocabulary-parallel embedding: a lookup and one all-reduce
         embed = embedding_cost(model, acc, cal, tp, micro_batch, precision)
-        forward, backward = forward + embed.forward_s + tp_allreduce, backward + embed.backward_s
+        # sequence parallel: a reduce-scatter in the all-reduce's place (in the edges)
+        reduce = 0.0 if shape.split_sequence else tp_allreduce
+        forward, backward = forward + embed.forward_s + reduce, backward + embed.backward_s
     if shape.position.last:  # vocabulary-parallel cross-entropy: three all-reduces of a float
         head = head_cost(model, acc, cal, tp, micro_batch, precision)
         loss_sync = 3 * comm.group_allreduce_time(
             micro_batch * model.seq_len * precision.loss_bytes, tp, group, cal
         )
         forward, backward = forward + head.forward_s + loss_sync, backward + head.backward_s
+    return StageTimes(forward, backward)
+
+
+def _tp_allreduce_s(group: DeviceGroup, cal: Calibration, shape: StageShape) -> float:
+    """One all-reduce of a layer's hidden states, one micro-batch, over the stage's TP group."""
+    model = shape.model
+    nbytes = shape.micro_batch * model.seq_len * model.hidden * shape.precision.element_bytes
+    return comm.group_allreduce_time(nbytes, shape.tp, group, cal)
+
+
+def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageShape) -> StageTimes:
+    """A sequence-parallel stage's collectives outside its layers (runtime.model.Stage): the
+    first stage's embedding reduce-scattered (GPT: its position embedding's gradient summed), or
+    another's input split (its gradient all-gathered); the last stage's final norm on the shard
+    (its weight's gradient summed) gathered before the head (the head's input gradient
+    reduce-scattered), or another's output gathered whole to be sent. Each all-gather or
+    reduce-scatter carries one (B, T, h) activation."""
+    model, tp, e = shape.model, shape.tp, shape.precision.element_bytes
+    activation = shape.micro_batch * model.seq_len * model.hidden * e
+    half = comm.group_all_gather_time(activation, tp, group, cal)
+    forward = backward = 0.0
+    if shape.position.first:
+        forward += half
+        if model.arch == "gpt":
+            backward += comm.group_allreduce_time(model.seq_len * model.hidden * e, tp, group, cal)
+    else:
+        backward += half
+    forward += half
+    if shape.position.last:
+        backward += half
+        norm_weights = 2 if model.arch == "gpt" else 1  # LayerNorm's weight and bias
+        backward += norm_weights * comm.group_allreduce_time(model.hidden * e, tp, group, cal)
     return StageTimes(forward, backward)
 
 

@@ -3,7 +3,9 @@ numbers in place of the analytic model's.
 
 Compute: a stage's forward is its layers' measured forwards plus the embedding (first stage) and
 the head with the cross-entropy (last stage); backward likewise. With full recomputation the
-layers take their measured checkpointed times, and the embedding's and head's forwards run again.
+layers take their measured checkpointed times, and the embedding's and head's forwards run again;
+with selective recomputation, which profiles do not measure, a layer's backward is its measured
+one plus its measured forward's share that the analytic model gives the rerun attention.
 TP collectives are inside the measured times. Where a local run has more ranks than the machine
 has cores, core_sharing() says how the ranks share them (predictor.sharing).
 Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
@@ -49,13 +51,20 @@ def for_precision(profiles: Profiles, precision: Precision) -> Profiles:
 
 
 def profiled_work(
-    profile: LayerProfile, layers: int, recompute: Recompute, position: StagePosition
+    profile: LayerProfile,
+    layers: int,
+    recompute: Recompute,
+    position: StagePosition,
+    selective_share: float = 0.0,
 ) -> StageTimes:
     """Forward and backward seconds of one micro-batch through a stage, from its measured pieces.
 
     With full recomputation the runtime checkpoints each layer: the layers take their measured
     checkpointed times (forward + backward where the profile lacks them); the embedding and
-    the head, not checkpointed, their plain ones.
+    the head, not checkpointed, their plain ones. With selective recomputation, which a profile
+    does not measure, a layer's backward is its measured one plus ``selective_share`` of its
+    measured forward (compute.selective_rerun_share: the analytic model's share of the
+    attention's inner part in the forward).
     """
     full = recompute == Recompute.FULL
     measured = full and None not in (
@@ -68,6 +77,8 @@ def profiled_work(
     )
     if full and not measured:
         backward += forward
+    if recompute == Recompute.SELECTIVE:
+        backward += layers * selective_share * profile.layer_forward_s
     ends = [(profile.embed_forward_s, profile.embed_backward_s)] * position.first
     ends += [(profile.head_forward_s, profile.head_backward_s)] * position.last
     for f, b in ends:
@@ -166,6 +177,9 @@ class Collective(NamedTuple):
     ranks: int
     after_step: bool = False
     """A sharded optimizer's all-gather of the updated weights, after its step."""
+    exchange: bool = False
+    """The sum among a bucket's holders through the stage leaders and its broadcast back to the
+    TP group: it waits for every holder's backwards."""
 
 
 def sync_collectives(
@@ -202,10 +216,14 @@ def sync_collectives(
                     if param.tp_dim is not None
                 ]
             done.append(
-                Collective(CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders))
+                Collective(
+                    CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders), exchange=True
+                )
             )
             if tp > 1:
-                done.append(Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp))
+                done.append(
+                    Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp, exchange=True)
+                )
         if sharded and peers > 1:
             done.append(
                 Collective(CollectiveKind.ALL_GATHER, local * weight_bytes, peers, after_step=True)
@@ -216,12 +234,15 @@ def sync_collectives(
 def grad_sync_time(link: LinkProfile, collectives: list[Collective]) -> SyncTimes | None:
     """The measured time of a rank's gradient sync (sync_collectives); None where a collective
     was not measured."""
-    reduce, gather = [], []
+    reduce, gather, exchange = [], [], []
     for c in collectives:
-        (gather if c.after_step else reduce).append(_MEASURED[c.kind](link, c.nbytes, c.ranks))
+        time = _MEASURED[c.kind](link, c.nbytes, c.ranks)
+        (gather if c.after_step else reduce).append(time)
+        if c.exchange:
+            exchange.append(time)
     if None in reduce or None in gather:
         return None
-    return SyncTimes(sum(reduce), sum(gather))
+    return SyncTimes(sum(reduce), sum(gather), sum(exchange))
 
 
 def optimizer_time(
@@ -310,7 +331,10 @@ def missing_profiles(
                 f"the profile for {profile.key.describe()} was measured by an older hethub (method "
                 f"{profile.method}, now {METHOD}): measure again with hethub profile --again"
             )
-        elif plan.recompute == Recompute.FULL and profile.layer_recompute_backward_s is None:
+        elif (
+            any(s.recompute == Recompute.FULL for p in plan.pipelines for s in p.stages)
+            and profile.layer_recompute_backward_s is None
+        ):
             notes.append(
                 f"the profile for {profile.key.describe()} has no recomputed layer times: "
                 f"recomputation taken as the forward again"

@@ -58,6 +58,7 @@ class Prediction:
     schedule: str = "1f1b"
     shard_optimizer: bool = False
     overlap_grad_sync: bool = False
+    overlap_param_gather: bool = False
     timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
@@ -68,6 +69,7 @@ class Prediction:
             "schedule": self.schedule,
             "shard_optimizer": self.shard_optimizer,
             "overlap_grad_sync": self.overlap_grad_sync,
+            "overlap_param_gather": self.overlap_param_gather,
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_device": self.model_tflops_per_device,

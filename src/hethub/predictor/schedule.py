@@ -1,8 +1,10 @@
-"""Event simulation of a pipeline schedule (1F1B or GPipe) over non-uniform stages.
+"""Event simulation of a pipeline schedule over non-uniform stages.
 
-Each stage runs its operations (forward or backward of one micro-batch) in the schedule's fixed
-order; an operation starts when the stage's previous one has ended and its input has arrived
-(the forward from the stage before, the backward from the stage after, each after its send).
+Each stage runs its operations (forward, backward or, under the zero-bubble schedules, the
+weights' gradient W of one micro-batch) in the schedule's fixed order; an operation starts when
+the stage's previous one has ended and its input has arrived (the forward from the stage before,
+the backward from the stage after, each after its send; a W only its own backward, on its own
+stage).
 The order of operations is structure that depends only on (stages, micro-batches, schedule), so
 it is built once and cached; simulating is then one pass over a flat list.
 
@@ -12,7 +14,7 @@ schedule the dependencies repeat with a short period, so once the end times of o
 those one period earlier plus a constant shift, every later position of that part repeats them
 with the same shift (the step is a max-plus linear map, which commutes with adding a constant).
 The simulation then jumps to the end of the steady part: exact, and a planner's inner loop no
-longer pays for every micro-batch.
+longer pays for every micro-batch. Interleaved and zero-bubble orders are simulated whole.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from dataclasses import dataclass
 from hethub.spec.schedules import (
     BACKWARD,
     FORWARD,
+    WEIGHT,
     Schedule,
+    chunk_sequence,
     interleaved_orders,
+    model_chunk,
     run_in_dependency_order,
     stage_sequence,
 )
@@ -33,6 +38,7 @@ from hethub.spec.schedules import (
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "WEIGHT",
     "ScheduleOrder",
     "schedule_order",
     "simulate",
@@ -48,23 +54,24 @@ class ScheduleOrder:
     stages: int
     micro_batches: int
     ops: tuple[tuple[int, int, int], ...]
-    """(stage, FORWARD|BACKWARD, micro-batch) of each operation."""
+    """(stage, FORWARD|BACKWARD|WEIGHT, micro-batch) of each operation."""
     steps: tuple[tuple[int, int, int, int], ...]
     """Per operation: (index of the stage's previous op, index of the op it waits for,
     index of the send it waits for, index of its duration); -1 means none. Durations are
-    indexed 2 x chunk + kind, over the model's chunks (chunk c of stage s is model chunk
-    c x stages + s); sends by chunk boundary, the activations' first, then the gradients'."""
+    indexed 3 x chunk + kind, over the model's chunks (chunk c of stage s is model chunk
+    spec.schedules.model_chunk); sends by chunk boundary, the activations' first, then the
+    gradients'."""
     last_op: tuple[int, ...]
     """Index of each stage's last operation."""
     periodic: tuple[tuple[int, int, int], ...]
     """(first, last, period): positions first..last whose dependencies repeat every ``period``."""
 
     chunks: int = 1
-    """Chunks per stage (interleaved 1F1B; else 1)."""
+    """Chunks per stage (interleaved 1F1B, ZBV; else 1)."""
 
     def chunk_of(self, i: int) -> int:
         """The model chunk operation ``i`` runs."""
-        return self.steps[i][3] // 2
+        return self.steps[i][3] // len(KINDS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -73,16 +80,16 @@ def schedule_order(
 ) -> ScheduleOrder:
     """Build the dependency structure of a schedule once.
 
-    ``chunks`` > 1 (interleaved 1F1B): _interleaved_order. One chunk per stage under interleaving
-    is plain 1F1B, exactly, and is built as such.
+    ``chunks`` > 1 (interleaved 1F1B, ZBV) or a zero-bubble schedule: _walked_order. One chunk
+    per stage under interleaving is plain 1F1B, exactly, and is built as such.
 
     Ordering key: stages * position + (stage for forwards, stages - 1 - stage for backwards).
     A forward waits for the previous stage's forward at the same or an earlier position, a
     backward for the next stage's backward at the same or an earlier position, so the key puts
     every dependency first.
     """
-    if chunks > 1:
-        return _interleaved_order(stages, chunks, micro_batches)
+    if chunks > 1 or Schedule(schedule).splits_backward:
+        return _walked_order(Schedule(schedule), stages, chunks, micro_batches)
     if schedule == Schedule.INTERLEAVED_1F1B:
         schedule = Schedule.ONE_F_ONE_B
     keyed = []
@@ -103,7 +110,7 @@ def schedule_order(
             dep, send = index[(s + 1, BACKWARD, j)], (stages - 1) + s  # gradient over boundary s
         else:
             dep, send = -1, -1
-        steps.append((prev, dep, send, 2 * s + kind))
+        steps.append((prev, dep, send, len(KINDS) * s + kind))
     last_op = tuple(previous[s] for s in range(stages))
     m, p = micro_batches, stages
     if (
@@ -122,23 +129,28 @@ def schedule_order(
     )
 
 
-def _interleaved_order(p: int, v: int, m: int) -> ScheduleOrder:
-    """Interleaved 1F1B's dependency structure over the model's p x v chunks: each stage's
-    operations in the order spec.schedules gives them, in the order
-    spec.schedules.run_in_dependency_order runs them. A forward of model chunk g waits for chunk
-    g - 1's forward (sent over boundary g - 1, which wraps from the last stage to the first
-    between a stage's chunks); a backward for chunk g + 1's backward. No steady-state jump: the
-    whole order is simulated (2 m v p operations)."""
-    orders = interleaved_orders(p, v, m)
+def _walked_order(schedule: Schedule, p: int, v: int, m: int) -> ScheduleOrder:
+    """The dependency structure of an order simulated whole (interleaved 1F1B, the zero-bubble
+    schedules) over the model's p x v chunks: each stage's operations in the order
+    spec.schedules gives them, in the order spec.schedules.run_in_dependency_order runs them.
+    A forward of model chunk g waits for chunk g - 1's forward (sent over boundary g - 1, which
+    under interleaving wraps from the last stage to the first between a stage's chunks, and
+    under ZBV turns on the last stage: a send of no cost there); a backward for chunk g + 1's
+    backward; a W for its own backward, on its own stage, which the stage's order puts first.
+    No steady-state jump: the whole order is simulated (2 or 3 x m v p operations)."""
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        orders = interleaved_orders(p, v, m)
+    else:
+        orders = tuple(tuple(chunk_sequence(schedule, s, p, v, m)) for s in range(p))
     ran: list[tuple[int, int, int, int]] = []
-    stopped = run_in_dependency_order(orders, p, v, m, ran)
+    stopped = run_in_dependency_order(orders, p, v, m, ran, schedule)
     if stopped != [len(order) for order in orders]:
-        raise AssertionError(f"interleaved order deadlocks (p={p}, v={v}, m={m})")
+        raise AssertionError(f"{schedule} order deadlocks (p={p}, v={v}, m={m})")
     last_chunk = p * v - 1
     index: dict[tuple[int, int, int], int] = {}  # (model chunk, kind, micro-batch) -> op
     steps, previous = [], [-1] * p
     for i, (s, kind, c, j) in enumerate(ran):
-        g = c * p + s
+        g = model_chunk(schedule, s, p, c)
         if kind == FORWARD and g > 0:  # the activation over boundary g - 1
             dep, send = index[(g - 1, FORWARD, j)], g - 1
         elif kind == BACKWARD and g < last_chunk:  # the gradient over boundary g
@@ -146,7 +158,7 @@ def _interleaved_order(p: int, v: int, m: int) -> ScheduleOrder:
         else:
             dep, send = -1, -1
         index[(g, kind, j)] = i
-        steps.append((previous[s], dep, send, 2 * g + kind))
+        steps.append((previous[s], dep, send, len(KINDS) * g + kind))
         previous[s] = i
     ops = tuple((s, kind, j) for s, kind, _, j in ran)
     return ScheduleOrder(p, m, ops, tuple(steps), tuple(previous), periodic=(), chunks=v)
@@ -156,6 +168,23 @@ def _interleaved_order(p: int, v: int, m: int) -> ScheduleOrder:
 _REPEAT_TOLERANCE = 1e-9
 
 
+KINDS = (FORWARD, BACKWARD, WEIGHT)
+"""The kinds of operation, in the order a model chunk's durations are indexed."""
+
+
+def durations_of(
+    forward_s: list[float], backward_s: list[float], weight_s: list[float] | None
+) -> list[float]:
+    """Each model chunk's (forward, backward, W) times, flat, as ScheduleOrder.steps index
+    them; no W (None) where the schedule does not split the backward."""
+    durations = [0.0] * (len(KINDS) * len(forward_s))
+    durations[FORWARD :: len(KINDS)] = forward_s
+    durations[BACKWARD :: len(KINDS)] = backward_s
+    if weight_s is not None:
+        durations[WEIGHT :: len(KINDS)] = weight_s
+    return durations
+
+
 def simulate(
     order: ScheduleOrder,
     forward_s: list[float],
@@ -163,19 +192,19 @@ def simulate(
     send_forward_s: list[float],
     send_backward_s: list[float],
     *,
+    weight_s: list[float] | None = None,
     every_op: bool = False,
 ) -> list[float]:
     """End time of the operations of ``order`` (indexed like ``order.steps``).
 
-    forward_s / backward_s: per model chunk (per stage without interleaving), one micro-batch;
-    send_*_s: per boundary between chunk b and b+1 (activations forward, gradients backward). The
-    end times of each stage's last operation are always exact; those of operations inside a
-    skipped steady run are left at 0 unless ``every_op`` asks for all of them (a timeline needs
-    them).
+    forward_s / backward_s / weight_s: per model chunk (per stage without interleaving), one
+    micro-batch; under a zero-bubble schedule backward_s is B's (the input's gradient) and
+    weight_s W's. send_*_s: per boundary between chunk b and b+1 (activations forward,
+    gradients backward). The end times of each stage's last operation are always exact; those
+    of operations inside a skipped steady run are left at 0 unless ``every_op`` asks for all
+    of them (a timeline needs them).
     """
-    durations = [0.0] * (2 * len(forward_s))
-    durations[0::2] = forward_s
-    durations[1::2] = backward_s
+    durations = durations_of(forward_s, backward_s, weight_s)
     sends = [*send_forward_s, *send_backward_s, 0.0]  # index -1: no send
     end, _ = _run(order, durations, sends, every_op)
     return end
@@ -189,9 +218,11 @@ def stage_end_times(
     send_backward_s: list[float],
     micro_batches: int,
     chunks: int = 1,
+    weight_s: list[float] | None = None,
 ) -> list[float]:
     """When each stage finishes its last operation: simulate() of the whole schedule, exactly.
-    Costs as for simulate(); ``chunks`` per stage (interleaved 1F1B) are simulated whole.
+    Costs as for simulate(); ``chunks`` per stage (interleaved 1F1B, ZBV) and the zero-bubble
+    schedules are simulated whole.
 
     Once the steady state repeats, every cycle of c further micro-batches adds the same time to
     every stage. So a long schedule is simulated at a shorter length where its steady state shows,
@@ -199,11 +230,9 @@ def stage_end_times(
     the steady state does not show, the full schedule is simulated.
     """
     p = len(forward_s) // chunks
-    durations = [0.0] * (2 * len(forward_s))
-    durations[0::2] = forward_s
-    durations[1::2] = backward_s
+    durations = durations_of(forward_s, backward_s, weight_s)
     sends = [*send_forward_s, *send_backward_s, 0.0]
-    if chunks > 1:
+    if chunks > 1 or Schedule(schedule).splits_backward:
         order = schedule_order(schedule, p, micro_batches, chunks)
         end, _ = _run(order, durations, sends, False)
         return [end[i] for i in order.last_op]

@@ -31,9 +31,10 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hethub.predictor.schedule import BACKWARD, ScheduleOrder
+from hethub.predictor.schedule import ScheduleOrder
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class SharedLayout:
     """Per model chunk (per stage, without interleaving), one micro-batch with every rank of the
     job computing (emulated stretch included)."""
     backward_s: list[float]
+    """Per model chunk: its backward, or a zero-bubble schedule's B."""
     send_forward_s: list[float]
     """Per boundary: an activation forward."""
     send_backward_s: list[float]
@@ -81,6 +83,14 @@ class SharedLayout:
     speed: list[float]
     """Per stage: its emulated speed (1.0: none). The runtime stretches an operation by sleeping
     (1 / speed - 1) times as long as it computed, and a sleeping rank takes no core."""
+    weight_s: Sequence[float] = ()
+    """Per model chunk: a zero-bubble schedule's W (none under the others, which run no W)."""
+
+    def mean_s(self, i: int) -> float:
+        """Operation ``i``'s time with every rank of the job computing (its stretch left
+        out)."""
+        kind = self.order.ops[i][1]
+        return (self.forward_s, self.backward_s, self.weight_s)[kind][self.order.chunk_of(i)]
 
 
 # An operation is done when what is left of it is below this share of its work (rounding).
@@ -171,9 +181,8 @@ def _factors(
     if draws is None:
         return None
     factors = []
-    for i, (_, kind, _) in enumerate(layout.order.ops):
-        chunk = layout.order.chunk_of(i)
-        mean = (layout.backward_s if kind == BACKWARD else layout.forward_s)[chunk]
+    for i in range(len(layout.order.ops)):
+        mean = layout.mean_s(i)
         sigma = math.sqrt(math.log1p(spread_s / mean)) if mean > 0 else 0.0
         factors.append(math.exp(draws.gauss(-sigma * sigma / 2, sigma)))
     return factors
@@ -221,8 +230,7 @@ class _Stage:
     def work(self, i: int) -> float:
         """What operation ``i`` computes, in seconds with every rank computing (its stretch left
         out)."""
-        kind, chunk = self.layout.order.ops[i][1], self.layout.order.chunk_of(i)
-        duration = (self.layout.backward_s if kind == BACKWARD else self.layout.forward_s)[chunk]
+        duration = self.layout.mean_s(i)
         if self.factors is not None:
             duration *= self.factors[i]
         return duration * self.layout.speed[self.index]

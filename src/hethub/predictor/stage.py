@@ -63,3 +63,7 @@ class SyncTimes(NamedTuple):
     optimizer step, and what an overlapped sync can hide behind the backwards."""
     gather_s: float
     """A sharded optimizer's all-gather of the updated weights: after its step."""
+    exchange_s: float = 0.0
+    """Of ``reduce_s``, the exchange between unlike layouts (through the stage leaders, over
+    the bridge where the vendors differ): it waits for every layout's stages, so an overlapped
+    sync leaves it after the last backward, where it hides the rest."""

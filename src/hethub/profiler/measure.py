@@ -59,6 +59,7 @@ from hethub.runtime.spawn import run_ranks
 from hethub.runtime.timeline import DeviceClock, HostClock, step_clock
 from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Recompute
 
 DTYPES = {precision.value: dtype for precision, dtype in COMPUTE_DTYPE.items()}
 """The dtypes a layer is measured in (a profile's key names them)."""
@@ -347,7 +348,7 @@ def _measure_rank(
 
         def recompute_pass(x=hidden, grad=grad):  # as the runtime's full recomputation runs a stage
             x = x.detach().requires_grad_()
-            return layers(x, recompute=True), lambda y: y.backward(grad)
+            return layers(x, recompute=Recompute.FULL), lambda y: y.backward(grad)
 
         layer = _time_passes(layer_pass, together, repeats, clock)
         recompute = _time_passes(recompute_pass, together, repeats, clock)

@@ -7,6 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+OPERATION_KINDS = ("forward", "backward", "weight")
+"""A timeline's name of each kind of operation a stage computes, indexed by spec.schedules'
+FORWARD, BACKWARD and WEIGHT (a zero-bubble schedule's W; its backward is then B alone)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TimelineEvent:
@@ -19,8 +23,9 @@ class TimelineEvent:
     micro_batch: int | None = None
     """None for what spans the step (gradient sync, optimizer, the last sends' wait)."""
     kind: str
-    """Predicted: forward, backward, send, grad_sync, optimizer; measured: forward, backward,
-    recv_wait, send_wait, grad_sync, optimizer (runtime.timeline)."""
+    """Predicted: forward, backward, weight (a zero-bubble schedule's W; its backward is then
+    B), send, grad_sync, optimizer; measured: forward, backward, recv_wait, send_wait,
+    grad_sync, optimizer (runtime.timeline)."""
     start_s: float
     end_s: float
     source: str | None = None

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hethub.report.timeline import TimelineEvent
+from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 
-COMPUTE_KINDS = ("forward", "backward")
+COMPUTE_KINDS = OPERATION_KINDS
+"""What a stage computes (its first row); the rest is communication (its second)."""
 
 
 def chrome_trace(events: list[TimelineEvent], title: str = "hethub") -> dict:

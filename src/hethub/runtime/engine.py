@@ -31,6 +31,7 @@ from hethub.runtime.grad_sync import Bucket, GradientSync, sync_buckets
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
 from hethub.runtime.p2p import StageLinks
+from hethub.runtime.param_gather import ForwardWaits
 from hethub.runtime.pipeline import Pipeline
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import RankGroups, create_job_groups
@@ -85,6 +86,7 @@ class Engine:
                     is_last=chunk.is_last,
                     seed=seed,
                     device=self.device,
+                    sequence_parallel=plan.sequence_parallel,
                 )
                 for chunk in self.me.chunks
             ]
@@ -101,8 +103,19 @@ class Engine:
         self.weights = MasterWeights(self.stage, plan.precision, [b.names for b in held], shards)
         compile_layers(self.stage, plan)  # after the weights are placed: runtime.compiled
         buckets = sync_buckets(held, self.weights)
+        self.param_waits: ForwardWaits | None = None
+        """With an overlapped param gather: the forward hooks that wait for it."""
         if sharded:
-            self.optimizer = ShardedAdamW(self.weights, groups.data, lr, weight_decay, comm)
+            self.optimizer = ShardedAdamW(
+                self.weights,
+                groups.data,
+                lr,
+                weight_decay,
+                comm,
+                overlap_gather=plan.overlap_param_gather,
+            )
+            if plan.overlap_param_gather:
+                self.param_waits = ForwardWaits(self.stage, self.optimizer)
         else:
             self.optimizer = PlainAdamW(self.weights, lr, weight_decay)
         self.sharded = sharded
@@ -176,7 +189,8 @@ class Engine:
 
     @property
     def overlapped_buckets(self) -> int:
-        """How many buckets the last step summed during its backwards."""
+        """How many buckets the last step started summing during its backwards (one synced
+        through the stage leaders: its part inside the vendor)."""
         return self.sync.overlapped_buckets
 
     def step(self, tokens: torch.Tensor, *, check_weights: bool = False) -> float:
@@ -190,8 +204,20 @@ class Engine:
 
     def update(self) -> None:
         """The optimizer step on the synced gradients (``gradients``); the stage then computes
-        with the new weights."""
+        with the new weights (with an overlapped param gather, each module once its gather is
+        done, waited for just before its first forward)."""
         self.optimizer.step()
+        if self.param_waits is not None:
+            self.param_waits.arm()
+
+    def finish_param_gather(self) -> None:
+        """Every weight of the stage is up to date once this returns: an overlapped param
+        gather still under way is waited for (what reads the weights outside a step's forwards,
+        a check, a checkpoint or an evaluation, calls it; the sharded optimizer's own state
+        readers wait by themselves)."""
+        if self.param_waits is not None:
+            self.param_waits.disarm()
+            self.optimizer.finish_gathers()
 
     def gradients(self, tokens: torch.Tensor) -> float:
         """Forward and backward of the global batch and the gradient sync, without the update:
@@ -201,6 +227,7 @@ class Engine:
 
     def weights_are_finite(self) -> bool:
         """Whether every weight of this rank is finite now: a read of its own, outside a step."""
+        self.finish_param_gather()
         return math.isfinite(self._largest_weight().item())
 
     def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -210,6 +237,8 @@ class Engine:
         self._timeline.start()
         self.sync.start_step()
         loss = self.pipeline.run(tokens, before_last_backward=self.sync.arm)
+        if self.param_waits is not None:  # every module's first forward has waited
+            self.param_waits.disarm()
         with self._timeline.timed("grad_sync"):
             self.sync.run()
         return loss
@@ -217,6 +246,8 @@ class Engine:
     def _end_step(self, loss: torch.Tensor, check_weights: bool) -> float:
         """The step's one read of the device (``loss``, this rank's share, and when asked the
         largest weight), then the mean loss, summed over the ranks on the host."""
+        if check_weights:
+            self.finish_param_gather()
         values = [loss, self._largest_weight()] if check_weights else [loss]
         # The host waits for the device here. A copy on the CPU too: there it costs nothing, and
         # a count of the dispatched operations sees the read as it would on an accelerator.
@@ -238,5 +269,6 @@ class Engine:
         """The full-model tensor of parameter ``name`` (full-model name) from this stage's TP
         shards of it (a weight, an optimizer moment, a gradient): a collective of the TP group,
         outside the step's counted traffic (a checkpoint's)."""
+        self.finish_param_gather()
         with self.comm.not_counted():
             return self.sync.gather_full(name, tensor)

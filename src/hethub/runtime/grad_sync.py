@@ -12,7 +12,15 @@ the rank's flat main gradients (runtime.flat_layout), summed in one of two ways:
 - through the stage leaders: all-reduced among the holders' leaders (hierarchically when they
   span vendors), in place on the slice; with TP, each full gradient is first gathered in the TP
   group into one flat buffer, which is broadcast back to the TP group after the sum, and each
-  rank keeps its shards. A sharded optimizer then steps its shard of the slice.
+  rank keeps its shards. A sharded optimizer then steps its shard of the slice. With an
+  overlapped sync, the part inside this rank's vendor starts during the backwards too, once the
+  bucket's gradients are final: the TP gather, then the sum among the vendor's leaders (the
+  reduce to its first leader where the holders span vendors, else the whole all-reduce),
+  asynchronously. Only the exchange across the bridge and what follows it (the broadcast back
+  inside the vendor and the TP group) wait for the last backward. These buckets start in the
+  rank's bucket order (each once it and those before it are final), which every holder shares
+  for the buckets it holds (spec.buckets), whatever order its own backwards finish them in; the
+  sums are the same collectives as without overlap, so they are the same.
 """
 
 from __future__ import annotations
@@ -57,6 +65,20 @@ def sync_buckets(held: Sequence[SyncBucket], weights: MasterWeights) -> list[Buc
     ]
 
 
+class _Started(NamedTuple):
+    """A bucket synced through the stage leaders whose part inside the vendor was started
+    during the backwards."""
+
+    flat: torch.Tensor
+    """What is summed: the bucket's slice of the main gradients, or with TP its gathered full
+    gradients."""
+    fulls: list[torch.Tensor] | None
+    """With TP: the full gradients ``flat`` concatenates (None without TP)."""
+    local: Pending | None
+    """The leaders' sum inside the vendor, under way (None off the leader, or where this
+    leader is its vendor's only one)."""
+
+
 class GradientSync:
     """Sums this rank's bucketed gradients (see the module's docstring)."""
 
@@ -81,8 +103,12 @@ class GradientSync:
         self.sharded = sharded
         self.leads = comm.rank == groups.leader
         self.tp_rank = groups.tp.ranks.index(comm.rank)
-        self.overlapped_buckets = 0  # of the last step: synced during its backwards
+        self.overlapped_buckets = 0  # of the last step: started during its backwards
         self._in_flight: dict[int, Pending] = {}  # bucket -> its overlapped sum, started
+        self._started: dict[int, _Started] = {}  # bucket -> its part inside the vendor, started
+        self._final: set[int] = set()  # buckets through the leaders, final, not yet started
+        self._next_through_leaders = 0  # of _through_leaders: the next to start
+        self._through_leaders = [i for i, bucket in enumerate(buckets) if not bucket.direct]
         self._waiting: dict[int, int] = {}  # bucket -> its gradients not yet final
         self._ready: list[list[tuple[nn.Parameter, Hook]]] = []  # per chunk: (param, its hook)
         self._armed: list[RemovableHandle] = []  # the hooks set for this step's last backwards
@@ -93,9 +119,9 @@ class GradientSync:
         """Before a step's first backward: the main gradients zero, none of them final."""
         self._disarm()
         self.weights.zero_grad()
-        self._waiting = {
-            index: len(bucket.params) for index, bucket in enumerate(self.buckets) if bucket.direct
-        }
+        self._waiting = {index: len(bucket.params) for index, bucket in enumerate(self.buckets)}
+        self._final.clear()
+        self._next_through_leaders = 0
 
     def arm(self, chunk: int) -> None:
         """Just before ``chunk``'s last backward of the step: the gradients that backward gives
@@ -110,13 +136,16 @@ class GradientSync:
         the backwards); each parameter's main gradient (or a sharded optimizer's shard of it)
         is then its share of the global batch's gradient."""
         self._disarm()
-        self.overlapped_buckets = len(self._in_flight)
+        self.overlapped_buckets = len(self._in_flight) + len(self._started)
         for index, bucket in enumerate(self.buckets):
             if bucket.direct:
                 started = self._in_flight.pop(index, None)
                 (started if started is not None else self._start_direct(index)).wait()
             else:
-                self._sync_through_leaders(index, bucket)
+                started = self._started.pop(index, None)
+                if started is None:  # not overlapped: the whole sum from here
+                    started = self._start_through_leaders(index, bucket, overlapped=False)
+                self._finish_through_leaders(bucket, started)
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` from this stage's TP shards of it (a
@@ -136,22 +165,47 @@ class GradientSync:
             return self.comm.start_reduce_scatter(padded, self.groups.data, out)
         return self.comm.start_all_reduce(self.weights.bucket_grads(index), self.groups.data)
 
-    def _sync_through_leaders(self, index: int, bucket: Bucket) -> None:
-        """One bucket's sum through the stage leaders: one all-reduce among the holders'
-        leaders of the bucket's slice of the main gradients; with TP, of the full gradients
-        gathered into one buffer, then broadcast in the TP group and each rank's shards kept."""
+    def _start_through_leaders(self, index: int, bucket: Bucket, *, overlapped: bool) -> _Started:
+        """Start one bucket's sum through the stage leaders, as far as it stays inside this
+        rank's vendor: with TP, gather the full gradients in the TP group into one buffer; then,
+        ``overlapped``, on the leader start the sum among its vendor's leaders of the holders
+        (all of it where they are of one vendor; where they span vendors, the reduce to the
+        vendor's first), asynchronously as a direct bucket's sum."""
         if self.groups.tp.size == 1:
-            self._leaders_sum(self.weights.bucket_grads(index), bucket.holders)
-            return
-        grads = [self.weights.grad(name) for name, _ in bucket.params]
-        fulls = [self.gather_full(name, g) for (name, _), g in zip(bucket.params, grads)]
-        flat = torch.cat([full.reshape(-1) for full in fulls])
-        if self.leads:  # the other TP ranks only gather and receive
+            flat, fulls = self.weights.bucket_grads(index), None
+        else:
+            grads = [self.weights.grad(name) for name, _ in bucket.params]
+            fulls = [self.gather_full(name, g) for (name, _), g in zip(bucket.params, grads)]
+            flat = torch.cat([full.reshape(-1) for full in fulls])
+        local = None
+        if overlapped and self.leads:  # the other TP ranks only gather and receive
+            sync = self.groups.grad_sync[bucket.holders]
+            if sync.bridge is not None:
+                local = self.comm.start_hierarchical_all_reduce(flat, sync.local)
+            elif sync.local.size > 1:
+                local = self.comm.start_all_reduce(flat, sync.local)
+        return _Started(flat, fulls, local)
+
+    def _finish_through_leaders(self, bucket: Bucket, started: _Started) -> None:
+        """The rest of one bucket's sum through the stage leaders (on a leader whose vendor's
+        part was not started, all of it): the exchange across vendors and the broadcast back
+        inside the vendor; with TP, the broadcast of the sum in the TP group, each rank keeping
+        its shards."""
+        flat = started.flat
+        if self.leads and started.local is None:
             self._leaders_sum(flat, bucket.holders)
+        elif self.leads:
+            started.local.wait()
+            sync = self.groups.grad_sync[bucket.holders]
+            if sync.bridge is not None:
+                self.comm.finish_hierarchical_all_reduce(flat, sync.local, sync.bridge)
+        if started.fulls is None:
+            return
         self.comm.broadcast(flat, self.groups.leader, self.groups.tp)
-        pieces = flat.split([full.numel() for full in fulls])
+        pieces = flat.split([full.numel() for full in started.fulls])
         tp = self.groups.tp.size
-        for (name, _), grad, piece, full in zip(bucket.params, grads, pieces, fulls, strict=True):
+        for (name, _), piece, full in zip(bucket.params, pieces, started.fulls, strict=True):
+            grad = self.weights.grad(name)
             grad.copy_(shard(self.table[name], piece.view_as(full), self.tp_rank, tp))
 
     def _leaders_sum(self, flat: torch.Tensor, holders: tuple[int, ...]) -> None:
@@ -163,16 +217,13 @@ class GradientSync:
             self.comm.all_reduce(flat, sync.local)
 
     def _ready_hooks(self, stage: StageChunks) -> list[list[tuple[nn.Parameter, Hook]]]:
-        """An overlapped sync: per chunk, the parameters in direct buckets (the stage's own,
-        which compute: bf16 ones in bf16) and the hook that counts each one's last gradient of
-        the step. The hooks run after AccumulateGrad, in the backward's deterministic order, so
-        the peers, which run the same chunks in the same order, start their collectives in the
-        same order."""
+        """An overlapped sync: per chunk, the parameters in buckets (the stage's own, which
+        compute: bf16 ones in bf16) and the hook that counts each one's last gradient of the
+        step. The hooks run after AccumulateGrad, in the backward's deterministic order, so the
+        peers, which run the same chunks in the same order, start their direct collectives in
+        the same order (the others start in bucket order: ``_start_final``)."""
         bucket_of = {
-            name: index
-            for index, bucket in enumerate(self.buckets)
-            if bucket.direct
-            for name, _ in bucket.params
+            name: index for index, bucket in enumerate(self.buckets) for name, _ in bucket.params
         }
         return [
             [
@@ -188,9 +239,28 @@ class GradientSync:
             self._waiting[index] -= 1
             if not self._waiting[index]:
                 self.weights.bucket_done(index)  # bf16: its last gradients into the main ones
-                self._in_flight[index] = self._start_direct(index)
+                if self.buckets[index].direct:
+                    self._in_flight[index] = self._start_direct(index)
+                else:
+                    self._final.add(index)
+                    self._start_final()
 
         return hook
+
+    def _start_final(self) -> None:
+        """Start the buckets through the leaders that are final, in bucket order: up to the
+        first that is not. A holder set's buckets, and holder sets sharing a vendor's group,
+        then start in the same order on every holder, whatever order its backwards finish
+        them in."""
+        order = self._through_leaders
+        while self._next_through_leaders < len(order):
+            index = order[self._next_through_leaders]
+            if index not in self._final:
+                return
+            self._final.discard(index)
+            bucket = self.buckets[index]
+            self._started[index] = self._start_through_leaders(index, bucket, overlapped=True)
+            self._next_through_leaders += 1
 
     def _disarm(self) -> None:
         for handle in self._armed:

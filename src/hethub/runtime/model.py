@@ -9,6 +9,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -16,8 +17,12 @@ from hethub.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_region,
     copy_to,
+    gather_from_sequence,
     parallel_group,
+    scatter_to_sequence,
+    sum_gradient,
     tp_rank,
     tp_size,
     vocab_parallel_cross_entropy,
@@ -32,6 +37,7 @@ from hethub.spec.parameters import (
     parameter_table,
     qkv_blocks,
 )
+from hethub.spec.plan import Recompute
 
 
 def initial_value(param: Parameter, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,10 +219,17 @@ class ColumnParallelBlocks(nn.Module):
     slice of them."""
 
     def __init__(
-        self, in_features: int, blocks: tuple[int, ...], tp_dim: int, bias: bool, group
+        self,
+        in_features: int,
+        blocks: tuple[int, ...],
+        tp_dim: int,
+        bias: bool,
+        group,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = parallel_group(group)
+        self.sequence_parallel = sequence_parallel and self.group is not None
         local = list(blocks)
         local[tp_dim] //= tp_size(group)
         self.weight = nn.Parameter(torch.empty(*local, in_features))
@@ -225,18 +238,36 @@ class ColumnParallelBlocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # flattened views: one GEMM over every block, no copy of the weight
         bias = self.bias.flatten() if self.bias is not None else None
-        return F.linear(copy_to(x, self.group), self.weight.flatten(0, -2), bias)
+        x = column_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight.flatten(0, -2), bias)
+
+
+def replicated_on_shard(module: nn.Module, x: torch.Tensor, group) -> torch.Tensor:
+    """``module`` (a norm, GPT's position embedding: weights every TP rank holds whole) applied
+    to this rank's sequence shard ``x``: each rank's weight gradients come from its own tokens
+    only, so they are summed over ``group`` (Megatron-LM all-reduces them once a step; here in
+    the backward of each micro-batch, where the module's weights are used: sum_gradient)."""
+    summed = {name: sum_gradient(p, group) for name, p in module.named_parameters()}
+    return functional_call(module, summed, (x,))
 
 
 class Layer(nn.Module):
     """One transformer layer, Megatron-style: attention heads and the MLP split over TP, one GEMM
     for q, k and v and one for gate and up. A Llama layer rotates with ``rotary``, its stage's
     (shared by the stage's layers), or one of its own.
+
+    ``sequence_parallel`` (at TP > 1): the layer's input and output are this rank's sequence
+    shard (B, T/t, h), its norms and residual adds run on it, and each block's input is gathered
+    (all-gather) and its output reduce-scattered, in place of the all-reduces.
     """
 
-    def __init__(self, spec: ModelSpec, group, rotary: Rotary | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, group, rotary: Rotary | None = None, sequence_parallel=False
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.group = parallel_group(group)
+        sp = self.sequence_parallel = sequence_parallel and self.group is not None
         size, gpt, h = tp_size(group), spec.arch == "gpt", spec.hidden
         norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: RMSNorm(h, eps=NORM_EPS))
         self.norm1, self.norm2 = norm(), norm()
@@ -244,20 +275,40 @@ class Layer(nn.Module):
             self.rotary = rotary if rotary is not None else Rotary(spec.head_dim, spec.seq_len)
         self.heads, self.kv_heads = spec.heads // size, spec.kv_heads // size
         # TP splits q, k and v by KV head, each with its query heads; gate and up by ffn feature
-        self.qkv = ColumnParallelBlocks(h, qkv_blocks(spec), 0, gpt, group)
-        self.o = RowParallelLinear(h, h, gpt, group)
+        self.qkv = ColumnParallelBlocks(h, qkv_blocks(spec), 0, gpt, group, sp)
+        self.o = RowParallelLinear(h, h, gpt, group, sp)
         if gpt:
-            self.fc1 = ColumnParallelLinear(h, spec.ffn_hidden, True, group)
-            self.fc2 = RowParallelLinear(spec.ffn_hidden, h, True, group)
+            self.fc1 = ColumnParallelLinear(h, spec.ffn_hidden, True, group, sp)
+            self.fc2 = RowParallelLinear(spec.ffn_hidden, h, True, group, sp)
         else:
-            self.gate_up = ColumnParallelBlocks(h, gate_up_blocks(spec), 1, False, group)
-            self.down = RowParallelLinear(spec.ffn_hidden, h, False, group)
+            self.gate_up = ColumnParallelBlocks(h, gate_up_blocks(spec), 1, False, group, sp)
+            self.down = RowParallelLinear(spec.ffn_hidden, h, False, group, sp)
+
+    checkpoint_attention: bool = False
+    """Selective recomputation (Recompute.SELECTIVE; its Stage sets it at each forward, to the
+    stage's): the attention's inner part is checkpointed, kept as its input only and run again
+    in the backward."""
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, (heads + 2 kv) d / tp)
+        if self.checkpoint_attention:
+            # Keeps the QKV output, not q, k, v and the log-sum-exp; the rotations, the copy and
+            # the kernel run again in the backward. torch's early stop, on, stops nothing: the
+            # kernel, the last op to run, saves its outputs (dynamo, under a plan's compile,
+            # refuses set_checkpoint_early_stop in the layer).
+            out = checkpoint(self.inner_attention, qkv, use_reentrant=False)
+        else:
+            out = self.inner_attention(qkv)
+        return self.o(out)  # (B, T, h)
+
+    def inner_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """From the QKV projection's output (B, T, (heads + 2 kv) d / tp) to the output
+        projection's input (B, T, heads d / tp): the rotations, v's copy and the kernel, what
+        selective recomputation runs again."""
+        b, t, _ = qkv.shape
         d, kv = self.spec.head_dim, self.kv_heads
         queries = self.heads // kv  # query heads per KV head
-        qkv = self.qkv(x).view(b, t, kv, queries + 2, d)  # per KV head: its queries, key, value
+        qkv = qkv.view(b, t, kv, queries + 2, d)  # per KV head: its queries, key, value
         q, k, v = qkv.split([queries, 1, 1], dim=3)
         q = q.permute(0, 2, 3, 1, 4)  # (B, kv, queries, T, d)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)  # (B, kv, T, d)
@@ -269,7 +320,7 @@ class Layer(nn.Module):
         # grouped-query attention: query head i attends with KV head i // queries, as
         # repeat_interleave would give, without the copies
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=queries > 1)
-        return self.o(out.transpose(1, 2).reshape(b, t, self.heads * d))  # (B, T, h)
+        return out.transpose(1, 2).reshape(b, t, self.heads * d)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
@@ -277,29 +328,52 @@ class Layer(nn.Module):
         return self.down(_SwiGlu.apply(self.gate_up(x)))  # (B, T, 2f/tp) -> (B, T, f/tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # x: (B, T/t, h), this rank's tokens
+            x = x + self.attention(self._gathered_norm(self.norm1, x))
+            return x + self.mlp(self._gathered_norm(self.norm2, x))
         x = x + self.attention(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def _gathered_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallelism: ``norm`` of this rank's shard (B, T/t, h), gathered to the
+        whole sequence (B, T, h) a column-parallel block reads."""
+        return gather_from_sequence(replicated_on_shard(norm, x, self.group), self.group)
 
 
 class Stage(nn.Module):
     """Layers [first, first + count) of the model on one TP rank; the first stage also embeds the
     tokens, the last also normalises, projects to the (vocabulary-parallel) logits and scores
-    them."""
+    them.
+
+    ``sequence_parallel`` (at TP > 1): the layers run on this rank's sequence shard. The first
+    stage's embedding is reduce-scattered to it; another stage's input, the whole activation
+    (as every stage sends it), is split; the last stage's final norm runs on the shard, gathered
+    before the head; another stage's output is gathered whole before it is sent.
+    """
 
     def __init__(
-        self, spec: ModelSpec, first: int, count: int, group, *, is_first: bool, is_last: bool
+        self,
+        spec: ModelSpec,
+        first: int,
+        count: int,
+        group,
+        *,
+        is_first: bool,
+        is_last: bool,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.spec, self.first, self.group = spec, first, parallel_group(group)
         self.is_first, self.is_last = is_first, is_last
+        sp = self.sequence_parallel = sequence_parallel and self.group is not None
         gpt = spec.arch == "gpt"
         if is_first:
-            self.embed = VocabParallelEmbedding(spec.vocab, spec.hidden, group)
+            self.embed = VocabParallelEmbedding(spec.vocab, spec.hidden, group, sp)
             if gpt:
                 self.pos = nn.Embedding(spec.seq_len, spec.hidden)
         rotary = None if gpt or count == 0 else Rotary(spec.head_dim, spec.seq_len)
         self.layers = nn.ModuleDict(
-            {str(first + i): Layer(spec, group, rotary) for i in range(count)}
+            {str(first + i): Layer(spec, group, rotary, sp) for i in range(count)}
         )
         if is_last:
             self.final_norm = (
@@ -314,20 +388,26 @@ class Stage(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.head if hasattr(self, "head") else self.embed.weight
 
-    def forward(self, x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: Recompute = Recompute.NONE) -> torch.Tensor:
         """Tokens (B, T) on the first stage, hidden states (B, T, h) elsewhere; returns hidden
         states, or this rank's logit shard (B, T, vocab/tp) on the last stage.
 
-        ``recompute`` (full recomputation): each layer is checkpointed on its own, as Megatron-LM
-        does, so a micro-batch in flight keeps only its layers' inputs, and a backward rebuilds
-        one layer at a time. Each layer's forward is run again whole (torch's early stop, which
-        would skip the ops after the last saved tensor, is off): what spec.layer_ops prices."""
+        ``recompute``, the stage's. Recompute.FULL: each layer is checkpointed on its own, as
+        Megatron-LM does, so a micro-batch in flight keeps only its layers' inputs, and a
+        backward rebuilds one layer at a time. Each layer's forward is run again whole (torch's
+        early stop, which would skip the ops after the last saved tensor, is off): what
+        spec.layer_ops prices. Recompute.SELECTIVE: each layer checkpoints its attention's inner
+        part (Layer.inner_attention), rebuilt in the backward."""
         if self.is_first:
             tokens = x
-            x = self.embed(tokens)
+            x = self.embed(tokens)  # sequence parallel: this rank's shard (B, T/t, h)
             if self.spec.arch == "gpt":
-                x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        if recompute:
+                x = x + self._positions(tokens.shape[1], tokens.device)
+        elif self.sequence_parallel:
+            x = scatter_to_sequence(x, self.group)  # (B, T, h) -> (B, T/t, h)
+        for layer in self.layers.values():
+            layer.checkpoint_attention = recompute is Recompute.SELECTIVE
+        if recompute is Recompute.FULL:
             with set_checkpoint_early_stop(False):
                 for layer in self.layers.values():
                     x = checkpoint(layer, x, use_reentrant=False)
@@ -335,8 +415,28 @@ class Stage(nn.Module):
             for layer in self.layers.values():
                 x = layer(x)
         if self.is_last:
-            x = F.linear(copy_to(self.final_norm(x), self.group), self.head_weight)
+            x = F.linear(self._head_input(x), self.head_weight)
+        elif self.sequence_parallel:  # sent whole: its gradient comes back whole
+            x = gather_from_sequence(x, self.group, grad_is_partial=False)
         return x
+
+    def _positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """GPT's position embeddings of this rank's tokens: (T, h), or under sequence
+        parallelism its shard's (T/t, h), their gradient summed over the group."""
+        positions = torch.arange(seq_len, device=device)
+        if not self.sequence_parallel:
+            return self.pos(positions)
+        shard = positions.chunk(tp_size(self.group))[tp_rank(self.group)]
+        return replicated_on_shard(self.pos, shard, self.group)
+
+    def _head_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of ``x``, whole on every rank as the column-parallel head reads it:
+        under sequence parallelism, normalised on the shard and gathered (Megatron-LM)."""
+        if self.sequence_parallel:
+            return gather_from_sequence(
+                replicated_on_shard(self.final_norm, x, self.group), self.group
+            )
+        return copy_to(self.final_norm(x), self.group)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy from this rank's logit shard."""
@@ -357,12 +457,21 @@ class Stage(nn.Module):
         is_last: bool,
         seed: int,
         device: torch.device | str = "cpu",
+        sequence_parallel: bool = False,
     ) -> Stage:
         """The stage made on ``device`` with its TP shard of the seeded initial weights: laid
         out on the meta device (no memory), then only this stage's shards are allocated and
         filled, one parameter at a time."""
         with torch.device("meta"):
-            stage = cls(spec, first, count, group, is_first=is_first, is_last=is_last)
+            stage = cls(
+                spec,
+                first,
+                count,
+                group,
+                is_first=is_first,
+                is_last=is_last,
+                sequence_parallel=sequence_parallel,
+            )
         stage.to_empty(device=device)
         for module in stage.modules():
             if isinstance(module, Rotary):  # the stage's one, shared by its layers

@@ -12,7 +12,11 @@ bucket (runtime.grad_sync) is one slice of the flat buffers, padded to a multipl
 of the d owns its i-th shard: the two Adam moments of the shard and, in bf16, its fp32 master
 weights. In fp32 the shard of the weights themselves is stepped in place, no copy of it kept
 (as Megatron-LM's distributed optimizer does). After the step the d ranks all-gather the
-updated shards, in the dtype the stage computes in, into its weights' buffer. In bf16 the full
+updated shards, in the dtype the stage computes in, into its weights' buffer: at once, or, with an
+overlapped gather (a plan's ``overlap_param_gather``, Megatron-LM's ``overlap_param_gather``),
+started asynchronously bucket by bucket and waited for just before the next forward that reads
+a bucket's weights (runtime.param_gather), and before anything else reads or writes the weights
+or the state (a checkpoint, a load, the gradients). In bf16 the full
 fp32 masters are then dropped, so a parameter costs 2 (bf16 weight) + 4 (main grad) + 12 / d
 bytes; in fp32, 4 (weight) + 4 (grad) + 8 / d (moments).
 
@@ -28,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from hethub.comm import Communicator, Group
+from hethub.comm import Communicator, Group, Pending
 from hethub.runtime.precision import MasterWeights
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -124,10 +128,15 @@ class ShardedAdamW:
         lr: float,
         weight_decay: float,
         comm: Communicator,
+        *,
+        overlap_gather: bool = False,
     ) -> None:
         """``weights``: laid out for ``peers.size`` shards; ``peers``: the data-parallel peers'
-        group (RankGroups.data); ``comm`` runs and counts the all-gathers among them."""
+        group (RankGroups.data); ``comm`` runs and counts the all-gathers among them;
+        ``overlap_gather``: the step leaves them under way (``wait_gather``)."""
         self.weights, self.peers, self.comm = weights, peers, comm
+        self.overlap_gather = overlap_gather
+        self._gathering: dict[int, Pending] = {}  # bucket -> its weights' all-gather, started
         self.shards, self.index = peers.size, peers.ranks.index(comm.rank)
         layout = weights.layout
         if layout.shards != self.shards:
@@ -163,7 +172,9 @@ class ShardedAdamW:
         return self.slices[bucket].grad
 
     def step(self) -> None:
-        """Step the shards, all-gather them among the peers into the stage's weights."""
+        """Step the shards, all-gather them among the peers into the stage's weights (with an
+        overlapped gather: start the all-gathers, bucket by bucket)."""
+        self.finish_gathers()
         self.adamw.step()
         with torch.no_grad():
             if self.keeps_masters:
@@ -173,11 +184,31 @@ class ShardedAdamW:
                 # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32
                 # shard), in place: the shard is its own part of the bucket.
                 whole = layout.bucket(self.weights.flat, b, padded=True)
-                self.comm.all_gather_into(whole, shard, self.peers)
+                if self.overlap_gather:
+                    self._gathering[b] = self.comm.start_all_gather_into(whole, shard, self.peers)
+                else:
+                    self.comm.all_gather_into(whole, shard, self.peers)
+
+    @property
+    def pending_gathers(self) -> tuple[int, ...]:
+        """The buckets whose weights' all-gather is under way, not yet waited for."""
+        return tuple(self._gathering)
+
+    def wait_gather(self, bucket: int) -> None:
+        """Bucket ``bucket``'s weights are gathered once this returns (at once where they are)."""
+        started = self._gathering.pop(bucket, None)
+        if started is not None:
+            started.wait()
+
+    def finish_gathers(self) -> None:
+        """Every bucket's weights are gathered once this returns."""
+        for bucket in list(self._gathering):
+            self.wait_gather(bucket)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Collective among the peers, between the sync and the step: every parameter's summed
         gradient by full-model name, whole (gathered from the shards)."""
+        self.finish_gathers()
         out = {}
         for b, piece in enumerate(self.slices):
             out.update(self._gather(piece.grad, b))
@@ -191,6 +222,7 @@ class ShardedAdamW:
 
     def local_state(self) -> dict[str, LocalState]:
         """Collective among the peers: every parameter's whole state by full-model name."""
+        self.finish_gathers()
         out = {}
         for b, piece in enumerate(self.slices):
             state = self.adamw.state.get(piece) or {}
@@ -204,6 +236,7 @@ class ShardedAdamW:
 
     def load_local_state(self, states: dict[str, LocalState]) -> None:
         """Install ``states`` (every parameter's, by full-model name): this rank's shards."""
+        self.finish_gathers()  # a gather still under way would overwrite the weights installed
         state = {}
         with torch.no_grad():
             for b, span in enumerate(self.weights.layout.buckets):

@@ -25,7 +25,7 @@ from hethub.runtime.model import StageChunks
 from hethub.runtime.p2p import StageLinks
 from hethub.runtime.timeline import StepTimeline
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan, Recompute
+from hethub.spec.plan import Plan
 from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
 from hethub.spec.topology import Topology
 
@@ -50,6 +50,8 @@ class Pipeline:
         speed relative to the machine (None: as fast as it runs)."""
         self.plan, self.topology, self.spec, self.device = plan, topology, spec, device
         self.me = topology.ranks[rank]
+        self.layout = plan.pipelines[self.me.pipeline]
+        self.recompute = self.layout.stages[self.me.stage].recompute
         self.stage, self.links, self.timeline = stage, links, timeline
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
         self.peak_in_flight = 0.0
@@ -70,7 +72,7 @@ class Pipeline:
         stages = self.topology.replica_stages(self.me.replica)
         shape = (self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)  # (B, T, h)
         chunks = self.me.chunks
-        order = chunk_sequence(self.plan.schedule, self.me.stage, stages, len(chunks), len(micro))
+        order = chunk_sequence(self.layout.schedule, self.me.stage, stages, len(chunks), len(micro))
         last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
         inputs, outputs, sends = {}, {}, []
         # An activation's send, by micro-batch: its work holds the tensor until it goes, so it
@@ -133,4 +135,4 @@ class Pipeline:
         return received.requires_grad_() if forward else received
 
     def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        return self.stage.chunks[chunk](x, recompute=self.plan.recompute is Recompute.FULL)
+        return self.stage.chunks[chunk](x, recompute=self.recompute)

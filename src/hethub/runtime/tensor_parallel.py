@@ -6,6 +6,17 @@ forward, all-reduce of the input gradient backward) opens a column-parallel regi
 ``reduce_from`` (all-reduce forward, identity backward) closes a row-parallel one. A group of one
 rank is no group (``parallel_group``): the modules then run as plain ones, a bare F.linear or
 F.embedding with no region function, and the loss is F.cross_entropy's where it can be.
+
+Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022) splits the activations outside
+the TP regions (the norms', the residual's) along the sequence (dim 1 of a (B, T, h) tensor) over
+the TP ranks. Its region functions take the all-reduces' place: ``gather_from_sequence``
+(all-gather forward, reduce-scatter of the partial input gradient backward) opens a
+column-parallel region, ``reduce_scatter_to_sequence`` (reduce-scatter forward, all-gather
+backward) closes a row-parallel one: the same bytes on the wire as the all-reduce they replace.
+``scatter_to_sequence`` and ``gather_from_sequence(..., grad_is_partial=False)`` move a tensor
+whole on every rank into and out of the split (a stage's boundaries), and ``sum_gradient`` on a
+weight replicated over the ranks (the norms', a row-parallel bias) sums its gradient, which each
+rank computes from its own tokens only.
 """
 
 from __future__ import annotations
@@ -43,6 +54,26 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _SumGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A new tensor for the weight's .grad: the collective's work may still hold the reduced
+        # one when autograd accumulates it, which then copies it, or not, as that reference goes
+        # (the layer's operations would change from run to run).
+        return _all_reduce(grad.contiguous(), ctx.group).clone(), None
+
+
+def sum_gradient(weight: torch.Tensor, group) -> torch.Tensor:
+    """``weight`` (held whole by every rank of ``group``, used on each rank's own tokens), whose
+    gradient is summed over ``group`` at each backward; no group: ``weight`` itself."""
+    return weight if group is None else _SumGradient.apply(weight, group)
+
+
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """``x``, whose gradient is all-reduced over ``group``; no group (None): ``x`` itself."""
     return x if group is None else _CopyToRegion.apply(x, group)
@@ -51,6 +82,91 @@ def copy_to(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` all-reduced over ``group``, its gradient passed through; no group: ``x`` itself."""
     return x if group is None else _ReduceFromRegion.apply(x, group)
+
+
+def _sequence_all_gather(shard: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/t, h) on each of the t ranks -> (B, T, h), the ranks' shards in rank order."""
+    size = dist.get_world_size(group)
+    # The collective concatenates along dim 0: gather (t B, T/t, h), then lay the sequence back.
+    gathered = torch.empty(
+        (size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
+    )
+    dist.all_gather_single(gathered, shard.contiguous(), group=group)
+    blocks = gathered.view(size, *shard.shape)  # (t, B, T/t, h)
+    if shard.shape[0] == 1:  # one sequence: (t, 1, T/t, h) is already (1, T, h) in memory
+        return blocks.view(1, -1, *shard.shape[2:])
+    return blocks.movedim(0, 1).flatten(1, 2)
+
+
+def _sequence_reduce_scatter(whole: torch.Tensor, group) -> torch.Tensor:
+    """(B, T, h) partial sums on each of the t ranks -> this rank's (B, T/t, h) of their sum."""
+    size = dist.get_world_size(group)
+    b, t = whole.shape[:2]
+    # (t, B, T/t, h): each rank's sequence slice contiguous, as the collective splits dim 0
+    blocks = whole.view(b, size, t // size, *whole.shape[2:]).movedim(1, 0).contiguous()
+    shard = torch.empty(blocks.shape[1:], dtype=blocks.dtype, device=blocks.device)
+    dist.reduce_scatter_single(shard, blocks.flatten(0, 1), group=group)  # (t B, T/t, h) in
+    return shard
+
+
+def _sequence_slice(whole: torch.Tensor, group) -> torch.Tensor:
+    """This rank's (B, T/t, h) slice of the (B, T, h) ``whole``, a view."""
+    return whole.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return _sequence_all_gather(shard, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _sequence_reduce_scatter(grad, ctx.group), None, None
+        return _sequence_slice(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, whole, group):
+        ctx.group = group
+        return _sequence_reduce_scatter(whole, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_all_gather(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, whole, group):
+        ctx.group = group
+        return _sequence_slice(whole, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_all_gather(grad, ctx.group), None
+
+
+def gather_from_sequence(x: torch.Tensor, group, *, grad_is_partial: bool = True) -> torch.Tensor:
+    """The whole sequence (B, T, h) from every rank's shard ``x`` (B, T/t, h). Backward, where
+    each rank's gradient is a partial sum (``grad_is_partial``: a column-parallel region follows)
+    its reduce-scatter, else (the same whole gradient on every rank) this rank's slice of it. No
+    group: ``x`` itself."""
+    return x if group is None else _GatherFromSequence.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's sequence shard (B, T/t, h) of ``x`` (B, T, h) summed over ``group`` (a
+    row-parallel output); its gradient all-gathered. No group: ``x`` itself."""
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's sequence shard of ``x`` (B, T, h), whole and the same on every rank; its
+    gradient all-gathered. No group: ``x`` itself."""
+    return x if group is None else _ScatterToSequence.apply(x, group)
 
 
 def tp_size(group) -> int:
@@ -68,44 +184,66 @@ def parallel_group(group):
     return group if tp_size(group) > 1 else None
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_shard = x W_shard^T (+ b_shard): each rank holds a slice of the output features."""
+def column_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """A column-parallel linear's input: under sequence parallelism the caller has gathered it
+    (gather_from_sequence, whose backward sums the input gradient), else ``copy_to``'s."""
+    return x if sequence_parallel else copy_to(x, group)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
+
+class ColumnParallelLinear(nn.Module):
+    """y_shard = x W_shard^T (+ b_shard): each rank holds a slice of the output features.
+    ``sequence_parallel``: its input comes gathered from the sequence shards (column_region)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group, sequence_parallel=False
+    ) -> None:
         super().__init__()
         self.group = parallel_group(group)
+        self.sequence_parallel = sequence_parallel and self.group is not None
         size = tp_size(group)
         self.weight = nn.Parameter(torch.empty(out_features // size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to(x, self.group), self.weight, self.bias)
+        x = column_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_shard W_shard^T, + b: each rank holds a slice of the input
-    features."""
+    features. ``sequence_parallel``: each rank keeps its sequence shard of y (reduce-scattered)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group, sequence_parallel=False
+    ) -> None:
         super().__init__()
         self.group = parallel_group(group)
+        self.sequence_parallel = sequence_parallel and self.group is not None
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size(group)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            # (B, T, h) partial sums -> this rank's (B, T/t, h) of their sum; the bias, added to
+            # this rank's tokens only, has its gradient summed over the group
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
+            return y + sum_gradient(self.bias, self.group) if self.bias is not None else y
         # The bias is added once, after the partial products are summed over the group.
         y = reduce_from(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary; a lookup outside it gives zeros."""
+    """Each rank holds a contiguous slice of the vocabulary; a lookup outside it gives zeros.
+    ``sequence_parallel``: the ranks' partial lookups are reduce-scattered, each rank keeping its
+    sequence shard (B, T/t, h), as Megatron-LM's embedding does."""
 
-    def __init__(self, vocab: int, hidden: int, group) -> None:
+    def __init__(self, vocab: int, hidden: int, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group = parallel_group(group)
+        self.sequence_parallel = sequence_parallel and self.group is not None
         per_rank = vocab // tp_size(group)
         self.start = tp_rank(group) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, hidden))
@@ -116,7 +254,10 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
+        return reduce_from(out, self.group)
 
 
 def _target_slots(

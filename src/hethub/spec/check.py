@@ -64,4 +64,12 @@ def check_plan(
                     f"must divide the model's heads ({model.heads}) "
                     f"and kv_heads ({model.kv_heads})",
                 )
+            if plan.sequence_parallel and model.seq_len % stage.tp:
+                raise SpecError(
+                    source,
+                    f"{field}.tp",
+                    stage.tp,
+                    f"sequence_parallel splits the sequence over the stage's TP ranks: tp must "
+                    f"divide the model's seq_len ({model.seq_len})",
+                )
     place(plan, cluster, source)  # the device counts, and whether the plan fits once placed

@@ -33,6 +33,7 @@ which the measured A100 runs (measurements/a100) ran, so that they are priced as
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
@@ -76,7 +77,8 @@ class OpKind(enum.StrEnum):
     MEMORY = "memory"
     """Memory-bound: by the bytes it moves at the device's memory bandwidth."""
     COLLECTIVE = "collective"
-    """A tensor-parallel all-reduce: by the communicator's cost for its bytes."""
+    """A tensor-parallel collective (all-reduce; under sequence parallelism all-gather and
+    reduce-scatter): by the communicator's cost for its bytes (collective_kind)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +109,30 @@ class LayerOps:
 
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
-    """With full recomputation, the forward run again inside the backward comes first."""
+    """With full recomputation, the forward run again inside the backward comes first; with
+    selective, the attention's inner part run again (the ops of Recompute.SELECTIVE)."""
     saved_bytes: int
     """Bytes of the distinct tensors (storages) the forward keeps for the backward, the
     parameters and the rotary tables (a stage's, shared by its layers) aside; 0 under full
     recomputation, where the recomputed chunk keeps only its input, the stage's."""
+
+
+ALL_REDUCE = "allreduce_"
+ALL_GATHER = "_allgather_base_"
+REDUCE_SCATTER = "_reduce_scatter_base_"
+"""The TP collectives' names as torch dispatches them (c10d's ops)."""
+
+
+def collective_bytes(op: Op) -> int:
+    """The bytes a TP collective ``op`` carries for each rank, what its cost is priced on: an
+    all-reduce's tensor, an all-gather's output, a reduce-scatter's input (the whole (B, T, h)
+    of its rank's partial sums). The all-gather and reduce-scatter that sequence parallelism puts
+    in place of an all-reduce of the same tensor each carry it once: the same bytes."""
+    if op.name == ALL_GATHER:
+        return op.written
+    if op.name == REDUCE_SCATTER:
+        return op.read - op.written
+    return op.written
 
 
 def op_counts(ops: tuple[Op, ...]) -> collections.Counter[str]:
@@ -163,6 +184,9 @@ class _Shape:
     element: int
     kernels: Kernels
     gpt: bool
+    sequence_parallel: bool = False
+    """The norms and residual adds on this rank's tokens/tp, the blocks' inputs all-gathered and
+    outputs reduce-scattered (tp > 1 only)."""
 
     @property
     def q(self) -> int:
@@ -175,6 +199,11 @@ class _Shape:
     def bytes(self, width: int, element: int | None = None) -> int:
         """Bytes of a (tokens, width) tensor."""
         return self.tokens * width * (self.element if element is None else element)
+
+    @property
+    def shard(self) -> _Shape:
+        """This rank's sequence shard under sequence parallelism: tokens / tp."""
+        return dataclasses.replace(self, tokens=self.tokens // self.tp, seq=self.seq // self.tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +221,86 @@ def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool) -> _Pie
     e, collective = x.element, x.tp > 1
     separate_bias = x.gpt and row_parallel and collective
     forward = [gemm(x.tokens, inputs, outputs, e, bias=x.gpt and not separate_bias)]
+    backward = [gemm(x.tokens, outputs, inputs, e), gemm(outputs, x.tokens, inputs, e)]
+    if x.sequence_parallel and collective:
+        return _sequence_parallel_linear(x, outputs, row_parallel, forward, backward)
     if row_parallel and collective:
         forward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(outputs), x.bytes(outputs)))
     if separate_bias:
         forward.append(memory("add", x.bytes(outputs) + outputs * e, x.bytes(outputs)))
-    backward = [gemm(x.tokens, outputs, inputs, e), gemm(outputs, x.tokens, inputs, e)]
     if x.gpt:  # the bias's gradient: the output's gradient summed over the tokens
         backward.append(memory("sum", x.bytes(outputs), outputs * e))
     if not row_parallel and collective:
         backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
     return _Piece(tuple(forward), tuple(backward), 0)
+
+
+def _sequence_parallel_linear(
+    x: _Shape, outputs: int, row_parallel: bool, forward: list[Op], backward: list[Op]
+) -> _Piece:
+    """_linear under sequence parallelism, its GEMMs given: a column-parallel linear's input
+    comes gathered (_gathered, where the norm is) and has no collective of its own; a
+    row-parallel one reduce-scatters its output (its gradient all-gathered back), and GPT's
+    bias is added on the shard, its gradient summed over the shard's tokens and over TP."""
+    e = x.element
+    if row_parallel:
+        scatter = _reduce_scattered(x, outputs)
+        forward += scatter.forward
+        backward += scatter.backward
+    if x.gpt and row_parallel:
+        shard = x.shard.bytes(outputs)
+        forward.append(memory("add", shard + outputs * e, shard))
+        backward += [memory("sum", shard, outputs * e), *_summed_gradient(outputs * e)]
+    elif x.gpt:
+        backward.append(memory("sum", x.bytes(outputs), outputs * e))
+    return _Piece(tuple(forward), tuple(backward), 0)
+
+
+def _all_gather(x: _Shape, width: int) -> tuple[Op, ...]:
+    """runtime.tensor_parallel's sequence all-gather of (tokens/tp, width) on each rank into
+    (tokens, width): an allocation, the collective (it reads its output buffer and the shard),
+    and with more than one sequence a micro-batch the copy laying the sequence back (the
+    collective concatenates the ranks' shards along the batch)."""
+    whole, shard = x.bytes(width), x.shard.bytes(width)
+    ops = [memory("empty", 0, 0), Op(ALL_GATHER, OpKind.COLLECTIVE, whole + shard, whole)]
+    if x.batch > 1:
+        ops.append(memory("clone", whole, whole))
+    return tuple(ops)
+
+
+def _reduce_scatter(x: _Shape, width: int) -> tuple[Op, ...]:
+    """runtime.tensor_parallel's sequence reduce-scatter of (tokens, width) partial sums into
+    this rank's (tokens/tp, width): with more than one sequence a micro-batch the copy putting
+    each rank's slice in one block, an allocation, the collective, and on the CPU gloo's copy of
+    the result into it."""
+    whole, shard = x.bytes(width), x.shard.bytes(width)
+    ops = [memory("clone", whole, whole)] if x.batch > 1 else []
+    ops += [memory("empty", 0, 0), Op(REDUCE_SCATTER, OpKind.COLLECTIVE, whole + shard, shard)]
+    if x.kernels is Kernels.CPU:
+        ops.append(memory("copy_", 2 * shard, shard))
+    return tuple(ops)
+
+
+def _gathered(x: _Shape, width: int) -> _Piece:
+    """gather_from_sequence before a column-parallel block: all-gather forward, reduce-scatter
+    of the (partial) input gradient backward. The gathered input is what the block's GEMM
+    keeps, counted here in the norm's place (_norm_on_shard)."""
+    return _Piece(_all_gather(x, width), _reduce_scatter(x, width), 0)
+
+
+def _reduce_scattered(x: _Shape, width: int) -> _Piece:
+    """reduce_scatter_to_sequence after a row-parallel block: reduce-scatter forward,
+    all-gather of the gradient backward."""
+    return _Piece(_reduce_scatter(x, width), _all_gather(x, width), 0)
+
+
+def _summed_gradient(weight_bytes: int) -> tuple[Op, ...]:
+    """sum_gradient's backward for a weight every TP rank holds whole (a norm's, a row-parallel
+    bias): its all-reduce, then a new tensor for its .grad."""
+    return (
+        Op(ALL_REDUCE, OpKind.COLLECTIVE, weight_bytes, weight_bytes),
+        memory("clone", weight_bytes, weight_bytes),
+    )
 
 
 def _norm(x: _Shape) -> _Piece:
@@ -223,6 +322,17 @@ def _norm(x: _Shape) -> _Piece:
         backward = (memory("_fused_rms_norm_backward", 2 * act + rstd + h * e, act + h * e),)
         return _Piece(forward, backward, act + rstd + act)
     return _cpu_rms_norm(x)
+
+
+def _norm_on_shard(x: _Shape) -> _Piece:
+    """Sequence parallelism's norm: _norm over this rank's tokens/tp, its weights' (GPT: and
+    bias's) gradients summed over TP, then its output gathered (_gathered). It keeps its input
+    and statistics on the shard, and the gathered output the next GEMM keeps (tokens, h)."""
+    h, e, shard = x.hidden, x.element, x.shard
+    norm = _norm(shard)
+    sums = _summed_gradient(h * e) * (2 if x.gpt else 1)
+    kept = norm.saved - shard.bytes(h) + x.bytes(h)  # its own output is gathered, whole, then kept
+    return _join(_Piece(norm.forward, norm.backward + sums, kept), _gathered(x, h))
 
 
 def _cpu_rms_norm(x: _Shape) -> _Piece:
@@ -284,10 +394,15 @@ def _rotary(x: _Shape, width: int) -> _Piece:
     return _Piece(forward, backward, 0)
 
 
+def _log_sum_exp_bytes(x: _Shape) -> int:
+    """The attention kernel's fp32 log-sum-exp, one per query of each head."""
+    return x.batch * x.heads * x.seq * FP32_BYTES
+
+
 def _attention_kernel(x: _Shape) -> _Piece:
     """Causal SDPA over q (heads) and k, v (kv_heads): it keeps q, k, v, its output and the
     fp32 log-sum-exp per query (the saving of q, k and v is counted where they are made)."""
-    lse = x.batch * x.heads * x.seq * FP32_BYTES
+    lse = _log_sum_exp_bytes(x)
     q, kv = x.bytes(x.q), x.bytes(x.kv)
     flops = causal_attention_flops(x.batch, x.heads, x.seq, x.head_dim)
     narrowest = min(x.seq, x.head_dim)
@@ -312,18 +427,40 @@ def _attention_kernel(x: _Shape) -> _Piece:
 
 
 def _attention(x: _Shape) -> _Piece:
-    """QKV GEMM, (rotary), SDPA, output projection. The kernel keeps q, k and v: GPT's are views
-    of the QKV output, which it keeps whole; Llama's rotated q and k are new tensors, and its v
-    is copied out of the QKV output, so that none of that output outlives the forward. Backward:
-    the three gradients are concatenated, read where they lie."""
+    """QKV GEMM, the inner part (_inner_attention), output projection. The kernel keeps q, k and
+    v: GPT's are views of the QKV output, which it keeps whole; Llama's rotated q and k are new
+    tensors, and its v is copied out of the QKV output, so that none of that output outlives
+    the forward. Backward: the three gradients are concatenated, read where they lie."""
     h, qkv = x.hidden, x.q + 2 * x.kv
-    pieces = [_linear(x, h, qkv, row_parallel=False)]
+    first, last = _linear(x, h, qkv, row_parallel=False), _linear(x, x.q, h, row_parallel=True)
+    grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
+    cat = _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv))
+    return _join(first, _inner_attention(x), last, cat)
+
+
+def _inner_attention(x: _Shape) -> _Piece:
+    """From the QKV output to the output projection's input (runtime.model.Layer.
+    inner_attention): Llama's rotations of q and k and copy of v, and the kernel."""
+    pieces = []
     if not x.gpt:
         copy_v = memory("clone", x.bytes(x.kv), x.bytes(x.kv))
         pieces += [_rotary(x, x.q), _rotary(x, x.kv), _Piece((copy_v,), (), 0)]
-    pieces += [_attention_kernel(x), _linear(x, x.q, h, row_parallel=True)]
-    grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
-    return _join(*pieces, _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv)))
+    return _join(*pieces, _attention_kernel(x))
+
+
+def _selective(x: _Shape, layer: _Piece) -> LayerOps:
+    """``layer`` under selective recomputation: the attention's inner part is checkpointed, its
+    forward run again in the backward. It then keeps its input, the QKV output, in place of
+    q, k and v, of the same bytes (Llama's rotated copies, GPT's views of that output), and the
+    output projection keeps the kernel's output either way: what it no longer keeps is the
+    kernel's log-sum-exp alone (a flash kernel keeps no scores). Megatron-LM's layer (no flash
+    kernel) no longer keeps its scores' softmax, dropout output and mask."""
+    if x.kernels is Kernels.MEGATRON_LM:
+        inner = _megatron_core_attention(x)
+        freed = inner.saved - 4 * x.bytes(x.q)  # q, k, v (the QKV output) and the context stay
+    else:
+        inner, freed = _inner_attention(x), _log_sum_exp_bytes(x)
+    return LayerOps(layer.forward, inner.forward + layer.backward, layer.saved - freed)
 
 
 def _mlp(x: _Shape) -> _Piece:
@@ -373,9 +510,11 @@ def layer_ops(
     precision: Precision,
     kernels: Kernels,
     recompute: Recompute = Recompute.NONE,
+    sequence_parallel: bool = False,
 ) -> LayerOps:
     """The operations of one layer of ``model`` on one of ``tp`` ranks, one micro-batch of
-    ``micro_batch`` sequences, computing in ``precision``'s dtype on ``kernels``."""
+    ``micro_batch`` sequences, computing in ``precision``'s dtype on ``kernels``;
+    ``sequence_parallel`` (at tp > 1): runtime.model.Layer's sequence-parallel forward."""
     x = _Shape(
         tokens=micro_batch * model.seq_len,
         batch=micro_batch,
@@ -389,13 +528,24 @@ def layer_ops(
         element=precision.element_bytes,
         kernels=kernels,
         gpt=model.arch == "gpt",
+        sequence_parallel=sequence_parallel and tp > 1,
     )
     if kernels is Kernels.MEGATRON_LM:
+        if x.sequence_parallel:
+            raise HethubError(
+                f"kernels {Kernels.MEGATRON_LM.value!r} describe the measured A100 runs' "
+                f"Megatron-LM layer, which ran without sequence parallelism"
+            )
         layer = _megatron_gpt_layer(x, model.arch)
+    elif x.sequence_parallel:
+        norm, residual = _norm_on_shard(x), _residual(x.shard)
+        layer = _join(norm, _attention(x), residual, norm, _mlp(x), residual)
     else:
         layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
     if recompute is Recompute.FULL:
         return LayerOps(layer.forward, layer.forward + layer.backward, 0)
+    if recompute is Recompute.SELECTIVE:
+        return _selective(x, layer)
     return LayerOps(layer.forward, layer.backward, layer.saved)
 
 

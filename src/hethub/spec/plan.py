@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import yaml
 
 from hethub.spec.fields import Fields, load_yaml
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, chunks_per_stage, model_chunk
 
 
 class Recompute(enum.StrEnum):
@@ -18,8 +19,12 @@ class Recompute(enum.StrEnum):
 
     NONE = "none"
     """Every layer keeps its activations for its backward."""
+    SELECTIVE = "selective"
+    """Each layer's attention keeps only its QKV projection's output and runs its inner part
+    (the rotations, v's copy, the attention kernel) again in its backward (Megatron-LM's
+    selective recomputation, Korthikanti et al. 2022)."""
     FULL = "full"
-    """Each stage keeps only its input and runs its forward again before its backward."""
+    """Each layer keeps only its input and runs its forward again before its backward."""
 
 
 FP32_BYTES = 4
@@ -110,17 +115,29 @@ class StageSpec:
     """All the stage's layers, over its chunks."""
     chunks: tuple[int, ...] = ()
     """Layers per chunk; left out, one chunk of ``layers``."""
+    recompute: Recompute | None = None
+    """The stage's activation recomputation; left out (None), the plan's (Plan fills it in)."""
 
     def __post_init__(self) -> None:
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
         if len(self.chunks) <= 1:  # one chunk: all the layers (dataclasses.replace included)
             object.__setattr__(self, "chunks", (self.layers,))
         elif sum(self.chunks) != self.layers:
             raise ValueError(f"chunks {self.chunks} do not sum to the stage's {self.layers} layers")
 
     @classmethod
-    def of_chunks(cls, group: str, tp: int, chunks: tuple[int, ...] | list[int]) -> StageSpec:
+    def of_chunks(
+        cls,
+        group: str,
+        tp: int,
+        chunks: tuple[int, ...] | list[int],
+        recompute: Recompute | None = None,
+    ) -> StageSpec:
         """A stage holding ``chunks`` (layers per chunk)."""
-        return cls(group=group, tp=tp, layers=sum(chunks), chunks=tuple(chunks))
+        return cls(
+            group=group, tp=tp, layers=sum(chunks), chunks=tuple(chunks), recompute=recompute
+        )
 
     def layers_field(self) -> int | list[int]:
         """``layers`` as plan files spell it: a count for one chunk, else the list."""
@@ -135,6 +152,12 @@ class PipelineLayout:
     micro_batches: int
     """Micro-batches each replica runs per optimizer step (replicas may differ: an uneven split)."""
     stages: tuple[StageSpec, ...]
+    schedule: Schedule | None = None
+    """The replicas' pipeline schedule; left out (None), the plan's (Plan fills it in)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
 
     @property
     def devices(self) -> int:
@@ -147,10 +170,15 @@ class PipelineLayout:
         return len(self.stages[0].chunks)
 
     def chunk_layers(self) -> list[int]:
-        """Layers of each of the model's chunks, in model order: chunk c x p + s is stage s's
-        chunk c."""
-        p = len(self.stages)
-        return [self.stages[g % p].chunks[g // p] for g in range(p * self.virtual_stages)]
+        """Layers of each of the model's chunks, in model order: stage s's chunk c is the
+        model's spec.schedules.model_chunk (c x p + s but under ZBV's V)."""
+        p, v = len(self.stages), self.virtual_stages
+        schedule = self.schedule or Schedule.INTERLEAVED_1F1B
+        layers = [0] * (p * v)
+        for s, stage in enumerate(self.stages):
+            for c, count in enumerate(stage.chunks):
+                layers[model_chunk(schedule, s, p, c)] = count
+        return layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,7 +190,10 @@ class Plan:
     global_batch: int
     micro_batch: int
     recompute: Recompute = Recompute.NONE
+    """Every stage's recomputation, where the stage does not set its own (StageSpec.recompute)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Every layout's schedule, where the layout does not set its own
+    (PipelineLayout.schedule)."""
     precision: Precision = Precision.BF16
     """bf16 by default: what GPU users expect, what published runs of these models use, and what
     the predictor was calibrated on."""
@@ -172,10 +203,18 @@ class Plan:
     overlap_grad_sync: bool = False
     """Sync each gradient bucket as soon as the last backward writing it ends, during the
     backwards still to run, instead of after the last one."""
+    overlap_param_gather: bool = False
+    """With a sharded optimizer: leave the all-gather of the updated weights under way after the
+    step, each bucket waited for just before the next step's first forward that reads it
+    (Megatron-LM's overlap_param_gather). Off by default, as there: docs/formats.md has why."""
     compile: bool = False
     """Compile each transformer layer with torch.compile (runtime.compiled), as torchtitan does
     per block: the same training, in fewer and fused kernels, after a compilation at the first
     step. Off by default: docs/runtime.md, "Compile", has where it pays."""
+    sequence_parallel: bool = False
+    """At every stage of TP > 1, split the norms' and the residual's activations along the
+    sequence over the TP ranks, with all-gather and reduce-scatter in place of the TP all-reduces
+    (Megatron-LM's sequence parallelism): docs/runtime.md, "Sequence parallelism"."""
     pipelines: tuple[PipelineLayout, ...]
 
     def __post_init__(self) -> None:
@@ -183,6 +222,23 @@ class Plan:
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
+        # Each layout's schedule and each stage's recomputation, the plan's where left out: what
+        # the predictor and the runtime read.
+        object.__setattr__(
+            self,
+            "pipelines",
+            tuple(
+                dataclasses.replace(
+                    p,
+                    schedule=p.schedule or self.schedule,
+                    stages=tuple(
+                        s if s.recompute else dataclasses.replace(s, recompute=self.recompute)
+                        for s in p.stages
+                    ),
+                )
+                for p in self.pipelines
+            ),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's content."""
@@ -195,14 +251,27 @@ class Plan:
             "precision": self.precision.value,
             **({"shard_optimizer": True} if self.shard_optimizer else {}),
             **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
+            **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
             **({"compile": True} if self.compile else {}),
+            **({"sequence_parallel": True} if self.sequence_parallel else {}),
             "pipelines": [
                 {
                     "count": p.count,
                     "micro_batches": p.micro_batches,
+                    **({"schedule": p.schedule.value} if p.schedule != self.schedule else {}),
                     **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
                     "stages": [
-                        {"group": s.group, "tp": s.tp, "layers": s.layers_field()} for s in p.stages
+                        {
+                            "group": s.group,
+                            "tp": s.tp,
+                            "layers": s.layers_field(),
+                            **(
+                                {"recompute": s.recompute.value}
+                                if s.recompute != self.recompute
+                                else {}
+                            ),
+                        }
+                        for s in p.stages
                     ],
                 }
                 for p in self.pipelines
@@ -215,9 +284,14 @@ class Plan:
     def summary(self) -> str:
         """One line: precision, micro-batch, recomputation and each layout as
         count x [group/tp/layers ...] x micro-batches."""
+
+        def stage_text(s: StageSpec) -> str:
+            own = f"/recompute {s.recompute}" if s.recompute != self.recompute else ""
+            return f"{s.group}/tp{s.tp}/{_layers_text(s)}L{own}"
+
         layouts = "; ".join(
-            f"{p.count}x[{' '.join(f'{s.group}/tp{s.tp}/{_layers_text(s)}L' for s in p.stages)}] "
-            f"x{p.micro_batches}mb"
+            f"{p.count}x[{' '.join(map(stage_text, p.stages))}] x{p.micro_batches}mb"
+            + (f" {p.schedule}" if p.schedule != self.schedule else "")
             for p in self.pipelines
         )
         extras = "".join(
@@ -226,7 +300,9 @@ class Plan:
                 (str(self.schedule), self.schedule != Schedule.ONE_F_ONE_B),
                 ("sharded optimizer", self.shard_optimizer),
                 ("overlapped grad sync", self.overlap_grad_sync),
+                ("overlapped param gather", self.overlap_param_gather),
                 ("compiled layers", self.compile),
+                ("sequence parallel", self.sequence_parallel),
             )
             if on
         )
@@ -263,7 +339,9 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             "precision",
             "shard_optimizer",
             "overlap_grad_sync",
+            "overlap_param_gather",
             "compile",
+            "sequence_parallel",
             "pipelines",
         ),
     )
@@ -271,6 +349,7 @@ def parse_plan(data: Any, source: str = "") -> Plan:
     global_batch = top.positive_int("global_batch")
     micro_batch = top.positive_int("micro_batch", 1)
     schedule = Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value))
+    recompute = Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value))
     raw_pipelines = top.mapping_list("pipelines")
     counts = []
     for i, raw in enumerate(raw_pipelines):
@@ -281,52 +360,83 @@ def parse_plan(data: Any, source: str = "") -> Plan:
             raw,
             source,
             f"pipelines[{i}]",
-            allowed=("count", "micro_batches", "virtual_stages", "stages"),
+            allowed=("count", "micro_batches", "schedule", "virtual_stages", "stages"),
         )
+        layout_schedule = Schedule(f.choice("schedule", SCHEDULES, schedule.value))
         if f.has("micro_batches"):
             micro_batches = f.positive_int("micro_batches")
         else:
             micro_batches = _even_split(global_batch, micro_batch, sum(counts), top)
-        virtual_stages = f.positive_int("virtual_stages", 1)
-        if virtual_stages > 1 and schedule != Schedule.INTERLEAVED_1F1B:
+        fixed_chunks = chunks_per_stage(layout_schedule)
+        virtual_stages = f.positive_int("virtual_stages", fixed_chunks or 1)
+        if fixed_chunks is not None and virtual_stages != fixed_chunks:
             raise f.error(
                 "virtual_stages",
                 virtual_stages,
-                f"more than one chunk per stage needs schedule "
-                f"{Schedule.INTERLEAVED_1F1B.value} (the plan's is {schedule.value})",
+                f"schedule {layout_schedule.value} runs {fixed_chunks} chunk(s) per stage"
+                + (
+                    f"; more needs schedule {Schedule.INTERLEAVED_1F1B.value} (any count) or "
+                    f"{Schedule.ZBV.value} (2)"
+                    if fixed_chunks == 1
+                    else "; give each stage's layers as a list of 2 (its chunks s and 2p - 1 - s)"
+                ),
             )
         raw_stages = f.mapping_list("stages")
         if virtual_stages > 1 and len(raw_stages) < 2:
+            what = (
+                f"schedule {layout_schedule.value}"
+                if fixed_chunks
+                else "more than one chunk per stage"
+            )
             raise f.error(
-                "virtual_stages",
-                virtual_stages,
-                "interleaving needs a pipeline of at least 2 stages (this one has 1)",
+                "schedule" if fixed_chunks else "virtual_stages",
+                layout_schedule.value if fixed_chunks else virtual_stages,
+                f"{what} needs a pipeline of at least 2 stages (this one has 1)",
             )
         stages = []
         for j, raw_stage in enumerate(raw_stages):
             s = Fields(
-                raw_stage, source, f"pipelines[{i}].stages[{j}]", allowed=("group", "tp", "layers")
+                raw_stage,
+                source,
+                f"pipelines[{i}].stages[{j}]",
+                allowed=("group", "tp", "layers", "recompute"),
             )
             stages.append(
                 StageSpec.of_chunks(
-                    s.string("group"), s.positive_int("tp", 1), _chunks(s, virtual_stages)
+                    s.string("group"),
+                    s.positive_int("tp", 1),
+                    _chunks(s, virtual_stages),
+                    Recompute(s.choice("recompute", RECOMPUTE, recompute.value)),
                 )
             )
         pipelines.append(
-            PipelineLayout(count=counts[i], micro_batches=micro_batches, stages=tuple(stages))
+            PipelineLayout(
+                count=counts[i],
+                micro_batches=micro_batches,
+                stages=tuple(stages),
+                schedule=layout_schedule,
+            )
         )
     plan = Plan(
         model=model,
         global_batch=global_batch,
         micro_batch=micro_batch,
-        recompute=Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value)),
+        recompute=recompute,
         schedule=schedule,
         precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
         shard_optimizer=top.boolean("shard_optimizer", False),
         overlap_grad_sync=top.boolean("overlap_grad_sync", False),
+        overlap_param_gather=top.boolean("overlap_param_gather", False),
         compile=top.boolean("compile", False),
+        sequence_parallel=top.boolean("sequence_parallel", False),
         pipelines=tuple(pipelines),
     )
+    if plan.overlap_param_gather and not plan.shard_optimizer:
+        raise top.error(
+            "overlap_param_gather",
+            True,
+            "needs shard_optimizer: true (only a sharded optimizer gathers the weights)",
+        )
     sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
     if sequences != global_batch:
         detail = " + ".join(f"{p.count}x{p.micro_batches}" for p in plan.pipelines)
@@ -401,13 +511,18 @@ def uniform_plan(
     virtual_stages: int = 1,
     shard_optimizer: bool = False,
     overlap_grad_sync: bool = False,
+    overlap_param_gather: bool = False,
+    sequence_parallel: bool = False,
     compile: bool = False,
 ) -> Plan:
     """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
     ``group``, each stage holding ``virtual_stages`` chunks (Megatron's even split over the
     model's pp x virtual_stages chunks)."""
     split = uniform_layers(layers, pp * virtual_stages)
-    chunks = [split[s::pp] for s in range(pp)]
+    chunks = [
+        [split[model_chunk(Schedule(schedule), s, pp, c)] for c in range(virtual_stages)]
+        for s in range(pp)
+    ]
     return parse_plan(
         {
             "model": model,
@@ -418,6 +533,8 @@ def uniform_plan(
             "precision": precision,
             "shard_optimizer": shard_optimizer,
             "overlap_grad_sync": overlap_grad_sync,
+            "overlap_param_gather": overlap_param_gather,
+            "sequence_parallel": sequence_parallel,
             "compile": compile,
             "pipelines": [
                 {

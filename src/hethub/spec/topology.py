@@ -15,6 +15,7 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameters
 from hethub.spec.placement import place
 from hethub.spec.plan import PipelineLayout, Plan
+from hethub.spec.schedules import model_chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,8 @@ class Chunk:
     """Consecutive layers of the model that one stage runs as one piece."""
 
     index: int
-    """The model's chunk: chunk c of stage s of p is c x p + s."""
+    """The model's chunk: chunk c of stage s of p is spec.schedules.model_chunk (c x p + s but
+    under ZBV)."""
     first_layer: int
     layers: int
     is_first: bool
@@ -198,7 +200,8 @@ def build_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
 
 
 def _stage_chunks(pipeline: PipelineLayout, stage: int) -> tuple[Chunk, ...]:
-    """The chunks stage ``stage`` of ``pipeline`` holds: its chunk c is the model's c x p + s."""
+    """The chunks stage ``stage`` of ``pipeline`` holds: its chunk c is the model's
+    spec.schedules.model_chunk."""
     sizes = pipeline.chunk_layers()
     p = len(pipeline.stages)
     return tuple(
@@ -209,5 +212,7 @@ def _stage_chunks(pipeline: PipelineLayout, stage: int) -> tuple[Chunk, ...]:
             is_first=g == 0,
             is_last=g == len(sizes) - 1,
         )
-        for g in range(stage, len(sizes), p)
+        for g in (
+            model_chunk(pipeline.schedule, stage, p, c) for c in range(pipeline.virtual_stages)
+        )
     )
