@@ -1,10 +1,14 @@
 """hethub's pipeline runtime against torch.distributed.pipelining on the same homogeneous 2-rank
 plan: 1F1B against Schedule1F1B, interleaved 1F1B (2 chunks a rank) against
-ScheduleInterleaved1F1B, and the 2-stage pipeline's speed-up over one process.
+ScheduleInterleaved1F1B, ZB-H1 (one chunk a rank) against ScheduleInterleavedZeroBubble over
+one stage a rank (torch's zero-bubble schedule for any stage count, ZB-H2's order), ZBV (2
+chunks a rank in a V) against ScheduleZBVZeroBubble, and the 2-stage pipeline's speed-up over
+one process.
 
-Usage: python benchmarks/runtime_overhead.py [--steps N] [--only 1f1b,interleaved]
-Targets: hethub reaches >= 0.95x Schedule1F1B's throughput (issue 4) and >= 0.95x
-ScheduleInterleaved1F1B's (issue 17). Each process uses one thread.
+Usage: python benchmarks/runtime_overhead.py [--steps N] [--only 1f1b,interleaved,zb-h1,zbv]
+Targets: hethub reaches >= 0.95x Schedule1F1B's throughput (issue 4), >= 0.95x
+ScheduleInterleaved1F1B's (issue 17), and >= 0.95x torch's zero-bubble schedules' (issue 28).
+Each process uses one thread.
 
 The machine is shared and its speed drifts by 20% and more over minutes, so each comparison runs
 hethub and torch in the same two processes, one step each in turn (the order swapped every
@@ -25,6 +29,7 @@ from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage
 from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster, parse_model, parse_plan
+from hethub.spec.schedules import Schedule, chunks_per_stage, model_chunk
 from hethub.spec.topology import build_topology
 
 MODEL = {
@@ -38,16 +43,22 @@ MODEL = {
 }
 MICRO_BATCH, MICRO_BATCHES = 2, 8
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}
-CHUNKS = 2  # interleaved: model chunks per rank (virtual_stages)
+CHUNKS = 2  # interleaved and ZBV: model chunks per rank (virtual_stages)
 RANKS = 2
 TIMEOUT_S = 600  # a collective's wait, and the rendezvous store's
 
 
+def chunks_a_rank(schedule: str) -> int:
+    """Model chunks a rank holds under ``schedule``: CHUNKS where it takes any count."""
+    return chunks_per_stage(Schedule(schedule)) or CHUNKS
+
+
 def plan(schedule: str) -> dict:
-    """The homogeneous 2-rank plan: 4 layers a stage, or under interleaving 2 chunks of 2."""
+    """The homogeneous 2-rank plan: 4 layers a stage, or under interleaving and ZBV 2 chunks of
+    2."""
     interleaved = schedule == "interleaved-1f1b"
-    layers = MODEL["layers"] // RANKS
-    per_stage = [layers // CHUNKS] * CHUNKS if interleaved else layers
+    layers, chunks = MODEL["layers"] // RANKS, chunks_a_rank(schedule)
+    per_stage = [layers // chunks] * chunks if chunks > 1 else layers
     return {
         "model": "bench",
         "precision": "fp32",  # as torch.distributed.pipelining's stages below
@@ -64,11 +75,17 @@ def plan(schedule: str) -> dict:
     }
 
 
-# which comparison: (hethub's schedule, torch's schedule class, model chunks a rank)
+# which comparison: (hethub's schedule, torch's schedule class)
 COMPARISONS = {
-    "1f1b": ("1f1b", "Schedule1F1B", 1),
-    "interleaved": ("interleaved-1f1b", "ScheduleInterleaved1F1B", CHUNKS),
+    "1f1b": ("1f1b", "Schedule1F1B"),
+    "interleaved": ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
+    "zb-h1": ("zb-h1", "ScheduleInterleavedZeroBubble"),
+    "zbv": ("zbv", "ScheduleZBVZeroBubble"),
 }
+
+
+NAMES = {"interleaved-1f1b": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZBV"}
+"""How the lines below name hethub's schedules."""
 
 
 def batch(spec, step):
@@ -86,17 +103,20 @@ def hethub_runner(spec, schedule):
     return engine.step
 
 
-def torch_runner(spec, schedule_name, chunks):
+def torch_runner(spec, schedule_name, schedule):
     """One step of torch.distributed.pipelining's schedule (and AdamW) on this rank: its chunk c
-    is the model's chunk rank + c x ranks (stage index), as hethub lays out interleaving."""
+    is the model's chunk model_chunk(schedule, rank, ranks, c) (stage index), as hethub lays out
+    hethub's ``schedule``: rank + c x ranks interleaved, a V under ZBV."""
     from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-    rank = dist.get_rank()
+    rank, chunks = dist.get_rank(), chunks_a_rank(schedule)
     stages = RANKS * chunks
     per_chunk = spec.layers // stages
+    multi = issubclass(getattr(pipelining, schedule_name), PipelineScheduleMulti)
     modules, pipeline_stages = [], []
     for c in range(chunks):
-        index = rank + c * RANKS
+        index = model_chunk(Schedule(schedule), rank, RANKS, c)
         module = Stage.build(
             spec,
             per_chunk * index,
@@ -115,8 +135,8 @@ def torch_runner(spec, schedule_name, chunks):
         )
 
     schedule_class = getattr(pipelining, schedule_name)
-    schedule = schedule_class(
-        pipeline_stages if chunks > 1 else pipeline_stages[0], MICRO_BATCHES, loss_fn=loss_fn
+    runner = schedule_class(
+        pipeline_stages if multi else pipeline_stages[0], MICRO_BATCHES, loss_fn=loss_fn
     )
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
     holds_first = any(s.is_first for s in pipeline_stages)
@@ -124,11 +144,11 @@ def torch_runner(spec, schedule_name, chunks):
 
     def step(tokens):
         if holds_first and holds_last:
-            schedule.step(tokens[:, :-1], target=tokens[:, 1:])
+            runner.step(tokens[:, :-1], target=tokens[:, 1:])
         elif holds_first:
-            schedule.step(tokens[:, :-1])
+            runner.step(tokens[:, :-1])
         else:
-            schedule.step(target=tokens[:, 1:])
+            runner.step(target=tokens[:, 1:])
         optimizer.step()
         optimizer.zero_grad()
 
@@ -141,10 +161,10 @@ def _entry(rank, port, comparison, steps, out):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
     dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS, timeout=timeout)
     spec = parse_model(MODEL, "bench", "bench")
-    schedule, torch_schedule, chunks = COMPARISONS[comparison]
+    schedule, torch_schedule = COMPARISONS[comparison]
     runners = {
         "hethub": hethub_runner(spec, schedule),
-        "torch": torch_runner(spec, torch_schedule, chunks),
+        "torch": torch_runner(spec, torch_schedule, schedule),
     }
     times = {which: [] for which in runners}
     for step in range(steps):  # step 0 is each one's warm-up (torch fixes its shapes there)
@@ -225,7 +245,7 @@ def main() -> int:
     )
     met = True
     for comparison in chosen:
-        _, torch_schedule, chunks = COMPARISONS[comparison]
+        schedule, torch_schedule = COMPARISONS[comparison]
         seconds = pipeline_seconds(comparison, args.steps)
         ours, theirs = (sorted(seconds[w])[len(seconds[w]) // 2] for w in ("hethub", "torch"))
         each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(seconds["hethub"], seconds["torch"]))
@@ -252,8 +272,8 @@ def main() -> int:
             print(f"2-stage pipeline speed-up over one process: {alone / ours:.2f}x", flush=True)
             continue
         print(
-            f"hethub interleaved 1F1B ({chunks} chunks a rank): {ours:.3f} s/step, "
-            f"{tokens / ours:,.0f} tokens/s"
+            f"hethub {NAMES[schedule]} ({chunks_a_rank(schedule)} chunk(s) a rank): "
+            f"{ours:.3f} s/step, {tokens / ours:,.0f} tokens/s"
         )
         print(
             f"torch.distributed.pipelining {torch_schedule}: {theirs:.3f} s/step, "

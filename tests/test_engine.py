@@ -107,7 +107,8 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     # The activations the step held at its peak are what the predictor's memory prices.
     stages = topology.replica_stages(me.replica)
     chunks = tuple(c.layers for c in me.chunks)
-    priced = in_flight_micro_batches(plan.schedule, me.stage, stages, me.micro_batches, chunks)
+    schedule = plan.pipelines[me.pipeline].schedule  # its layout's own
+    priced = in_flight_micro_batches(schedule, me.stage, stages, me.micro_batches, chunks)
     assert engine.pipeline.peak_in_flight == pytest.approx(priced, rel=1e-12), (rank, chunks)
     return losses, grads, me.tp_rank, me.tp, computed_in, moved
 

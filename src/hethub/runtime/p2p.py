@@ -7,6 +7,13 @@ to its TP group. Each ordered pair of neighbouring leaders has a group of its ow
 the sender's activations one way and their gradients back, each in the order both ends run them;
 so with two stages interleaved (the previous and the next stage one rank) activations and
 gradients never cross, and need no tags.
+
+ZBV's V (spec.schedules.model_chunk) runs a second stream between each two neighbours: chunk 1
+flows from stage s + 1 back to stage s, so its activations go the other way ("returning"),
+over a pair group of their own (RankGroups.pipeline_return_prev and _next), which carries them
+and their gradients as the first pair carries chunk 0's. Each pair then carries one chunk's
+activations one way and their gradients the other, each in the order of that chunk's forwards
+(backwards), the same at both ends.
 """
 
 from __future__ import annotations
@@ -28,21 +35,25 @@ class StageLinks:
         self.comm, self.groups, self.device, self.dtype = comm, groups, device, dtype
         self.leads = comm.rank == groups.leader
 
-    def send(self, tensor: torch.Tensor, forward: bool) -> list[Work]:
+    def send(self, tensor: torch.Tensor, forward: bool, returning: bool = False) -> list[Work]:
         """Start sending an activation to the next stage (``forward``) or its gradient to the
-        previous: the leader's send (wait for it before the step ends), none elsewhere."""
+        previous: the leader's send (wait for it before the step ends), none elsewhere.
+        ``returning``: of the V's way back (ZBV's chunk 1), whose next stage is the one
+        before."""
         if not self.leads:
             return []
-        link, peer = self._neighbour(towards_next=forward)
+        link, peer = self._neighbour(towards_next=forward, returning=returning)
         return [self.comm.isend(tensor.contiguous(), peer, link)]
 
-    def receive(self, shape: tuple[int, ...], forward: bool) -> torch.Tensor:
+    def receive(
+        self, shape: tuple[int, ...], forward: bool, returning: bool = False
+    ) -> torch.Tensor:
         """Receive an activation from the previous stage (``forward``) or a gradient from the
-        next, on every TP rank of the stage. The wait covers the peer's compute still to come
-        and the transfer: a receive cannot tell them apart."""
+        next, on every TP rank of the stage (``returning`` as for ``send``). The wait covers
+        the peer's compute still to come and the transfer: a receive cannot tell them apart."""
         buffer = torch.empty(shape, device=self.device, dtype=self.dtype)
         if self.leads:
-            link, peer = self._neighbour(towards_next=not forward)
+            link, peer = self._neighbour(towards_next=not forward, returning=returning)
             self.comm.recv(buffer, peer, link)
         self.comm.broadcast(buffer, self.groups.leader, self.groups.tp)
         return buffer
@@ -52,9 +63,15 @@ class StageLinks:
         for work in sends:
             self.comm.wait(work)
 
-    def _neighbour(self, towards_next: bool) -> tuple[Group, int]:
+    def _neighbour(self, towards_next: bool, returning: bool) -> tuple[Group, int]:
         """The pair's group with the next stage's leader, or the previous one's, and that
-        leader."""
+        leader; ``returning``: on the V's way back, whose next stage is the one before."""
+        if returning:
+            if towards_next:
+                link = self.groups.pipeline_return_next  # (this rank, the stage before's leader)
+                return link, link.ranks[1]
+            link = self.groups.pipeline_return_prev  # (the stage after's leader, this rank)
+            return link, link.ranks[0]
         if towards_next:
             link = self.groups.pipeline_next  # (this rank, the next leader)
             return link, link.ranks[1]

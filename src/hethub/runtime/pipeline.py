@@ -17,17 +17,50 @@ forward and backward stretched by sleeping (1 / speed - 1) times its measured du
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from hethub.runtime.data import to_device
 from hethub.runtime.model import StageChunks
 from hethub.runtime.p2p import StageLinks
+from hethub.runtime.split_backward import WeightPass, input_backward
 from hethub.runtime.timeline import StepTimeline
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
-from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence
+from hethub.spec.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, chunk_sequence
 from hethub.spec.topology import Topology
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one step's schedule holds between its operations, by (chunk, micro-batch)."""
+
+    shape: tuple[int, ...]
+    """A message between stages: (B, T, h)."""
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """A chunk's input (a received activation takes its gradient) until its backward."""
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """A chunk's output (its loss on the last chunk) until its backward."""
+    weight_passes: dict[tuple[int, int], WeightPass] = field(default_factory=dict)
+    """Zero-bubble: what a backward kept for its WEIGHT."""
+    activation_sends: dict[tuple[int, int], list] = field(default_factory=dict)
+    """An activation's send: its work holds the tensor until it goes, so it is finished once
+    the gradient comes back (the next stage received the activation before its backward),
+    rather than held with every other to the step's end."""
+    sends: list = field(default_factory=list)
+    """The gradients' sends, finished at the step's end."""
+    turning: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The V's turn, by micro-batch: the last stage's chunk 0 output, chunk 1's input."""
+    turned_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The V's turn back: chunk 1's input gradient, chunk 0's output gradient."""
+    last_output: torch.Tensor | None = None
+    """The last forward's output (the logits on the last chunk), held until the next forward
+    has made its own, as the predictor's memory prices the last stage
+    (predictor.memory._LastStageMoments: the pipeline keeps the logits until its next
+    forward)."""
+    loss_sum: torch.Tensor | None = None
+    """This rank's share of the loss, summed where the losses are."""
 
 
 class Pipeline:
@@ -54,10 +87,16 @@ class Pipeline:
         self.recompute = self.layout.stages[self.me.stage].recompute
         self.stage, self.links, self.timeline = stage, links, timeline
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
+        self.stages = topology.replica_stages(self.me.replica)
+        self.v_shaped = self.layout.schedule == Schedule.ZBV
+        """Chunk 1 flows back from the last stage to the first (spec.schedules.model_chunk)."""
+        # Per chunk, the weights a zero-bubble WEIGHT gives gradients (split_backward).
+        self._weights = [list(chunk.parameters()) for chunk in stage.chunks]
         self.peak_in_flight = 0.0
         """Micro-batches of the whole stage's activations held at once in the last step, at its
-        peak (a chunk's forward holds its layers' until its backward): what the predictor's
-        memory reads from spec.schedules.in_flight_micro_batches, measured as the step ran."""
+        peak (a chunk's forward holds its layers' until its backward, under a zero-bubble
+        schedule until its WEIGHT): what the predictor's memory reads from
+        spec.schedules.in_flight_micro_batches, measured as the step ran."""
 
     def run(
         self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
@@ -66,57 +105,113 @@ class Pipeline:
         (sequences, seq_len + 1), leaving each parameter's gradient summed over them; this
         rank's share of the loss (0 off the last stage's leaders), a 0-d fp32 tensor on the
         device, not yet read. ``before_last_backward(c)`` runs just before chunk c's last
-        backward of the step (an overlapped gradient sync arms its hooks there)."""
+        operation of the step that gives its weights gradients (its last backward; under a
+        zero-bubble schedule its last WEIGHT): an overlapped gradient sync arms its hooks
+        there."""
         micro = self._my_micro_batches(tokens)
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
-        stages = self.topology.replica_stages(self.me.replica)
         shape = (self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)  # (B, T, h)
-        chunks = self.me.chunks
-        order = chunk_sequence(self.layout.schedule, self.me.stage, stages, len(chunks), len(micro))
-        last_backward = {c: i for i, (kind, c, _) in enumerate(order) if kind == BACKWARD}
-        inputs, outputs, sends = {}, {}, []
-        # An activation's send, by micro-batch: its work holds the tensor until it goes, so it
-        # is finished once the gradient comes back (the next stage received the activation
-        # before its backward), rather than held with every other to the step's end.
-        activation_sends: dict[tuple[int, int], list] = {}
-        loss_sum = None  # this rank's share of the loss, summed where the losses are
-        held = peak = 0  # layers' activations awaiting their backward
+        chunks, schedule = self.me.chunks, self.layout.schedule
+        order = chunk_sequence(schedule, self.me.stage, self.stages, len(chunks), len(micro))
+        # the operation that gives a chunk's weights their gradients and frees its activations
+        gives_weights = WEIGHT if schedule.splits_backward else BACKWARD
+        last_gradients = {c: i for i, (kind, c, _) in enumerate(order) if kind == gives_weights}
+        step = _Step(shape)
+        held = peak = 0  # layers' activations awaiting the operation that frees them
         for i, (kind, c, j) in enumerate(order):
-            chunk, key = chunks[c], (c, j)
-            if before_last_backward is not None and i == last_backward[c]:
+            if before_last_backward is not None and i == last_gradients[c]:
                 before_last_backward(c)
             if kind == FORWARD:
-                x = micro[j][:, :-1] if chunk.is_first else self._receive(shape, True, j)
-                with self.timeline.timed("forward", j, self.stretch):
-                    out = self._forward(c, x)
-                    if chunk.is_last:
-                        loss = self.stage.chunks[c].loss(out, micro[j][:, 1:])
-                        # one micro-batch in all: the scale is 1, and two operations (forward
-                        # and backward) would multiply by it
-                        outputs[key] = loss / total if total > 1 else loss
-                if chunk.is_last:
-                    if self.links.leads:
-                        share = outputs[key].detach()
-                        loss_sum = share if loss_sum is None else loss_sum + share
-                else:
-                    outputs[key] = out
-                    activation_sends[key] = self.links.send(out.detach(), forward=True)
-                inputs[key] = x
-                held += chunk.layers
+                self._forward_op(step, c, j, micro, total)
+                held += chunks[c].layers
                 peak = max(peak, held)
+            elif kind == BACKWARD:
+                self._backward_op(step, c, j)
             else:
-                grad = None if chunk.is_last else self._receive(shape, False, j)
-                self.links.wait(activation_sends.pop(key, []))  # done: its gradient is here
                 with self.timeline.timed("backward", j, self.stretch):
-                    outputs[key].backward(grad)
-                if not chunk.is_first:
-                    sends += self.links.send(inputs[key].grad, forward=False)
-                del inputs[key], outputs[key]
-                held -= chunk.layers
+                    step.weight_passes.pop((c, j)).run()
+            if kind == gives_weights:  # W frees the graph B kept (split_backward)
+                held -= chunks[c].layers
         self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
-            self.links.wait(sends + [w for ws in activation_sends.values() for w in ws])
-        return loss_sum if loss_sum is not None else torch.zeros((), device=self.device)
+            waits = [w for ws in step.activation_sends.values() for w in ws]
+            self.links.wait(step.sends + waits)
+        return step.loss_sum if step.loss_sum is not None else torch.zeros((), device=self.device)
+
+    def _forward_op(
+        self, step: _Step, c: int, j: int, micro: list[torch.Tensor], total: int
+    ) -> None:
+        """Chunk c's forward of micro-batch j: its input received (tokens on the first chunk;
+        the V's turn on the last stage, chunk 0's output, here), its output sent on or its loss
+        kept."""
+        chunk, key = self.me.chunks[c], (c, j)
+        if chunk.is_first:
+            x = micro[j][:, :-1]
+        elif self._turns(c):  # the V's turn: chunk 0's output, here
+            x = step.turning.pop(j)
+        else:
+            x = self._receive(step.shape, True, j, self._returning(c))
+        with self.timeline.timed("forward", j, self.stretch):
+            out = self._forward(c, x)
+            step.last_output = out  # the one before is dropped now, not after the loss
+            if chunk.is_last:
+                loss = self.stage.chunks[c].loss(out, micro[j][:, 1:])
+                # one micro-batch in all: the scale is 1, and two operations (forward and
+                # backward) would multiply by it
+                step.outputs[key] = loss / total if total > 1 else loss
+        if chunk.is_last:
+            if self.links.leads:
+                share = step.outputs[key].detach()
+                step.loss_sum = share if step.loss_sum is None else step.loss_sum + share
+        else:
+            step.outputs[key] = out
+            if self._hands_over(c):
+                step.turning[j] = out.detach().requires_grad_()
+            else:
+                step.activation_sends[key] = self.links.send(
+                    out.detach(), forward=True, returning=self._returning(c)
+                )
+        step.inputs[key] = x
+
+    def _backward_op(self, step: _Step, c: int, j: int) -> None:
+        """Chunk c's backward of micro-batch j (under a zero-bubble schedule its input's
+        gradient only, its weights' kept for its WEIGHT), the input's gradient sent back."""
+        chunk, key = self.me.chunks[c], (c, j)
+        returning = self._returning(c)
+        if chunk.is_last:
+            grad = None
+        elif self._hands_over(c):  # the V's turn: chunk 1's input gradient, here
+            grad = step.turned_grads.pop(j)
+        else:
+            grad = self._receive(step.shape, False, j, returning)
+        self.links.wait(step.activation_sends.pop(key, []))  # done: its gradient is here
+        x = None if chunk.is_first else step.inputs[key]
+        with self.timeline.timed("backward", j, self.stretch):
+            if self.layout.schedule.splits_backward:
+                weights = self._weights[c]
+                step.weight_passes[key] = input_backward(step.outputs[key], grad, x, weights)
+            else:
+                step.outputs[key].backward(grad)
+        if x is not None:
+            if self._turns(c):
+                step.turned_grads[j] = x.grad
+            else:
+                step.sends += self.links.send(x.grad, forward=False, returning=returning)
+        del step.inputs[key], step.outputs[key]
+
+    def _returning(self, c: int) -> bool:
+        """Whether chunk c flows back along the V (ZBV's chunk 1: from stage s + 1 to s)."""
+        return self.v_shaped and c == 1
+
+    def _turns(self, c: int) -> bool:
+        """Whether chunk c's input is this rank's own chunk 0's output: the V's turn, on the
+        last stage (chunk 1)."""
+        return self.v_shaped and c == 1 and self.me.stage == self.stages - 1
+
+    def _hands_over(self, c: int) -> bool:
+        """Whether chunk c's output is this rank's own chunk 1's input: the V's turn, on the
+        last stage (chunk 0)."""
+        return self.v_shaped and c == 0 and self.me.stage == self.stages - 1
 
     def _my_micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """This replica's micro-batches, on the device: replicas take consecutive slices of the
@@ -127,11 +222,14 @@ class Pipeline:
         mine = tokens[start : start + self.me.micro_batches * b]  # (micro-batches x B, T + 1)
         return list(to_device(mine, self.device).split(b))
 
-    def _receive(self, shape: tuple[int, ...], forward: bool, micro_batch: int) -> torch.Tensor:
-        """An activation (``forward``) or a gradient from a neighbouring stage, the time
-        blocked in it recorded as a wait; an activation is a leaf that takes its gradient."""
+    def _receive(
+        self, shape: tuple[int, ...], forward: bool, micro_batch: int, returning: bool = False
+    ) -> torch.Tensor:
+        """An activation (``forward``) or a gradient from a neighbouring stage (``returning``:
+        along the V's way back), the time blocked in it recorded as a wait; an activation is a
+        leaf that takes its gradient."""
         with self.timeline.timed("recv_wait", micro_batch):
-            received = self.links.receive(shape, forward)
+            received = self.links.receive(shape, forward, returning)
         return received.requires_grad_() if forward else received
 
     def _forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:

@@ -88,10 +88,13 @@ def job_groups(
         leaders = [
             topology.stage_ranks(replica, s)[0] for s in range(topology.replica_stages(replica))
         ]
+        v_shaped = runs_a_v(topology, replica)
         for sender, receiver in pairwise(leaders):
             add(Role.PIPELINE, (sender, receiver))
+            if v_shaped:  # the V's way back: chunk 1's activations from the stage after
+                add(Role.PIPELINE, (receiver, sender))
         if (
-            len(topology.ranks[leaders[0]].chunks) > 1
+            len(topology.ranks[leaders[0]].chunks) > 1 and not v_shaped
         ):  # interleaved: the last stage feeds the first
             add(Role.PIPELINE, (leaders[-1], leaders[0]))
     # A sync set inside one vendor all-reduces natively; one that spans vendors reduces inside
@@ -111,6 +114,14 @@ def job_groups(
         for vendor in dict.fromkeys(vendors):
             add(Role.VENDOR, tuple(r for r in world if vendors[r] == vendor))
     return tuple(specs)
+
+
+def runs_a_v(topology: Topology, replica: int) -> bool:
+    """Whether ``replica``'s stages hold their chunks in ZBV's V (spec.schedules.model_chunk):
+    its first stage holds the model's last chunk too. Interleaving puts that on the last stage,
+    so a V is told apart from the chunks alone, the same on every rank."""
+    first = topology.ranks[topology.stage_ranks(replica, 0)[0]]
+    return topology.replica_stages(replica) > 1 and first.chunks[-1].is_last
 
 
 def vendor_parts(ranks: Sequence[int], vendors: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -155,6 +166,12 @@ class RankGroups:
     back out."""
     pipeline_next: Group | None = None
     """On a stage leader with a next stage: (this rank, that stage's leader)."""
+    pipeline_return_prev: Group | None = None
+    """Under ZBV's V, on a stage leader with a stage after it: (that stage's leader, this
+    rank), which carries the V's way back (chunk 1: activations in, their gradients out)."""
+    pipeline_return_next: Group | None = None
+    """Under ZBV's V, on a stage leader with a stage before it: (this rank, that stage's
+    leader), chunk 1's activations out and their gradients in."""
     data: Group | None = None
     """This rank's data-parallel peers (Topology.data_parallel_peers), when the plan gives them a
     group of their own (a sharded optimizer, an overlapped sync) and there are several."""
@@ -193,7 +210,8 @@ def rank_groups(
     tp = group(Role.TENSOR, next(r for r in topology.tp_groups if rank in r))
     leads = rank == tp.ranks[0]
     stages = topology.replica_stages(me.replica)
-    interleaved = len(me.chunks) > 1  # the last stage feeds the first
+    v_shaped = runs_a_v(topology, me.replica)
+    interleaved = len(me.chunks) > 1 and not v_shaped  # the last stage feeds the first
 
     def leader_of(stage: int) -> int:
         return topology.stage_ranks(me.replica, stage % stages)[0]
@@ -203,6 +221,11 @@ def rank_groups(
         prev = group(Role.PIPELINE, (leader_of(me.stage - 1), rank))
     if leads and (me.stage < stages - 1 or interleaved):
         nxt = group(Role.PIPELINE, (rank, leader_of(me.stage + 1)))
+    return_prev = return_next = None
+    if leads and v_shaped and me.stage < stages - 1:
+        return_prev = group(Role.PIPELINE, (leader_of(me.stage + 1), rank))
+    if leads and v_shaped and me.stage > 0:
+        return_next = group(Role.PIPELINE, (rank, leader_of(me.stage - 1)))
     peers = topology.data_parallel_peers(rank)
     data = group(Role.DATA, peers) if data_parallel and len(peers) > 1 else None
     grad_sync = {}
@@ -220,6 +243,8 @@ def rank_groups(
         tp=tp,
         pipeline_prev=prev,
         pipeline_next=nxt,
+        pipeline_return_prev=return_prev,
+        pipeline_return_next=return_next,
         data=data,
         grad_sync=grad_sync,
         vendor=vendor,

@@ -9,6 +9,7 @@ from hethub.spec.fields import suggestion
 from hethub.spec.model import ModelSpec
 from hethub.spec.placement import place
 from hethub.spec.plan import Plan
+from hethub.spec.schedules import Schedule
 
 
 def check_plan(
@@ -25,6 +26,16 @@ def check_plan(
     network) for measured reference runs, but hethub's planner and runtime never do it.
     """
     for i, pipeline in enumerate(plan.pipelines):
+        if pipeline.schedule == Schedule.ZBV and model.tied_head:
+            # The V's first stage holds the embedding and the head, which GPT ties to it: the
+            # runtime would hold two parameters of one name on one rank (not run exactly yet).
+            raise SpecError(
+                source,
+                f"pipelines[{i}].schedule",
+                Schedule.ZBV.value,
+                "does not run a model whose head is tied to its embedding (arch gpt): its first "
+                "stage would hold both; use zb-h1",
+            )
         layers = sum(stage.layers for stage in pipeline.stages)
         if layers != model.layers:
             split = "+".join(str(s.layers) for s in pipeline.stages)

@@ -37,6 +37,11 @@ class ModelSpec:
     seq_len: int
 
     @property
+    def tied_head(self) -> bool:
+        """The output head is the token embedding's weight (gpt), not a matrix of its own."""
+        return self.arch == "gpt"
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 

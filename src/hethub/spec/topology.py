@@ -125,11 +125,18 @@ def parameter_holders(topology: Topology, model: ModelSpec) -> dict[str, tuple[i
 
 
 def layout_classes(plan: Plan) -> tuple[int, ...]:
-    """Per layout of ``plan``, its class: the first layout with its stages (RankInfo's
-    layout_class). Ranks of one class, stage and TP rank hold the same shard of the same
-    parameters: they are each other's data-parallel peers (Topology.data_parallel_peers)."""
+    """Per layout of ``plan``, its class: the first layout with its stages and its schedule
+    (RankInfo's layout_class). Ranks of one class, stage and TP rank hold the same shard of the
+    same parameters: they are each other's data-parallel peers (Topology.data_parallel_peers).
+    One schedule too: an overlapped sync starts each bucket's sum among the peers as their
+    backwards finish it, so they must give their gradients in one order, and a zero-bubble
+    stage's W gives them in another order than a 1F1B stage's backward."""
     return tuple(
-        next(k for k, other in enumerate(plan.pipelines) if other.stages == pipeline.stages)
+        next(
+            k
+            for k, other in enumerate(plan.pipelines)
+            if (other.stages, other.schedule) == (pipeline.stages, pipeline.schedule)
+        )
         for pipeline in plan.pipelines
     )
 
