@@ -122,8 +122,8 @@ def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, m
                         ]
                         # the schedules that run this many chunks a stage (ZBV: on every layout)
                         schedules = SCHEDULES_BY_CHUNKS[chunks]
-                        if chunks == 2 and min(widths) < 2:
-                            schedules = schedules[:1]
+                        if chunks == 2 and (min(widths) < 2 or model.tied_head):
+                            schedules = schedules[:1]  # ZBV: as check_plan allows it
                         # sequence parallelism only where a stage has TP
                         sequence = (False, True) if any_tp(structure, model) else (False,)
                         for chosen, shard, schedule, sp in itertools.product(

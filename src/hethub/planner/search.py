@@ -741,6 +741,8 @@ def _interleave(
         for v in VIRTUAL_STAGES[1:]:
             tries.append((step - idle * (1 - 1 / v), index, v, Schedule.INTERLEAVED_1F1B))
         for schedule in ZERO_BUBBLE:
+            if schedule == Schedule.ZBV and state.model.tied_head:
+                continue  # check_plan's rule: the V's first stage would hold both ends
             tries.append((step - idle, index, chunks_per_stage(schedule), schedule))
     tries.sort()
     results = []
