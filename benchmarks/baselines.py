@@ -16,7 +16,7 @@ from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES, VIRTUAL_STAGES,
 from hethub.predictor import Prediction, predict
 from hethub.spec import ClusterSpec, ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, model_chunk
 
 
 def _best(
@@ -120,20 +120,44 @@ def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, m
                             list(_compositions(model.layers, len(layout.slots) * v))
                             for layout, v in zip(structure, widths)
                         ]
-                        for chosen in itertools.product(*splits):
-                            for shard in (False, True):
-                                yield _plan(
-                                    structure,
-                                    chosen,
-                                    shares,
-                                    micro_batch,
-                                    recompute,
-                                    global_batch,
-                                    model_ref,
-                                    shard,
-                                )
+                        # the schedules that run this many chunks a stage (ZBV: on every layout)
+                        schedules = SCHEDULES_BY_CHUNKS[chunks]
+                        if chunks == 2 and (min(widths) < 2 or model.tied_head):
+                            schedules = schedules[:1]  # ZBV: as check_plan allows it
+                        # sequence parallelism only where a stage has TP
+                        sequence = (False, True) if any_tp(structure, model) else (False,)
+                        for chosen, shard, schedule, sp in itertools.product(
+                            itertools.product(*splits), (False, True), schedules, sequence
+                        ):
+                            yield _plan(
+                                structure,
+                                chosen,
+                                shares,
+                                micro_batch,
+                                recompute,
+                                global_batch,
+                                model_ref,
+                                shard,
+                                schedule,
+                                sp,
+                            )
 
     return _best(plans(), cluster, model)
+
+
+SCHEDULES_BY_CHUNKS = {
+    1: (Schedule.ONE_F_ONE_B, Schedule.ZB_H1),
+    2: (Schedule.INTERLEAVED_1F1B, Schedule.ZBV),
+    4: (Schedule.INTERLEAVED_1F1B,),
+}
+"""The schedules the exhaustive space tries at each count of chunks a stage (the planner's)."""
+
+
+def any_tp(structure: tuple[Layout, ...], model: ModelSpec) -> bool:
+    """Whether a stage of the structure has TP, and the sequence splits over every such degree
+    (sequence parallelism then changes something)."""
+    degrees = {slot.tp for layout in structure for slot in layout.slots}
+    return max(degrees) > 1 and all(model.seq_len % tp == 0 for tp in degrees)
 
 
 def _plan(
@@ -145,15 +169,21 @@ def _plan(
     global_batch: int,
     model_ref: str,
     shard: bool = False,
+    schedule: Schedule | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
-    """``splits``: per layout, the layers of each of the model's chunks, in model order (chunk
-    c x p + s is stage s's chunk c). Replicas of a layout overlap their gradient sync (as the
-    planner's plans do: it never delays a step) and, with ``shard``, shard their optimizer."""
+    """``splits``: per layout, the layers of each of the model's chunks, in model order (stage
+    s's chunk c is spec.schedules.model_chunk's: c x p + s, or ZBV's V). Replicas of a layout
+    overlap their gradient sync (as the planner's plans do: it never delays a step) and, with
+    ``shard``, shard their optimizer. ``schedule`` None: 1F1B, interleaved over more chunks."""
     pipelines = []
     for layout, split, share in zip(structure, splits, shares):
-        p = len(layout.slots)
+        p, v = len(layout.slots), len(split) // len(layout.slots)
+        order = schedule or Schedule.INTERLEAVED_1F1B
         stages = tuple(
-            StageSpec.of_chunks(slot.group, slot.tp, split[s::p])
+            StageSpec.of_chunks(
+                slot.group, slot.tp, [split[model_chunk(order, s, p, c)] for c in range(v)]
+            )
             for s, slot in enumerate(layout.slots)
         )
         base, extra = divmod(share, layout.count)
@@ -168,12 +198,14 @@ def _plan(
         global_batch=global_batch,
         micro_batch=micro_batch,
         recompute=recompute,
-        schedule=(
+        schedule=schedule
+        or (
             Schedule.INTERLEAVED_1F1B
             if any(len(p.stages[0].chunks) > 1 for p in pipelines)
             else Schedule.ONE_F_ONE_B
         ),
         shard_optimizer=shard and data_parallel,
+        sequence_parallel=sequence_parallel,
         overlap_grad_sync=data_parallel,
         pipelines=tuple(pipelines),
     )

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
+from hethub.predictor.memory import stage_position
 from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profiles.store import Profiles
@@ -37,6 +38,8 @@ class Setting:
     recompute: Recompute
     precision: Precision
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    sequence_parallel: bool = False
+    """Sequence parallelism on the stages of more than one device (the plan's field)."""
     profiles: Profiles | None = None
     """Measured profiles under the job's run conditions (None: the analytic model alone)."""
 
@@ -56,6 +59,7 @@ class Setting:
             micro_batch=self.micro_batch,
             recompute=self.recompute,
             precision=self.precision,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
@@ -92,7 +96,7 @@ def stage_caps(
     in ``chunks`` chunks of about equal size (interleaved 1F1B), its optimizer state split over
     ``shards`` ranks."""
     p = len(slots)
-    if chunks == 1:
+    if chunks == 1 or setting.schedule != Schedule.INTERLEAVED_1F1B:  # ZBV: its two chunks
         in_flight = tuple(
             in_flight_micro_batches(setting.schedule, s, p, micro_batches) for s in range(p)
         )
@@ -119,7 +123,12 @@ def _stage_caps(
     p = len(slots)
     return tuple(
         _layer_cap(
-            setting, cluster.group(slot.group), slot.tp, StagePosition.of(s, p), held, shards
+            setting,
+            cluster.group(slot.group),
+            slot.tp,
+            stage_position(setting.schedule, s, p),
+            held,
+            shards,
         )
         for s, (slot, held) in enumerate(zip(slots, in_flight))
     )

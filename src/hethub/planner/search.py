@@ -40,6 +40,7 @@ from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
+from hethub.predictor.memory import stage_position
 from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
@@ -53,9 +54,16 @@ from hethub.spec.plan import (
     StageSpec,
     uniform_layers,
 )
-from hethub.spec.schedules import Schedule, in_flight_micro_batches
+from hethub.spec.schedules import (
+    Schedule,
+    chunks_per_stage,
+    in_flight_micro_batches,
+    model_chunk,
+)
 from hethub.spec.topology import data_parallel_degrees
 
+ZERO_BUBBLE = (Schedule.ZB_H1, Schedule.ZBV)
+"""The zero-bubble schedules the search tries on the structures it has predicted."""
 MICRO_BATCH_SIZES = (1, 2, 4)
 VIRTUAL_STAGES = (1, 2, 4)  # chunks per stage (interleaved 1F1B) where the layers allow
 MAX_STAGES = 32  # deeper pipelines only add bubble at any batch a plan can have
@@ -183,6 +191,12 @@ def search(
         profiles,
         prune=prune,
     )
+    # Sequence parallelism wherever a stage has TP (as every Megatron-LM recipe at scale):
+    # less memory for the same communication; _neighbours tries each best plan without it.
+    # Profiles measure layers without it, so a profiled search leaves it off.
+    sequence_parallel = profiles is None and all(
+        model.seq_len % tp == 0 for g in cluster.groups for tp in tp_degrees(g, model)
+    )
     settings = [
         Setting(
             model=model,
@@ -191,6 +205,7 @@ def search(
             recompute=r,
             profiles=profiles,
             precision=precision,
+            sequence_parallel=sequence_parallel,
         )
         for b in MICRO_BATCH_SIZES
         if global_batch % b == 0
@@ -345,21 +360,23 @@ def _compute_floor(state: _Search, plan: Plan) -> float:
     return max(
         before + pipeline.micro_batches * work
         for pipeline in plan.pipelines
-        for before, work in _stage_floors(setting, state.cluster, pipeline.stages)
+        for before, work in _stage_floors(
+            setting, state.cluster, pipeline.stages, pipeline.schedule
+        )
     )
 
 
 def _fits(state: _Search, plan: Plan) -> bool:
     """Whether every stage of ``plan`` fits in its devices' memory as predict() finds it: the
     same pricing of the same stage shape, micro-batches in flight and optimizer shards."""
-    setting = _setting_of(state, plan)
     shards = data_parallel_degrees(plan) if plan.shard_optimizer else [1] * len(plan.pipelines)
     for pipeline, shard in zip(plan.pipelines, shards):
         p, m = len(pipeline.stages), pipeline.micro_batches
         for s, stage in enumerate(pipeline.stages):
-            in_flight = in_flight_micro_batches(plan.schedule, s, p, m, stage.chunks)
+            setting = _setting_of(state, plan, stage.recompute)
+            in_flight = in_flight_micro_batches(pipeline.schedule, s, p, m, stage.chunks)
             group = state.cluster.group(stage.group)
-            where = StagePosition.of(s, p)
+            where = stage_position(pipeline.schedule, s, p)
             if not _stage_fits(setting, group, stage.tp, stage.layers, where, in_flight, shard):
                 return False
     return True
@@ -380,21 +397,23 @@ def _stage_fits(
     return memory.total_gb <= group.accelerator.memory_gb
 
 
-def _setting_of(state: _Search, plan: Plan) -> Setting:
-    """The setting ``plan`` is costed under in ``state``'s search."""
+def _setting_of(state: _Search, plan: Plan, recompute: Recompute | None = None) -> Setting:
+    """The setting ``plan`` is costed under in ``state``'s search (a stage of it: under its
+    own ``recompute``)."""
     return Setting(
         model=state.model,
         calibration=state.calibration,
         micro_batch=plan.micro_batch,
-        recompute=plan.recompute,
+        recompute=recompute or plan.recompute,
         precision=plan.precision,
+        sequence_parallel=plan.sequence_parallel,
         profiles=state.profiles,
     )
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_floors(
-    setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...]
+    setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...], schedule: Schedule
 ) -> tuple[tuple[float, float], ...]:
     """Per stage s: (the forward plus backward of one micro-batch through the model's chunks 0
     to s - 1, its forward plus backward of one micro-batch over all its chunks), each chunk
@@ -408,17 +427,25 @@ def _stage_floors(
     p, chunks = len(stages), len(stages[0].chunks)
     groups = [cluster.group(stage.group) for stage in stages]
     chunk_s = {}  # model chunk -> forward plus backward of one micro-batch
+    waited = {}  # model chunk -> what a later stage waits for of it: its forward and backward,
+    # its forward alone where backwards split (a zero-bubble stage's last operation may be a W,
+    # which the backwards through the chunks before it can overlap)
+    mine: list[list[int]] = [[] for _ in stages]  # each stage's model chunks
     for s, (stage, group) in enumerate(zip(stages, groups)):
+        own = dataclasses.replace(setting, recompute=stage.recompute or setting.recompute)
         for c, layers in enumerate(stage.chunks):
-            g = c * p + s
-            times = setting.pricing.work(
-                group, setting.shape(stage.tp, layers, StagePosition.of(g, p * chunks))
+            g = model_chunk(schedule, s, p, c)
+            mine[s].append(g)
+            times = own.pricing.work(
+                group, own.shape(stage.tp, layers, StagePosition.of(g, p * chunks))
             )
             chunk_s[g] = times.forward_s + times.backward_s
+            waited[g] = times.forward_s if schedule.splits_backward else chunk_s[g]
+    # a stage's first chunk is the model's s (a chunk c x p + s, or the V's s and 2p - 1 - s)
     floors, before = [], 0.0
     for s in range(p):
-        floors.append((before, sum(chunk_s[c * p + s] for c in range(chunks))))
-        before += chunk_s[s]
+        floors.append((before, sum(chunk_s[g] for g in mine[s])))
+        before += waited[s]
     return tuple(floors)
 
 
@@ -428,17 +455,46 @@ def _neighbours(plan: Plan):
     an overlapped all-reduce may have hidden the whole sync; unsharded, it may not fit)."""
     if plan.shard_optimizer:  # first: one candidate, which a spent budget must not skip
         yield dataclasses.replace(plan, shard_optimizer=False)
+    yield from _recompute_dropped(plan)
+    if plan.sequence_parallel:  # it saves memory; its edges' gathers may cost more
+        yield dataclasses.replace(plan, sequence_parallel=False)
     yield from _layer_moves(plan)
+
+
+def _recompute_dropped(plan: Plan):
+    """The plan with one recomputing stage recomputing nothing, in every layout holding it, the
+    last stages first (they hold the fewest micro-batches in flight, so the likeliest to fit):
+    recomputation where memory is short, and only there."""
+    layouts = list(dict.fromkeys(p.stages for p in plan.pipelines))
+    for stages in layouts:
+        for s in reversed(range(len(stages))):
+            if stages[s].recompute in (None, Recompute.NONE):
+                continue
+            changed = tuple(
+                dataclasses.replace(st, recompute=Recompute.NONE) if i == s else st
+                for i, st in enumerate(stages)
+            )
+            yield dataclasses.replace(
+                plan,
+                pipelines=tuple(
+                    dataclasses.replace(pl, stages=changed) if pl.stages == stages else pl
+                    for pl in plan.pipelines
+                ),
+            )
 
 
 def _layer_moves(plan: Plan):
     """Plans with one layer moved to a neighbouring chunk of the model (a neighbouring stage
     without interleaving), in every layout (replicas that share stages move together, since they
     sync as one)."""
-    layouts = list(dict.fromkeys(p.stages for p in plan.pipelines))
-    for stages in layouts:
+    layouts = list(dict.fromkeys((p.stages, p.schedule) for p in plan.pipelines))
+    for stages, schedule in layouts:
         p, v = len(stages), len(stages[0].chunks)
-        chunk_layers = [stages[g % p].chunks[g // p] for g in range(p * v)]
+        held = [[model_chunk(schedule, s, p, c) for c in range(v)] for s in range(p)]
+        chunk_layers = [0] * (p * v)
+        for s, stage in enumerate(stages):
+            for g, layers in zip(held[s], stage.chunks):
+                chunk_layers[g] = layers
         for g in range(p * v - 1):
             for donor, taker in ((g, g + 1), (g + 1, g)):
                 if chunk_layers[donor] == 1:
@@ -447,10 +503,13 @@ def _layer_moves(plan: Plan):
                 moved[donor] -= 1
                 moved[taker] += 1
                 changed = tuple(
-                    StageSpec.of_chunks(st.group, st.tp, moved[s::p]) for s, st in enumerate(stages)
+                    StageSpec.of_chunks(st.group, st.tp, [moved[k] for k in held[s]], st.recompute)
+                    for s, st in enumerate(stages)
                 )
                 pipelines = tuple(
-                    dataclasses.replace(pl, stages=changed) if pl.stages == stages else pl
+                    dataclasses.replace(pl, stages=changed)
+                    if (pl.stages, pl.schedule) == (stages, schedule)
+                    else pl
                     for pl in plan.pipelines
                 )
                 yield dataclasses.replace(plan, pipelines=pipelines)
@@ -626,7 +685,7 @@ def _stage_costs(
     priced: dict[tuple[StageSlot, StagePosition], tuple[float, float]] = {}
     per_layer, extra = [], []
     for s, slot in enumerate(slots):
-        where = (slot, StagePosition.of(s, p))
+        where = (slot, stage_position(setting.schedule, s, p))
         if where not in priced:
             group = cluster.group(slot.group)
             priced[where] = (
@@ -665,27 +724,36 @@ def _least_bottleneck(
 def _interleave(
     state: _Search, jobs: list[tuple[Setting, Structure]], plain: list[Ranked | None]
 ) -> list[tuple[Ranked, int]]:
-    """The predicted structures again over 2, 4, ... chunks a stage, most promising first.
+    """The predicted structures again over 2, 4, ... chunks a stage, and under the zero-bubble
+    schedules (ZB-H1 on one chunk a stage, ZBV on two), most promising first.
 
     Interleaving v chunks a stage shortens a pipeline's fill and drain about v-fold and nothing
     else, so a plan can gain at most (1 - 1 / v) of its pipelines' idle time (a pipeline's time
-    less its busiest stage's compute): a variant whose one-chunk step less that gain cannot beat
-    the best step so far is never drafted."""
+    less its busiest stage's compute); a zero-bubble schedule at most all of it (its W's fill
+    the waits). A variant whose one-chunk step less that gain cannot beat the best step so far
+    is never drafted."""
     tries = []
     for index, ranked in enumerate(plain):
         if ranked is None:
             continue
         idle = _idle_s(ranked.prediction)
+        step = ranked.prediction.iteration_time_s
         for v in VIRTUAL_STAGES[1:]:
-            bound = ranked.prediction.iteration_time_s - idle * (1 - 1 / v)
-            tries.append((bound, index, v))
+            tries.append((step - idle * (1 - 1 / v), index, v, Schedule.INTERLEAVED_1F1B))
+        for schedule in ZERO_BUBBLE:
+            if schedule == Schedule.ZBV and state.model.tied_head:
+                continue  # check_plan's rule: the V's first stage would hold both ends
+            tries.append((step - idle, index, chunks_per_stage(schedule), schedule))
     tries.sort()
     results = []
-    for bound, index, v in tries:
+    for bound, index, v, schedule in tries:
         if bound >= state.best_time or state.out_of_time():
             break
-        draft = _draft(state, *jobs[index], v)
-        if draft is None or draft.plan.schedule != Schedule.INTERLEAVED_1F1B:
+        setting, structure = jobs[index]
+        if schedule.splits_backward:
+            setting = dataclasses.replace(setting, schedule=schedule)
+        draft = _draft(state, setting, structure, v)
+        if draft is None or draft.plan.schedule != schedule:
             continue  # no layout of the structure has the layers for v chunks a stage
         if draft.bound < state.best_time and (ranked := _predict(state, draft.plan)):
             results.append((ranked, index))
@@ -721,6 +789,8 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
     splits, timings, widths = [], [], []
     for layout in structure:
         v = chunks_allowed(layout, layers, chunks)
+        if setting.schedule == Schedule.ZBV and v != chunks:
+            return None  # the V needs two chunks on every stage of every layout
         split, times = _partition(setting, state.cluster, layout, nominal, v)
         if split is None:
             if chunks == 1:
@@ -743,6 +813,10 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
             PipelineLayout(count=count, micro_batches=m, stages=stages) for count, m in share
         ]
         busiest = max(m for _, m in share) * timing.bottleneck_s
+        if setting.schedule.splits_backward:
+            # W's may fill every wait but the busiest stage's own work: no fill is certain
+            bound, interleaved_bound = max(bound, busiest), max(interleaved_bound, busiest)
+            continue
         bound = max(bound, busiest + timing.fill_s / (4 * v))
         interleaved_bound = max(interleaved_bound, busiest + timing.fill_s / (4 * most))
     data_parallel = any(layout.count > 1 for layout in structure)
@@ -753,12 +827,14 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
         recompute=setting.recompute,
         schedule=(
             Schedule.INTERLEAVED_1F1B
-            if any(len(p.stages[0].chunks) > 1 for p in pipelines)
+            if setting.schedule != Schedule.ZBV
+            and any(len(p.stages[0].chunks) > 1 for p in pipelines)
             else setting.schedule
         ),
         precision=setting.precision,
         shard_optimizer=data_parallel,
         overlap_grad_sync=data_parallel,
+        sequence_parallel=setting.sequence_parallel,
         pipelines=tuple(pipelines),
     )
     sharing = (
@@ -801,7 +877,7 @@ def _partition(
     groups = [cluster.group(slot.group) for slot in layout.slots]
     per_layer = [layer_time(setting, g, slot.tp) for g, slot in zip(groups, layout.slots)]
     extra = [
-        end_time(setting, g, slot.tp, StagePosition.of(s, p))
+        end_time(setting, g, slot.tp, stage_position(setting.schedule, s, p))
         for s, (g, slot) in enumerate(zip(groups, layout.slots))
     ]
     caps = list(stage_caps(setting, cluster, layout.slots, micro_batches, chunks, layout.count))
@@ -810,22 +886,33 @@ def _partition(
         return None, None
     if chunks == 1:
         return [(n,) for n in split], stage_times(split, per_layer, extra)
-    # The embedding's time is on the first stage's first chunk, the head's on the last's last.
+    # The embedding's time is on the first stage's first chunk, the head's on the last's last
+    # (under ZBV's V, on the first stage's second chunk).
     chunked = [
         tuple(
             chunk_split(
-                n,
-                chunks,
-                per_layer[s],
-                [
-                    extra[s] if (c == 0 and s == 0) or (c == chunks - 1 and s == p - 1) else 0.0
-                    for c in range(chunks)
-                ],
+                n, chunks, per_layer[s], _chunk_extras(setting, groups[s], slot, s, p, chunks)
             )
         )
-        for s, n in enumerate(split)
+        for s, (n, slot) in enumerate(zip(split, layout.slots))
     ]
     return chunked, stage_times(split, per_layer, extra)
+
+
+def _chunk_extras(
+    setting: Setting, group: DeviceGroup, slot: StageSlot, stage: int, stages: int, chunks: int
+) -> list[float]:
+    """The time each of the stage's ``chunks`` chunks spends on the embedding or the head,
+    besides its layers: each end where spec.schedules.model_chunk puts the model's first and
+    last chunk."""
+    held = [model_chunk(setting.schedule, stage, stages, c) for c in range(chunks)]
+    last = stages * chunks - 1
+    first_only, last_only = StagePosition.of(0, 2), StagePosition.of(1, 2)
+    return [
+        end_time(setting, group, slot.tp, first_only) * (g == 0)
+        + end_time(setting, group, slot.tp, last_only) * (g == last)
+        for g in held
+    ]
 
 
 def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:
