@@ -497,11 +497,6 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
             weight_s=costs.weight_s,
             every_op=True,
         )
-        durations = (costs.forward_s, costs.backward_s, costs.weight_s)
-        start = [
-            finish - durations[kind][order.chunk_of(i)]
-            for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
-        ]
         stage_end = [end[i] for i in order.last_op]
         run = _LayoutRun(
             **costs.fields(),
@@ -510,7 +505,14 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
             compute_s=compute,
             chunk_done_s=_chunk_done(order, end),
         )
-        return run, (order, start, end) if every_op else None
+        if not every_op:  # the starts are only a timeline's (a tenth of a planner's prediction)
+            return run, None
+        durations = (costs.forward_s, costs.backward_s, costs.weight_s)
+        start = [
+            finish - durations[kind][order.chunk_of(i)]
+            for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
+        ]
+        return run, (order, start, end)
     stage_end = stage_end_times(
         schedule,
         costs.forward_s,
