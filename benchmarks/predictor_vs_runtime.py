@@ -5,7 +5,7 @@ Usage: python benchmarks/predictor_vs_runtime.py [--steps N] [--rounds R] [--wor
 Target (issue 5): MAPE of predicted vs measured iteration time <= 10% (aim 5%) over at least 6
 plans on 2 and 4 ranks (PP splits, DP, TP, recomputation, an uneven batch split), worst case
 printed; issue 17's plans (interleaved 1F1B, a sharded optimizer, an overlapped gradient sync)
-and issue 28's per-stage recomputation each within 10%. Every prediction is made before its run,
+and issue 28's per-stage recomputation and zero-bubble schedules each within 10%. Every prediction is made before its run,
 from profiles (`hethub validate`).
 
 This shared machine's speed drifts by 20% and more over minutes, so a profile taken at one moment
@@ -196,6 +196,29 @@ PLANS = [
             ],
         ),
         "2 ranks: PP 5/3, full then selective recomputation",
+    ),
+    # issue 28: zero-bubble schedules, W in the bubbles
+    (
+        "pp2-zb-h1",
+        CPU,
+        plan(
+            16,
+            2,
+            [{"count": 1, "stages": [stage("cpu", 1, 5), stage("cpu", 1, 3)]}],
+            schedule="zb-h1",
+        ),
+        "2 ranks: PP 5/3 under ZB-H1",
+    ),
+    (
+        "pp2-zbv",
+        CPU,
+        plan(
+            16,
+            2,
+            [{"count": 1, "stages": [stage("cpu", 1, [3, 2]), stage("cpu", 1, [2, 1])]}],
+            schedule="zbv",
+        ),
+        "2 ranks: ZBV, chunks 3+2 and 2+1 layers (a V)",
     ),
 ]
 
