@@ -1,0 +1,153 @@
+"""`hethub launch`: write what starts a plan on a cluster of unlike nodes: a Slurm heterogeneous
+job (one component per group) and one script per node for a cluster without a scheduler. The
+plan is the plan file, or what `hethub train` would plan (hethub.jobs.prepare)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hethub.cli.agent import DEFAULT_MAX_RESTARTS
+from hethub.cli.args import add_job_arguments, non_negative_int, positive_int
+from hethub.errors import HethubError
+from hethub.jobs import prepare
+from hethub.jobs.prepare import builtin_cluster, write_plan
+from hethub.launchers import Launch, agent_nodes, host_scripts, slurm_script
+from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
+from hethub.runtime.rundir import RunDir
+from hethub.spec.cluster import ClusterSpec, SlurmSettings
+from hethub.spec.topology import build_topology
+
+DEFAULT_PORT = 29500
+"""The rendezvous port on the first node: torchrun's own default."""
+TRAIN_FLAGS = ("steps", "seed", "lr", "checkpoint_every", "keep_checkpoints", "timeout")
+"""`hethub train`'s flags that a launch passes on to a new run, as given."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "launch",
+        help="write a Slurm heterogeneous job, or per-host scripts, that train a plan",
+        description="slurm: write OUT/job.sbatch, a Slurm heterogeneous job with one component "
+        "per group. hosts: write OUT/GROUP-INDEX.sh, one script per node, for a cluster without "
+        "a scheduler. Either way each node runs one torchrun agent, whose workers are "
+        "`hethub train --this-node GROUP:INDEX`; the plan is --plan, or the one hethub train "
+        "would make (written to OUT/plan.yaml).",
+    )
+    parser.add_argument("form", choices=("slurm", "hosts"), help="what to write")
+    add_job_arguments(parser)
+    parser.add_argument("--out", default="launch", help="folder to write into (default launch)")
+    parser.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=DEFAULT_MAX_RESTARTS,
+        help=f"the agents restart the workers this many times (default {DEFAULT_MAX_RESTARTS})",
+    )
+    parser.add_argument(
+        "--port",
+        type=positive_int,
+        default=DEFAULT_PORT,
+        help=f"rendezvous port on the first node (default {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--rendezvous",
+        metavar="HOST",
+        help="hosts: the first node's host name or address, where the agents meet (default: "
+        "its host in the cluster file's hosts)",
+    )
+    parser.add_argument(
+        "--python", default="python3", help="Python with hethub and torch on every node"
+    )
+    for field, what in (
+        ("partition", "Slurm partition"),
+        ("constraint", "Slurm node features (--constraint)"),
+        ("account", "Slurm account"),
+        ("time", "Slurm time limit (e.g. 24:00:00)"),
+    ):
+        parser.add_argument(f"--{field}", help=f"{what} of the groups whose slurm: lacks it")
+    parser.add_argument(
+        "--cpus-per-node",
+        type=positive_int,
+        help="CPUs per node of the groups whose slurm: lacks it (default: one per device)",
+    )
+    parser.add_argument(
+        "--signal-seconds",
+        type=positive_int,
+        default=DEFAULT_SIGNAL_S,
+        help="SIGTERM this long before the time limit: the workers checkpoint and stop "
+        f"(default {DEFAULT_SIGNAL_S})",
+    )
+    parser.set_defaults(run=run, resume=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.run_dir:
+        raise HethubError("--run-dir is needed: the run folder, on storage every node sees")
+    job = prepare(args, measure=False, write=False, local_launch=False)
+    launch = Launch(
+        name=f"hethub-{Path(args.run_dir).name}",
+        cluster_file=str(Path(args.cluster).resolve() if args.cluster else builtin_cluster()),
+        plan_file=str(Path(args.plan or Path(args.out) / "plan.yaml").resolve()),
+        run_dir=str(Path(args.run_dir).resolve()),
+        train_flags=_train_flags(args),
+        python=args.python,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        nodes=agent_nodes(build_topology(job.plan, job.cluster), job.cluster),
+    )
+    if args.form == "slurm":
+        files = {"job.sbatch": _slurm(args, launch, job.cluster)}
+    else:
+        files = host_scripts(launch, f"{_rendezvous_host(args, job.cluster, launch)}:{args.port}")
+    out = Path(args.out)  # written once every check has passed
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.plan:  # every node trains the plan made here, not one each plans for itself
+        write_plan(RunDir(out), job.plan, job.model)
+    for name, text in files.items():
+        (out / name).write_text(text)
+        (out / name).chmod(0o755)
+    written = ", ".join(str(out / name) for name in files)
+    if args.form == "slurm":
+        print(f"wrote {written}; submit it with: sbatch {out / 'job.sbatch'}")
+    else:
+        print(f"wrote {written}; run each on its node (bash FILE)")
+    return 0
+
+
+def _slurm(args: argparse.Namespace, launch: Launch, cluster: ClusterSpec) -> str:
+    defaults = SlurmSettings(
+        partition=args.partition,
+        constraint=args.constraint,
+        account=args.account,
+        time=args.time,
+        cpus_per_node=args.cpus_per_node,
+    )
+    return slurm_script(launch, cluster, SlurmJob(defaults=defaults, signal_s=args.signal_seconds))
+
+
+def _rendezvous_host(args: argparse.Namespace, cluster: ClusterSpec, launch: Launch) -> str:
+    """Where the per-host scripts' agents meet: --rendezvous, else the first node's host."""
+    if args.rendezvous:
+        return args.rendezvous
+    first = launch.nodes[0]
+    hosts = cluster.group(first.group).hosts
+    if hosts is None:
+        raise HethubError(
+            f"no address for the rendezvous on node {first.group}:"
+            f"{first.node}: give --rendezvous HOST, or hosts: in group {first.group} of the "
+            f"cluster file"
+        )
+    return hosts[first.node]
+
+
+def _train_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    flags: list[str] = []
+    for name in TRAIN_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.data:
+        flags += ["--data", str(Path(args.data).resolve())]
+    if args.json:
+        flags.append("--json")
+    return tuple(flags)
