@@ -6,18 +6,23 @@ two torchrun agents, one per group, with the losses of the single-node run bit f
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hethub.cli import main
 from hethub.errors import SpecError
+from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster
-from tests.test_nodes import PLAN, environment, losses, run_agents
+from hethub.spec.cluster import slurm_time_seconds
+from tests.test_nodes import PLAN, TIMEOUT_S, environment
 
 # local-hetero's two groups as two kinds of node, each with its slurm: section
 LOCAL_KINDS = """groups:
@@ -169,7 +174,9 @@ def test_gpu_groups_ask_for_their_devices_and_a_host_script_per_node(tmp_path):
             "no address for the rendezvous on node fast:0: give --rendezvous HOST",
         ),
     ],
-)
+    ids=["no-time", "signal-past-time", "bad-time", "unknown-field", "plan-misfit", "no-run-dir",
+         "no-rendezvous"],
+)  # fmt: skip
 def test_what_cannot_be_launched_is_one_line_and_exit_2(
     tmp_path, capsys, form, cluster, plan, flags, message
 ):
@@ -180,46 +187,87 @@ def test_what_cannot_be_launched_is_one_line_and_exit_2(
     assert not (tmp_path / "out").exists()
 
 
-def test_slurm_section_fields_are_parsed_strictly():
-    group = parse_cluster(
-        {"groups": [{"name": "g", "accelerator": "h100", "devices_per_node": 8, "slurm": {}}]}
-    ).groups[0]
-    assert group.slurm is not None and group.slurm.time is None
-    for time, ok in (
-        ("90", True),
-        ("1:30", True),
-        ("2-12", True),
-        ("0", False),
-        ("1:2:3:4", False),
-    ):
-        data = {"name": "g", "accelerator": "h100", "devices_per_node": 8, "slurm": {"time": time}}
-        try:
-            parse_cluster({"groups": [data]})
-            parsed = True
-        except SpecError:
-            parsed = False
-        assert parsed == ok, time
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("2-12", 216000), ("1-00:00:30", 86430)],
+)
+def test_slurm_time_limits_read_as_sbatch_reads_them(text, seconds):
+    assert slurm_time_seconds(text, ValueError(text)) == seconds
+    group = {"name": "g", "accelerator": "h100", "devices_per_node": 8, "slurm": {"time": text}}
+    assert parse_cluster({"groups": [group]}).groups[0].slurm.time == text
+
+
+@pytest.mark.parametrize("text", ["0", "1:2:3:4", "2h", "-5", "1-"])
+def test_what_is_no_slurm_time_limit_is_refused_in_one_line(text):
+    group = {"name": "g", "accelerator": "h100", "devices_per_node": 8, "slurm": {"time": text}}
+    with pytest.raises(SpecError, match=r"groups\[0\]\.slurm\.time = .*must be a Slurm time"):
+        parse_cluster({"groups": [group]})
+
+
+def agents(folder: Path, port: int, flags: list[str]) -> list[subprocess.Popen]:
+    """The per-host scripts `hethub launch hosts` writes for test_nodes' two nodes, started."""
+    flags = ["--rendezvous", "127.0.0.1", "--port", str(port), "--python", sys.executable, *flags]
+    cluster = GPU_KINDS.replace("HOST", json.dumps(socket.gethostname()))
+    assert launch(folder, "hosts", cluster, PLAN, *flags) == 0
+    return [
+        subprocess.Popen(
+            ["bash", str(folder / "out" / name)],
+            cwd=folder,
+            env=environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its workers with it: all killed together below
+        )
+        for name in ("a-0.sh", "b-0.sh")
+    ]
+
+
+def finished(started: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """Each agent's exit status and stderr; any left is killed with its workers."""
+    try:
+        return [(agent.wait(TIMEOUT_S), agent.communicate()[1]) for agent in started]
+    finally:
+        for agent in started:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.communicate()
 
 
 @pytest.mark.slow
-def test_the_per_host_scripts_train_the_single_node_losses_bit_for_bit(tmp_path):
-    cluster = GPU_KINDS.replace("HOST", json.dumps(socket.gethostname()))
-    (tmp_path / "cluster.yaml").write_text(cluster)
+def test_the_per_host_scripts_stopped_and_started_again_train_the_single_node_losses(tmp_path):
+    """Both agents get SIGTERM after the first checkpoint, as Slurm's --signal sends them; the
+    same scripts started again resume from the run folder and end with the single-node losses
+    of an unbroken run, bit for bit."""
+    (tmp_path / "cluster.yaml").write_text(GPU_KINDS.replace("HOST", "elsewhere.invalid"))
     (tmp_path / "plan.yaml").write_text(PLAN)
     one = subprocess.run(
         [sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan",
-         "plan.yaml", "--run-dir", "runs/one", "--json", "--steps", "2", "--timeout", "60"],
-        cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=180,
+         "plan.yaml", "--run-dir", "runs/one", "--steps", "4", "--timeout", "60"],
+        cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=TIMEOUT_S,
         check=False,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
-
-    def scripts_at(port: int) -> list[list[str]]:
-        flags = ["--rendezvous", "127.0.0.1", "--port", str(port), "--python", sys.executable]
-        flags += ["--steps", "2", "--timeout", "60", "--json"]
-        assert launch(tmp_path, "hosts", cluster, PLAN, *flags) == 0
-        return [["bash", str(tmp_path / "out" / name)] for name in ("a-0.sh", "b-0.sh")]
-
-    (a, a_out, a_err), (b, _, b_err) = run_agents(tmp_path, scripts_at, 180)
-    assert a == 0 and b == 0, a_err + b_err
-    assert losses(a_out) == losses(one.stdout) and len(losses(a_out)) == 2
+    flags = ["--steps", "4", "--checkpoint-every", "1", "--timeout", "60"]
+    checkpoints = tmp_path / "runs" / "r" / "checkpoints"
+    store = rendezvous_store(TIMEOUT_S)  # held by the test, as in test_nodes.run_agents
+    started = agents(tmp_path, store.port, flags)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        assert time.monotonic() < deadline and all(a.poll() is None for a in started)
+        time.sleep(0.2)
+    for agent in started:
+        os.kill(agent.pid, signal.SIGTERM)  # bash exec'd the agent: this is torchrun
+    stopped = finished(started)
+    assert all(code != 0 for code, _ in stopped), stopped
+    done = json.loads((checkpoints.parent / "metrics.jsonl").read_text().splitlines()[-1])
+    assert done["step"] < 4  # stopped before the end: the second start has steps to run
+    del store
+    store = rendezvous_store(TIMEOUT_S)
+    again = finished(agents(tmp_path, store.port, flags))
+    assert [code for code, _ in again] == [0, 0], again
+    # (a new run into the same run folder would have been refused: the scripts resumed it)
+    metrics = [json.loads(line) for line in (checkpoints.parent / "metrics.jsonl").open()]
+    reference = [json.loads(line) for line in (tmp_path / "runs/one/metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["loss"] for m in metrics] == [r["loss"] for r in reference]
