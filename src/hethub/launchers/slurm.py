@@ -16,6 +16,10 @@ workers stop after the current step and checkpoint it, within torchrun's shutdow
 Slurm sends the signal up to 60 s late, and a step and a checkpoint must fit in what is left."""
 
 
+NODE_ADDR = r"sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'"
+"""Reads NodeAddr out of `scontrol show node`."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlurmJob:
     """The job-wide Slurm settings of a launch."""
@@ -81,7 +85,10 @@ def slurm_script(launch: Launch, cluster: ClusterSpec, job: SlurmJob) -> str:
             start_lines(launch),
             "# The agents meet on the first node of the first component.",
             'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n1)',
-            f'export RDZV_ENDPOINT="$RDZV_HOST:{launch.port}" RDZV_ID="hethub-$SLURM_JOB_ID"',
+            "# Its address as Slurm reaches it (NodeAddr: the node's name unless set otherwise).",
+            'RDZV_ADDR=$(scontrol show node "$RDZV_HOST" | ' + NODE_ADDR + ")",
+            f'export RDZV_ENDPOINT="${{RDZV_ADDR:-$RDZV_HOST}}:{launch.port}"',
+            'export RDZV_ID="hethub-$SLURM_JOB_ID"',
             "",
             "agents=()",
             *sruns,
