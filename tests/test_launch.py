@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hethub.cli import main
 from hethub.errors import SpecError
 from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster
 from hethub.spec.cluster import slurm_time_seconds
-from tests.test_nodes import PLAN, TIMEOUT_S, environment
+from tests.test_nodes import PLAN, TIMEOUT_S, WIDE_CLUSTER, WIDE_PLAN, environment
 
 # local-hetero's two groups as two kinds of node, each with its slurm: section
 LOCAL_KINDS = """groups:
@@ -126,6 +127,28 @@ def test_gpu_groups_ask_for_their_devices_and_a_host_script_per_node(tmp_path):
         assert f"--nproc-per-node={processes} " in text
         assert "--rdzv-endpoint=gpu-host-0:29500" in text  # the first group's first host
         bash_n(script)
+
+
+def test_a_group_whose_nodes_run_unlike_counts_gets_each_its_own(tmp_path):
+    """test_nodes' wide plan: group a's node 0 runs 4 ranks, node 1 runs 2; of group b's 3
+    nodes the plan runs only node 0, so b's component asks for 1 node."""
+    cluster = yaml.safe_dump(
+        {"groups": [g | {"slurm": {"time": "60"}} for g in WIDE_CLUSTER["groups"]]}
+    )
+    assert launch(tmp_path, "slurm", cluster, yaml.safe_dump(WIDE_PLAN)) == 0
+    script = (tmp_path / "out" / "job.sbatch").read_text()
+    assert [c["nodes"] for c in components(script)] == ["2", "1"]
+    a, b = [line for line in script.splitlines() if line.startswith("srun")]
+    assert "processes=(4 2); exec " in a and '--nproc-per-node="${processes[$SLURM_NODEID]}"' in a
+    assert "--nproc-per-node=2 " in b and "processes=" not in b
+    assert a.count("--nnodes=3 ") == 1  # three agents in all
+    bash_n(tmp_path / "out" / "job.sbatch")
+    assert launch(tmp_path, "hosts", cluster, yaml.safe_dump(WIDE_PLAN), "--rendezvous", "h") == 0
+    counts = {
+        p.name: re.findall(r"--nproc-per-node=(\d+)", p.read_text())
+        for p in (tmp_path / "out").glob("*.sh")
+    }
+    assert counts == {"a-0.sh": ["4"], "a-1.sh": ["2"], "b-0.sh": ["2"]}
 
 
 @pytest.mark.parametrize(

@@ -91,17 +91,17 @@ def start_lines(launch: Launch) -> str:
 
 
 def agent_command(
-    launch: Launch, node: AgentNode, *, this_node: str, endpoint: str, rdzv_id: str, start: str
+    launch: Launch, *, processes: str, this_node: str, endpoint: str, rdzv_id: str, start: str
 ) -> str:
     """The agent's command line: torchrun's launcher with `hethub train` as its workers.
-    ``this_node``, ``endpoint``, ``rdzv_id`` and ``start`` (`hethub train`'s start flags) are
-    shell words, expanded where the agent starts."""
+    ``processes`` (the node's plan ranks), ``this_node``, ``endpoint``, ``rdzv_id`` and ``start``
+    (`hethub train`'s start flags) are shell words, expanded where the agent starts."""
     return " ".join(
         [
             shlex.quote(launch.python),
             "-m torch.distributed.run",
             f"--nnodes={len(launch.nodes)}",
-            f"--nproc-per-node={node.processes}",
+            f"--nproc-per-node={processes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",

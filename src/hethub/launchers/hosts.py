@@ -16,7 +16,7 @@ def host_scripts(launch: Launch, endpoint: str) -> dict[str, str]:
         name = f"{node.group}:{node.node}"
         command = agent_command(
             launch,
-            node,
+            processes=str(node.processes),
             this_node=shlex.quote(name),
             endpoint=shlex.quote(endpoint),
             rdzv_id=shlex.quote(launch.name),

@@ -7,13 +7,20 @@ import shlex
 from dataclasses import dataclass, replace
 
 from hethub.errors import HethubError
-from hethub.launchers.agents import Launch, agent_command, start_lines
-from hethub.spec.cluster import SLURM_TIME_RULE, ClusterSpec, SlurmSettings, slurm_time_seconds
+from hethub.launchers.agents import AgentNode, Launch, agent_command, start_lines
+from hethub.spec.cluster import (
+    SLURM_TIME_RULE,
+    ClusterSpec,
+    DeviceGroup,
+    SlurmSettings,
+    slurm_time_seconds,
+)
 
 DEFAULT_SIGNAL_S = 120
 """Seconds before the time limit at which Slurm sends the agents SIGTERM (--signal-seconds): the
-workers stop after the current step and checkpoint it, within torchrun's shutdown timeout (30 s);
-Slurm sends the signal up to 60 s late, and a step and a checkpoint must fit in what is left."""
+workers stop after the current step and checkpoint it, within torchrun's shutdown timeout (30 s).
+Slurm may send it up to 60 s early (sbatch(1)), never late: a step and a checkpoint fit in 120 s
+on most runs; give more for long steps or large checkpoints."""
 
 
 NODE_ADDR = r"sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'"
@@ -68,7 +75,7 @@ def slurm_script(launch: Launch, cluster: ClusterSpec, job: SlurmJob) -> str:
         if index:
             headers.append("#SBATCH hetjob")
         headers += _component(launch, group, len(nodes), settings, job.signal_s, index)
-        sruns.append(_srun(launch, index, group_name, nodes[0]))
+        sruns.append(_srun(launch, index, group_name, nodes))
     return "\n".join(
         [
             "#!/bin/bash",
@@ -101,8 +108,14 @@ def slurm_script(launch: Launch, cluster: ClusterSpec, job: SlurmJob) -> str:
 
 
 def _component(
-    launch, group, nodes: int, settings: SlurmSettings, signal_s: int, index: int
+    launch: Launch,
+    group: DeviceGroup,
+    nodes: int,
+    settings: SlurmSettings,
+    signal_s: int,
+    index: int,
 ) -> list[str]:
+    """One component's #SBATCH lines."""
     devices = f"{group.devices_per_node} {group.accelerator.name}"
     lines = [
         f"# component {index}: group {group.name}, {nodes} node(s) of {devices} device(s)",
@@ -123,15 +136,27 @@ def _component(
     return lines
 
 
-def _srun(launch: Launch, index: int, group: str, node) -> str:
-    """One component's agents: one task per node, which knows its node from SLURM_NODEID."""
-    command = "exec " + agent_command(
-        launch,
-        node,
-        this_node=shlex.quote(f"{group}:") + '"$SLURM_NODEID"',
-        endpoint='"$RDZV_ENDPOINT"',
-        rdzv_id='"$RDZV_ID"',
-        start='"$@"',
+def _srun(launch: Launch, index: int, group: str, nodes: tuple[AgentNode, ...]) -> str:
+    """One component's agents: one task per node, which knows its node from SLURM_NODEID (and
+    from it its processes, where the plan fills the group's nodes unevenly)."""
+    counts = [node.processes for node in nodes]
+    prefix, processes = "", str(counts[0])
+    if len(set(counts)) > 1:
+        prefix, processes = (
+            f"processes=({' '.join(map(str, counts))}); ",
+            '"${processes[$SLURM_NODEID]}"',
+        )
+    command = (
+        prefix
+        + "exec "
+        + agent_command(
+            launch,
+            processes=processes,
+            this_node=shlex.quote(f"{group}:") + '"$SLURM_NODEID"',
+            endpoint='"$RDZV_ENDPOINT"',
+            rdzv_id='"$RDZV_ID"',
+            start='"$@"',
+        )
     )
     return (
         f"srun --het-group={index} --ntasks-per-node=1 bash -c {shlex.quote(command)} "
