@@ -28,6 +28,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runtime": {"spec", "report", "comm"},
     "profiler": {"spec", "report", "profiles", "comm", "runtime"},  # torch measurement
     "jobs": {"spec", "report", "profiles", "predictor", "planner", "comm", "runtime", "profiler"},
+    "launchers": {"spec", "runtime"},  # the node agents' scripts: the runtime's node mapping
     "cli": {
         "spec",
         "report",
@@ -38,6 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "runtime",
         "profiler",
         "jobs",
+        "launchers",
     },
     "__init__": set(),
     "__main__": {"cli"},

@@ -7,15 +7,16 @@ import os
 import sys
 
 from hethub import __version__
-from hethub.cli import catalog, plan, predict, profile, train, validate
+from hethub.cli import catalog, launch, plan, predict, profile, train, validate
 from hethub.cli.args import ArgumentParser
 from hethub.errors import HethubError
 from hethub.runtime.torch_support import installed_torch, require_supported_torch
 
-COMMANDS = (train, validate, plan, predict, profile, catalog)
-NEED_TORCH = {"train", "validate", "profile"}
-"""The commands that run torch (their workers too: they start as `hethub train`); an unsupported
-torch stops them in one line before any torch code runs. plan, predict and catalog never load it."""
+COMMANDS = (train, launch, validate, plan, predict, profile, catalog)
+NEED_TORCH = {"train", "launch", "validate", "profile"}
+"""The commands that run torch (their workers too: they start as `hethub train`; launch checks the
+training data as train does); an unsupported torch stops them in one line before any torch code
+runs. plan, predict and catalog never load it."""
 READER_GONE = 141
 """Exit status when stdout's reader has gone (`hethub predict --json | head`): what a shell
 reports for a Unix tool that SIGPIPE ends (128 + 13), so a pipeline under `set -o pipefail`

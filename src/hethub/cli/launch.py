@@ -1,203 +1,153 @@
-"""Starting a prepared job's workers on this machine through torchrun, and watching them.
-
-`hethub train` is itself the torchrun agent of its workers: it parses torchrun's own flags and
-runs torchrun's launcher (torch.distributed.run's config_from_args and elastic_launch) in this
-process, rather than a `torchrun` child whose only record of a failure is a traceback on
-stderr. So it keeps the agent's log in RUN_DIR/logs/agent.log, reads a failure from torchrun's
-structured record (rank, exit code, signal) and says it in one line, and when it is killed its
-workers die with it (each worker asks the kernel for that: hethub.runtime.supervision).
-"""
+"""`hethub launch`: write what starts a plan on a cluster of unlike nodes: a Slurm heterogeneous
+job (one component per group) and one script per node for a cluster without a scheduler. The
+plan is the plan file, or what `hethub train` would plan (hethub.jobs.prepare)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import signal
-import sys
-import threading
-import uuid
+import argparse
 from pathlib import Path
-from typing import Self
 
-from hethub.jobs import Job, plan_devices
-from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
+from hethub.cli.agent import DEFAULT_MAX_RESTARTS
+from hethub.cli.args import add_job_arguments, non_negative_int, positive_int
+from hethub.errors import HethubError
+from hethub.jobs import prepare
+from hethub.jobs.prepare import builtin_cluster, write_plan
+from hethub.launchers import Launch, agent_nodes, host_scripts, slurm_script
+from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
+from hethub.runtime.rundir import RunDir
+from hethub.spec.cluster import ClusterSpec, SlurmSettings
+from hethub.spec.topology import build_topology
 
-DEFAULT_MAX_RESTARTS = 3
-"""Restarts of the workers after a failure (`hethub train --max-restarts`). A worker lost to
-the OOM killer, a flaky link or a node's hiccup costs the steps since the last checkpoint and
-a few seconds of start-up; a failure that repeats (a bug) costs three start-ups more before
-the run stops. A non-finite loss, or an error that would repeat (a damaged checkpoint, one of
-another model, a plan that cannot be built), is not a failure of this kind: every rank stops
-cleanly, records why (hethub.runtime.supervision.STOPPED), and nothing restarts."""
+DEFAULT_PORT = 29500
+"""The rendezvous port on the first node: torchrun's own default."""
+TRAIN_FLAGS = ("steps", "seed", "lr", "checkpoint_every", "keep_checkpoints", "timeout")
+"""`hethub train`'s flags that a launch passes on to a new run, as given."""
 
 
-def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
-    """Start the job's workers on this machine through torchrun's launcher; the exit status."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
-
-    from hethub.runtime.supervision import LAUNCHED_BY_HETHUB, STOPPED
-
-    run = job.run.path
-    logs = run / "logs"
-    logs.mkdir(exist_ok=True)
-    worker = ["-m", "hethub.runtime.worker", str(run)]
-    worker += ["--json"] if as_json else []
-    worker += ["--resume"] if job.resume_from is not None else []
-    # One thread per rank (the engine sets it too); saying so spares torchrun's warning banner.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # The workers leave reporting a stop to this process: one line, not one from each.
-    os.environ[LAUNCHED_BY_HETHUB] = "1"
-    config, entrypoint, arguments = config_from_args(
-        parse_args(
-            [
-                # torchrun --standalone, spelled out (torch.distributed.run.run does this):
-                # a c10d rendezvous on a free local port.
-                "--rdzv-backend=c10d",
-                "--rdzv-endpoint=localhost:0",
-                f"--rdzv-id={uuid.uuid4()}",
-                f"--nproc-per-node={plan_devices(job.plan)}",
-                f"--max-restarts={max_restarts}",
-                f"--log-dir={logs}",
-                *worker,
-            ]
-        )
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "launch",
+        help="write a Slurm heterogeneous job, or per-host scripts, that train a plan",
+        description="slurm: write OUT/job.sbatch, a Slurm heterogeneous job with one component "
+        "per group. hosts: write OUT/GROUP-INDEX.sh, one script per node, for a cluster without "
+        "a scheduler. Either way each node runs one torchrun agent, whose workers are "
+        "`hethub train --this-node GROUP:INDEX`; the plan is --plan, or the one hethub train "
+        "would make (written to OUT/plan.yaml).",
     )
-    (run / STOPPED).unlink(missing_ok=True)
-    watcher = AgentLog(logs / "agent.log", job, max_restarts)
-    try:
-        with watcher:
-            elastic_launch(config, entrypoint)(*arguments)
-    except ChildFailedError as failed:
-        stopped = _stopped_for_good(run / STOPPED)
-        if stopped and "error" in stopped:  # the others failed waiting for the rank that met it
-            _say(f"error: {stopped['error']}")
-            return 2
-        _say(f"error: {watcher.failure_line(failed)}; the agent's log: {logs / 'agent.log'}")
-        return 1
-    except SignalException as stopped:
-        sig = signal.Signals(stopped.sigval)
-        step = _latest_step(job)
-        kept = "no checkpoint yet" if step is None else f"its latest checkpoint is step {step}"
-        _say(f"stopped by {sig.name}; {kept}; resume with: hethub train --resume {run}")
-        return 128 + sig.value
-    stopped = _stopped_for_good(run / STOPPED)
-    if stopped is None:
-        return 0
-    if "error" in stopped:  # every rank that met it recorded it: said once, here
-        _say(f"error: {stopped['error']}")
-        return 2
-    return 1  # a non-finite loss: rank 0 has said it
+    parser.add_argument("form", choices=("slurm", "hosts"), help="what to write")
+    add_job_arguments(parser)
+    parser.add_argument("--out", default="launch", help="folder to write into (default launch)")
+    parser.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=DEFAULT_MAX_RESTARTS,
+        help=f"the agents restart the workers this many times (default {DEFAULT_MAX_RESTARTS})",
+    )
+    parser.add_argument(
+        "--port",
+        type=positive_int,
+        default=DEFAULT_PORT,
+        help=f"rendezvous port on the first node (default {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--rendezvous",
+        metavar="HOST",
+        help="hosts: the first node's host name or address, where the agents meet (default: "
+        "its host in the cluster file's hosts)",
+    )
+    parser.add_argument(
+        "--python", default="python3", help="Python with hethub and torch on every node"
+    )
+    for field, what in (
+        ("partition", "Slurm partition"),
+        ("constraint", "Slurm node features (--constraint)"),
+        ("account", "Slurm account"),
+        ("time", "Slurm time limit (e.g. 24:00:00)"),
+    ):
+        parser.add_argument(f"--{field}", help=f"{what} of the groups whose slurm: lacks it")
+    parser.add_argument(
+        "--cpus-per-node",
+        type=positive_int,
+        help="CPUs per node of the groups whose slurm: lacks it (default: one per device)",
+    )
+    parser.add_argument(
+        "--signal-seconds",
+        type=positive_int,
+        default=DEFAULT_SIGNAL_S,
+        help="SIGTERM this long before the time limit: the workers checkpoint and stop "
+        f"(default {DEFAULT_SIGNAL_S})",
+    )
+    parser.set_defaults(run=run, resume=None)
 
 
-def _stopped_for_good(record: Path) -> dict | None:
-    """What the workers recorded when they stopped the run for good (None: they did not)."""
-    try:
-        return json.loads(record.read_text())
-    except FileNotFoundError:
-        return None
+def run(args: argparse.Namespace) -> int:
+    if not args.run_dir:
+        raise HethubError("--run-dir is needed: the run folder, on storage every node sees")
+    job = prepare(args, measure=False, write=False, local_launch=False)
+    launch = Launch(
+        name=f"hethub-{Path(args.run_dir).name}",
+        cluster_file=str(Path(args.cluster).resolve() if args.cluster else builtin_cluster()),
+        plan_file=str(Path(args.plan or Path(args.out) / "plan.yaml").resolve()),
+        run_dir=str(Path(args.run_dir).resolve()),
+        train_flags=_train_flags(args),
+        python=args.python,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        nodes=agent_nodes(build_topology(job.plan, job.cluster), job.cluster),
+    )
+    if args.form == "slurm":
+        files = {"job.sbatch": _slurm(args, launch, job.cluster)}
+    else:
+        files = host_scripts(launch, f"{_rendezvous_host(args, job.cluster, launch)}:{args.port}")
+    out = Path(args.out)  # written once every check has passed
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.plan:  # every node trains the plan made here, not one each plans for itself
+        write_plan(RunDir(out), job.plan, job.model)
+    for name, text in files.items():
+        (out / name).write_text(text)
+        (out / name).chmod(0o755)
+    written = ", ".join(str(out / name) for name in files)
+    if args.form == "slurm":
+        print(f"wrote {written}; submit it with: sbatch {out / 'job.sbatch'}")
+    else:
+        print(f"wrote {written}; run each on its node (bash FILE)")
+    return 0
 
 
-def _latest_step(job: Job) -> int | None:
-    """The step of the run's latest complete checkpoint (None: none yet)."""
-    checkpoint = latest_checkpoint(job.run.checkpoints)
-    return None if checkpoint is None else read_meta(checkpoint)["step"]
+def _slurm(args: argparse.Namespace, launch: Launch, cluster: ClusterSpec) -> str:
+    defaults = SlurmSettings(
+        partition=args.partition,
+        constraint=args.constraint,
+        account=args.account,
+        time=args.time,
+        cpus_per_node=args.cpus_per_node,
+    )
+    return slurm_script(launch, cluster, SlurmJob(defaults=defaults, signal_s=args.signal_seconds))
 
 
-def _stop_at_once(signum: int, _frame) -> None:
-    _say("stopped at once: the step in progress is lost, the latest checkpoint is kept")
-    os._exit(128 + signum)
+def _rendezvous_host(args: argparse.Namespace, cluster: ClusterSpec, launch: Launch) -> str:
+    """Where the per-host scripts' agents meet: --rendezvous, else the first node's host."""
+    if args.rendezvous:
+        return args.rendezvous
+    first = launch.nodes[0]
+    hosts = cluster.group(first.group).hosts
+    if hosts is None:
+        raise HethubError(
+            f"no address for the rendezvous on node {first.group}:"
+            f"{first.node}: give --rendezvous HOST, or hosts: in group {first.group} of the "
+            f"cluster file"
+        )
+    return hosts[first.node]
 
 
-def _say(message: str) -> None:
-    print(f"hethub train: {message}", file=sys.stderr, flush=True)
-
-
-class AgentLog(logging.Handler):
-    """Takes torchrun's agent log for the length of a launch: every record into ``path``, none
-    on the console, and from two of them hethub's own lines: a worker's failure (its rank,
-    group, stage and signal) when the agent restarts the workers, and a first Ctrl-C's notice.
-
-    The records are read by their message templates (torch.distributed.elastic's
-    multiprocessing/api.py and agent/server/api.py in torch 2.13); should a later torch word them
-    otherwise, the log still holds everything and only the restart line goes unsaid."""
-
-    LOGGER = "torch.distributed"
-
-    def __init__(self, path: Path, job: Job, max_restarts: int) -> None:
-        super().__init__(level=logging.INFO)
-        self.path, self.job, self.max_restarts = path, job, max_restarts
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s] %(message)s"))
-        self.last_failure: tuple[int, int] | None = None  # (local rank, exit code)
-        self.restarts = 0
-
-    def __enter__(self) -> Self:
-        self.file = self.path.open("a", encoding="utf-8")
-        logger = logging.getLogger(self.LOGGER)
-        self.saved = logger.handlers[:], logger.propagate
-        logger.handlers, logger.propagate = [self], False
-        # torch's loggers take their level from LOGLEVEL (WARNING by default) when imported;
-        # the restart record is an INFO one.
-        for name in list(logging.root.manager.loggerDict):
-            if name.startswith(self.LOGGER):
-                logging.getLogger(name).setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *_) -> None:
-        logger = logging.getLogger(self.LOGGER)
-        logger.handlers, logger.propagate = self.saved
-        self.file.close()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.file.write(self.format(record) + "\n")
-        self.file.flush()
-        template = str(record.msg)
-        if template.startswith("failed (exitcode: %s) local_rank: %s"):
-            exitcode, local_rank = int(record.args[0]), int(record.args[1])
-            self.last_failure = (local_rank, exitcode)
-        elif "will restart worker group" in template and "attempts left" in template:
-            self.restarts += 1
-            step = _latest_step(self.job)
-            since = "step 0 (no checkpoint yet)" if step is None else f"step {step}"
-            what = (
-                f"{self._rank(self.last_failure[0])} {self._ended(self.last_failure[1])}"
-                if self.last_failure
-                else "a worker failed"
-            )
-            _say(
-                f"{what}; restarting the workers from {since} "
-                f"(restart {self.restarts} of {self.max_restarts})"
-            )
-            self.last_failure = None
-        elif template.startswith("Received %s death signal"):
-            _say(
-                "stopping after the current step and a checkpoint "
-                "(Ctrl-C again stops at once, losing the step)"
-            )
-            # torchrun's own handler would wait for the workers a second time; this process
-            # ends instead, and its workers with it (they die with their parent).
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGINT, _stop_at_once)
-
-    def _rank(self, rank: int) -> str:
-        # hethub train starts every rank on this machine: the local rank is the plan's rank.
-        from hethub.spec.topology import build_topology
-
-        return build_topology(self.job.plan, self.job.cluster).ranks[rank].describe()
-
-    @staticmethod
-    def _ended(exitcode: int) -> str:
-        if exitcode < 0:
-            return f"died of {signal.Signals(-exitcode).name}"
-        return f"exited with status {exitcode}"
-
-    def failure_line(self, failed) -> str:
-        """One line for torchrun's ChildFailedError: the first rank to fail, and how."""
-        rank, failure = failed.get_first_failure()
-        line = f"{self._rank(rank)} {self._ended(failure.exitcode)}"
-        if failure.exitcode > 0 and failure.error_file and Path(failure.error_file).is_file():
-            line += f" (its error: {failure.error_file})"
-        return line
+def _train_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    flags: list[str] = []
+    for name in TRAIN_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.data:
+        flags += ["--data", str(Path(args.data).resolve())]
+    if args.json:
+        flags.append("--json")
+    return tuple(flags)

@@ -9,8 +9,8 @@ import os
 import statistics
 import sys
 
+from hethub.cli.agent import DEFAULT_MAX_RESTARTS, launch
 from hethub.cli.args import add_job_arguments, node, non_negative_int
-from hethub.cli.launch import DEFAULT_MAX_RESTARTS, launch
 from hethub.errors import HethubError
 from hethub.jobs import Job, plan_devices, prepare
 from hethub.report.text import plural

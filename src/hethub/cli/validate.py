@@ -12,8 +12,8 @@ import json
 import statistics
 import sys
 
+from hethub.cli.agent import launch
 from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_seconds
-from hethub.cli.launch import launch
 from hethub.errors import HethubError
 from hethub.jobs import Job, prepare
 from hethub.profiles.machine import default_profiles_dir

@@ -132,7 +132,7 @@ def prepare(
     if write:  # every check passed: only now is the run directory made
         run = _make_run_dir(args.run_dir) if args.run_dir else new_run_dir(Path("runs"), name)
         run.write_text(run.cluster, cluster_path.read_text())
-        _write_plan(run, plan, model)
+        write_plan(run, plan, model)
         run.write_settings(settings)
         _write_prediction(
             run, prediction, basis, cluster, provenance(plan, cluster, model, profiles)
@@ -189,7 +189,7 @@ def _prepare_resume(
             if done is not None and run.plan.is_file():
                 # resumed under another plan: keep the one it trained under so far
                 run.plan.rename(run.path / f"plan.before-step-{done}.yaml")
-            _write_plan(run, plan, model)
+            write_plan(run, plan, model)
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
@@ -537,8 +537,9 @@ def _plan(
     return result.best.plan
 
 
-def _write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
-    """plan.yaml, with its model beside it (model.yaml) unless it is a preset."""
+def write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
+    """plan.yaml in a run folder (or `hethub launch`'s), with its model beside it (model.yaml)
+    unless it is a preset."""
     if plan.model.lower() not in preset_names():
         run.write_text(
             run.path / "model.yaml", yaml.safe_dump(model_file_fields(model), sort_keys=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,21 @@ from typing import Any
 from hethub.spec.accelerator import AcceleratorSpec, parse_accelerator
 from hethub.spec.fields import Fields, load_yaml
 from hethub.spec.hashing import hashed_once
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmSettings:
+    """A group's ``slurm:`` section: the options of its component of a Slurm heterogeneous job
+    (`hethub launch`). Each is left to the Slurm site's default when None."""
+
+    partition: str | None = None
+    constraint: str | None = None
+    """Slurm's --constraint: the node features that pick this kind of node (e.g. ``a100``)."""
+    account: str | None = None
+    time: str | None = None
+    """The time limit, in Slurm's form (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
+    cpus_per_node: int | None = None
+    """CPUs for the node's one task (the agent and its workers; None: one per device)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +48,9 @@ class DeviceGroup:
     hosts: tuple[str, ...] | None = None
     """The host name of each node, in node order (None: not given). A process under torchrun
     without --node finds its node by its host name here (hethub.runtime.nodes)."""
+    slurm: SlurmSettings | None = None
+    """Where Slurm puts the group's nodes (None: no ``slurm:`` section; `hethub launch` then
+    takes its flags)."""
 
     @property
     def link_gb_s(self) -> float:
@@ -96,7 +115,11 @@ _GROUP_FIELDS = (
     "speed",
     "intra_node_gb_s",
     "hosts",
+    "slurm",
 )
+_SLURM_FIELDS = ("partition", "constraint", "account", "time", "cpus_per_node")
+SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+"""Slurm's time limit forms; slurm_time_seconds reads them."""
 
 
 def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
@@ -122,6 +145,7 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                     f.positive_number("intra_node_gb_s") if f.has("intra_node_gb_s") else None
                 ),
                 hosts=_hosts(f, nodes) if f.has("hosts") else None,
+                slurm=_slurm(f.raw("slurm"), source, f.path("slurm")) if f.has("slurm") else None,
             )
         )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
@@ -162,6 +186,46 @@ def _hosts(f: Fields, nodes: int) -> tuple[str, ...]:
         if host in hosts[:i]:
             raise f.error("hosts", hosts, f"{host!r} is named twice: each node is its own host")
     return tuple(hosts)
+
+
+def _slurm(raw: Any, source: str, prefix: str) -> SlurmSettings:
+    """A group's ``slurm:`` section: strings Slurm takes as they are, a time limit in its form."""
+    f = Fields(raw, source, prefix, allowed=_SLURM_FIELDS)
+    texts = {key: f.string(key) for key in ("partition", "constraint", "account") if f.has(key)}
+    for key, text in texts.items():
+        if not text.strip() or any(c.isspace() for c in text):
+            raise f.error(key, text, "must be one word, as Slurm takes it (no spaces)")
+    time = None
+    if f.has("time"):
+        time = str(f.raw("time"))
+        slurm_time_seconds(time, f.error("time", time, SLURM_TIME_RULE))
+    cpus = f.positive_int("cpus_per_node") if f.has("cpus_per_node") else None
+    return SlurmSettings(**texts, time=time, cpus_per_node=cpus)
+
+
+SLURM_TIME_RULE = (
+    "must be a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, above 0"
+)
+
+
+def slurm_time_seconds(text: str, error: Exception) -> int:
+    """Seconds of a Slurm time limit (sbatch(1), --time); ``error`` raised when it is not one."""
+    found = SLURM_TIME.match(text.strip())
+    if not found:
+        raise error
+    days, first, second, third = found.groups()
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+        total = int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+    elif third is not None:  # HH:MM:SS
+        total = int(first) * 3600 + int(second) * 60 + int(third)
+    elif second is not None:  # MM:SS
+        total = int(first) * 60 + int(second)
+    else:  # minutes
+        total = int(first) * 60
+    if total <= 0:
+        raise error
+    return total
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
