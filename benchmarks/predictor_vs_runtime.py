@@ -5,8 +5,8 @@ Usage: python benchmarks/predictor_vs_runtime.py [--steps N] [--rounds R] [--wor
 Target (issue 5): MAPE of predicted vs measured iteration time <= 10% (aim 5%) over at least 6
 plans on 2 and 4 ranks (PP splits, DP, TP, recomputation, an uneven batch split), worst case
 printed; issue 17's plans (interleaved 1F1B, a sharded optimizer, an overlapped gradient sync)
-and issue 28's per-stage recomputation and zero-bubble schedules each within 10%. Every prediction is made before its run,
-from profiles (`hethub validate`).
+and issue 28's per-stage recomputation and zero-bubble schedules each within 10%. Every
+prediction is made before its run, from profiles (`hethub validate`).
 
 This shared machine's speed drifts by 20% and more over minutes, so a profile taken at one moment
 misprices a run a few minutes later. Each plan is therefore profiled afresh right before each of
