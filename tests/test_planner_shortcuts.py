@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from hethub.planner.costs import ZBV_SATURATED
 from hethub.predictor.schedule import FORWARD, schedule_order, simulate
-from hethub.spec.schedules import Schedule
+from hethub.spec.schedules import Schedule, peak_in_flight
 
 
 @pytest.mark.parametrize(
@@ -38,3 +39,17 @@ def test_last_gradient_op_ends_when_the_chunk_is_done(schedule, stages, micro_ba
             seen[order.chunk_of(i)] += 1
     assert all(seen)
     assert [end[i] for i in order.last_gradient_op] == latest
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5, 8, 13])
+def test_zbv_in_flight_stops_growing_at_twice_the_stages(stages):
+    """planner.costs caps ZBV's micro-batches at ZBV_SATURATED x p before asking the walk of the
+    order for the micro-batches in flight: every stage's peak is the same at any count beyond."""
+    saturated = ZBV_SATURATED * stages
+    for s in range(stages):
+        at_saturation = peak_in_flight(Schedule.ZBV, s, stages, saturated, (1, 1))
+        for m in (saturated + 1, saturated + 2, saturated + 7, 3 * saturated + 1, 5 * saturated):
+            assert peak_in_flight(Schedule.ZBV, s, stages, m, (1, 1)) == at_saturation
+    # below it, the count matters: the first stage holds fewer at p micro-batches
+    first = [peak_in_flight(Schedule.ZBV, 0, stages, m, (1, 1)) for m in (stages, saturated)]
+    assert stages == 1 or first[0] < first[1]
