@@ -160,7 +160,8 @@ def _layer_cap(
         memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
         return memory.total_gb
 
-    fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
+    fixed = gb(0)
+    per_layer = gb(1) - fixed  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed
     if room < per_layer:
         return 0
