@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
 
 from hethub.planner.costs import ZBV_SATURATED
-from hethub.predictor.schedule import FORWARD, schedule_order, simulate
+from hethub.predictor.schedule import FORWARD, collector_paused, schedule_order, simulate
 from hethub.spec.schedules import Schedule, peak_in_flight
 
 
@@ -53,3 +54,22 @@ def test_zbv_in_flight_stops_growing_at_twice_the_stages(stages):
     # below it, the count matters: the first stage holds fewer at p micro-batches
     first = [peak_in_flight(Schedule.ZBV, 0, stages, m, (1, 1)) for m in (stages, saturated)]
     assert stages == 1 or first[0] < first[1]
+
+
+def test_collector_paused_restores_what_it_found():
+    """The search pauses Python's cycle collector: it is off inside, nested or not, and after
+    it is back as it was (on, or off where the caller had turned it off)."""
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -19,7 +19,9 @@ longer pays for every micro-batch. Interleaved and zero-bubble orders are simula
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ __all__ = [
     "FORWARD",
     "WEIGHT",
     "ScheduleOrder",
+    "collector_paused",
     "schedule_order",
     "simulate",
     "stage_end_times",
@@ -78,8 +81,31 @@ class ScheduleOrder:
         return self.steps[i][3] // len(KINDS)
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off for a while (and back as it was after), where much is
+    allocated and nothing collectable: an order is tens of thousands of small tuples and lists,
+    no cycles, and each full collection they set off walks every order cached before (a third
+    of a planner's time building orders went to it)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 @functools.lru_cache(maxsize=1024)
 def schedule_order(
+    schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
+) -> ScheduleOrder:
+    """Build the dependency structure of a schedule once (_build_order)."""
+    with collector_paused():
+        return _build_order(schedule, stages, micro_batches, chunks)
+
+
+def _build_order(
     schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
 ) -> ScheduleOrder:
     """Build the dependency structure of a schedule once.
