@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
-from hethub.predictor.memory import stage_position
+from hethub.predictor.memory import stage_position as _stage_position
 from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
 from hethub.profiles.store import Profiles
@@ -63,6 +63,16 @@ class Setting:
         )
 
 
+stage_position = functools.lru_cache(maxsize=4096)(_stage_position)
+"""predictor.memory.stage_position, cached: the planner asks it for every stage of every
+structure it weighs (a few hundred distinct answers)."""
+
+ZBV_SATURATED = 2
+"""Under ZBV (two equal chunks a stage) every stage's micro-batches in flight stop growing once
+there are this many times the stages: its peak is in the warm-up, which 2p micro-batches fill
+(tests/test_planner_shortcuts.py holds it against the walk of the order)."""
+
+
 @functools.lru_cache(maxsize=65536)
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
     """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of
@@ -96,6 +106,8 @@ def stage_caps(
     in ``chunks`` chunks of about equal size (interleaved 1F1B), its optimizer state split over
     ``shards`` ranks."""
     p = len(slots)
+    if setting.schedule == Schedule.ZBV:  # walking the V's order is dear; beyond 2p, the same
+        micro_batches = min(micro_batches, ZBV_SATURATED * p)
     if chunks == 1 or setting.schedule != Schedule.INTERLEAVED_1F1B:  # ZBV: its two chunks
         in_flight = tuple(
             in_flight_micro_batches(setting.schedule, s, p, micro_batches) for s in range(p)
@@ -148,7 +160,8 @@ def _layer_cap(
         memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
         return memory.total_gb
 
-    fixed, per_layer = gb(0), gb(1) - gb(0)  # memory is linear in the layers
+    fixed = gb(0)
+    per_layer = gb(1) - fixed  # memory is linear in the layers
     room = group.accelerator.memory_gb - fixed
     if room < per_layer:
         return 0

@@ -28,7 +28,14 @@ from hethub.planner.candidates import (
     mixed_tp,
     tp_degrees,
 )
-from hethub.planner.costs import Setting, StageSlot, end_time, layer_time, stage_caps
+from hethub.planner.costs import (
+    Setting,
+    StageSlot,
+    end_time,
+    layer_time,
+    stage_caps,
+    stage_position,
+)
 from hethub.planner.partition import (
     chunk_split,
     least_bottleneck,
@@ -40,8 +47,8 @@ from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
-from hethub.predictor.memory import stage_position
 from hethub.predictor.profiled import core_sharing, for_precision
+from hethub.predictor.schedule import collector_paused
 from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
@@ -151,12 +158,16 @@ class _Search:
     prune: bool = True
     """Skip the drafts and predictions that bounds show cannot win (False: make every one, for
     the tests that hold the pruning to the same plans)."""
+    predicted: dict[Plan, Prediction] = field(default_factory=dict)
+    """Every plan predicted, by plan: the local search comes back to plans it has priced (a
+    layer moved there and back, a plan of one phase a neighbour in the next)."""
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.perf_counter() > self.deadline
         return self.timed_out
 
 
+@collector_paused()  # a search allocates much and leaves no cycles: each collection was a tenth
 def search(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -855,10 +866,13 @@ def _predict(state: _Search, plan: Plan) -> Ranked | None:
     fits."""
     if state.prune and state.ranked and not _fits(state, plan):
         return None
-    state.evaluated += 1
-    prediction = predict(
-        plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles
-    )
+    prediction = state.predicted.get(plan)
+    if prediction is None:
+        state.evaluated += 1
+        prediction = predict(
+            plan, state.cluster, state.model, calibration=state.calibration, profiles=state.profiles
+        )
+        state.predicted[plan] = prediction
     if not prediction.fits:
         _note_overflow(state, plan, prediction)
         return None

@@ -503,7 +503,7 @@ def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutR
             stage_end_s=stage_end,
             time_s=max(stage_end),
             compute_s=compute,
-            chunk_done_s=_chunk_done(order, end),
+            chunk_done_s=[end[i] for i in order.last_gradient_op],
         )
         if not every_op:  # the starts are only a timeline's (a tenth of a planner's prediction)
             return run, None

@@ -19,7 +19,9 @@ longer pays for every micro-batch. Interleaved and zero-bubble orders are simula
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ __all__ = [
     "FORWARD",
     "WEIGHT",
     "ScheduleOrder",
+    "collector_paused",
     "schedule_order",
     "simulate",
     "stage_end_times",
@@ -68,14 +71,41 @@ class ScheduleOrder:
 
     chunks: int = 1
     """Chunks per stage (interleaved 1F1B, ZBV; else 1)."""
+    last_gradient_op: tuple[int, ...] = ()
+    """Per model chunk: the index of its last backward or W. A stage runs its operations one
+    after another, so that one ends last of them: its end is when the chunk's gradients are
+    final."""
 
     def chunk_of(self, i: int) -> int:
         """The model chunk operation ``i`` runs."""
         return self.steps[i][3] // len(KINDS)
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off for a while (and back as it was after), where much is
+    allocated and nothing collectable: an order is tens of thousands of small tuples and lists,
+    no cycles, and each full collection they set off walks every order cached before (a third
+    of a planner's time building orders went to it)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 @functools.lru_cache(maxsize=1024)
 def schedule_order(
+    schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
+) -> ScheduleOrder:
+    """Build the dependency structure of a schedule once (_build_order)."""
+    with collector_paused():
+        return _build_order(schedule, stages, micro_batches, chunks)
+
+
+def _build_order(
     schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
 ) -> ScheduleOrder:
     """Build the dependency structure of a schedule once.
@@ -92,26 +122,29 @@ def schedule_order(
         return _walked_order(Schedule(schedule), stages, chunks, micro_batches)
     if schedule == Schedule.INTERLEAVED_1F1B:
         schedule = Schedule.ONE_F_ONE_B
-    keyed = []
+    # Sorted by (key, stage): the stages in turn, each into its key's bucket, in stage order.
+    keys = stages * (2 * micro_batches + 1)
+    buckets: list[list[tuple[int, int, int]]] = [[] for _ in range(keys)]
     for s in range(stages):
         for pos, (kind, j) in enumerate(stage_sequence(schedule, s, stages, micro_batches)):
             tie = s if kind == FORWARD else stages - 1 - s
-            keyed.append((stages * pos + tie, s, kind, j, pos))
-    keyed.sort()
-    index = {(s, kind, j): i for i, (_, s, kind, j, _) in enumerate(keyed)}
-    previous: dict[int, int] = {}
+            buckets[stages * pos + tie].append((s, kind, j))
+    keyed = [op for bucket in buckets for op in bucket]
+    # index[kind][stage][micro-batch]: each operation's place, known before any op waits for it
+    index = [[[-1] * micro_batches for _ in range(stages)] for _ in (FORWARD, BACKWARD)]
+    previous = [-1] * stages
     steps = []
-    for i, (_, s, kind, j, _) in enumerate(keyed):
-        prev = previous.get(s, -1)
-        previous[s] = i
+    for i, (s, kind, j) in enumerate(keyed):
+        index[kind][s][j] = i
         if kind == FORWARD and s > 0:
-            dep, send = index[(s - 1, FORWARD, j)], s - 1  # activation sent over boundary s-1
+            dep, send = index[FORWARD][s - 1][j], s - 1  # activation sent over boundary s-1
         elif kind == BACKWARD and s < stages - 1:
-            dep, send = index[(s + 1, BACKWARD, j)], (stages - 1) + s  # gradient over boundary s
+            dep, send = index[BACKWARD][s + 1][j], (stages - 1) + s  # gradient over boundary s
         else:
             dep, send = -1, -1
-        steps.append((prev, dep, send, len(KINDS) * s + kind))
-    last_op = tuple(previous[s] for s in range(stages))
+        steps.append((previous[s], dep, send, len(KINDS) * s + kind))
+        previous[s] = i
+    last_op = tuple(previous)
     m, p = micro_batches, stages
     if (
         schedule == Schedule.GPIPE
@@ -122,10 +155,11 @@ def schedule_order(
     return ScheduleOrder(
         stages,
         micro_batches,
-        tuple((s, k, j) for _, s, k, j, _ in keyed),
+        tuple(keyed),
         tuple(steps),
         last_op,
         periodic,
+        last_gradient_op=last_op,  # one chunk a stage: its last operation is a backward
     )
 
 
@@ -147,21 +181,38 @@ def _walked_order(schedule: Schedule, p: int, v: int, m: int) -> ScheduleOrder:
     if stopped != [len(order) for order in orders]:
         raise AssertionError(f"{schedule} order deadlocks (p={p}, v={v}, m={m})")
     last_chunk = p * v - 1
-    index: dict[tuple[int, int, int], int] = {}  # (model chunk, kind, micro-batch) -> op
+    held = [[model_chunk(schedule, s, p, c) for c in range(v)] for s in range(p)]
+    # index[kind][model chunk][micro-batch] of forwards and backwards
+    index = [[[-1] * m for _ in range(last_chunk + 1)] for _ in (FORWARD, BACKWARD)]
     steps, previous = [], [-1] * p
+    last_gradient = [-1] * (last_chunk + 1)
     for i, (s, kind, c, j) in enumerate(ran):
-        g = model_chunk(schedule, s, p, c)
-        if kind == FORWARD and g > 0:  # the activation over boundary g - 1
-            dep, send = index[(g - 1, FORWARD, j)], g - 1
-        elif kind == BACKWARD and g < last_chunk:  # the gradient over boundary g
-            dep, send = index[(g + 1, BACKWARD, j)], last_chunk + g
+        g = held[s][c]
+        if kind == FORWARD:
+            index[FORWARD][g][j] = i
+            # the activation over boundary g - 1
+            dep, send = (index[FORWARD][g - 1][j], g - 1) if g > 0 else (-1, -1)
         else:
-            dep, send = -1, -1
-        index[(g, kind, j)] = i
+            last_gradient[g] = i
+            if kind == BACKWARD:
+                index[BACKWARD][g][j] = i
+            if kind == BACKWARD and g < last_chunk:  # the gradient over boundary g
+                dep, send = index[BACKWARD][g + 1][j], last_chunk + g
+            else:
+                dep, send = -1, -1
         steps.append((previous[s], dep, send, len(KINDS) * g + kind))
         previous[s] = i
     ops = tuple((s, kind, j) for s, kind, _, j in ran)
-    return ScheduleOrder(p, m, ops, tuple(steps), tuple(previous), periodic=(), chunks=v)
+    return ScheduleOrder(
+        p,
+        m,
+        ops,
+        tuple(steps),
+        tuple(previous),
+        periodic=(),
+        chunks=v,
+        last_gradient_op=tuple(last_gradient),
+    )
 
 
 # Two positions repeat when their end times, less their first, agree to this share of one pass.
