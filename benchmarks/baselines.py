@@ -205,6 +205,7 @@ def _plan(
             else Schedule.ONE_F_ONE_B
         ),
         shard_optimizer=shard and data_parallel,
+        overlap_param_gather=shard and data_parallel,  # as the planner's sharded plans do
         sequence_parallel=sequence_parallel,
         overlap_grad_sync=data_parallel,
         pipelines=tuple(pipelines),

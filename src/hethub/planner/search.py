@@ -465,7 +465,7 @@ def _neighbours(plan: Plan):
     unsharded (a sharded optimizer's all-gather of the updated weights follows its step, where
     an overlapped all-reduce may have hidden the whole sync; unsharded, it may not fit)."""
     if plan.shard_optimizer:  # first: one candidate, which a spent budget must not skip
-        yield dataclasses.replace(plan, shard_optimizer=False)
+        yield dataclasses.replace(plan, shard_optimizer=False, overlap_param_gather=False)
     yield from _recompute_dropped(plan)
     if plan.sequence_parallel:  # it saves memory; its edges' gathers may cost more
         yield dataclasses.replace(plan, sequence_parallel=False)
@@ -789,8 +789,9 @@ def chunks_allowed(layout: Layout, layers: int, chunks: int) -> int:
 def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) -> _Draft | None:
     """Layers per stage (and chunk) and micro-batches per replica for a structure, each layout
     interleaved over ``chunks`` chunks a stage where its layers allow, and lower bounds on its
-    step. Replicas of one layout shard their optimizer and overlap their gradient sync with the
-    backward (sharding frees memory for layers; _refine tries each best plan unsharded too)."""
+    step. Replicas of one layout shard their optimizer, overlap their gradient sync with the
+    backward and the optimizer's weight gather with the next forwards (sharding frees memory
+    for layers; _refine tries each best plan unsharded too)."""
     total = state.global_batch // setting.micro_batch
     replicas = sum(layout.count for layout in structure)
     if replicas == 0 or total < replicas:
@@ -845,6 +846,9 @@ def _draft(state: _Search, setting: Setting, structure: Structure, chunks: int) 
         precision=setting.precision,
         shard_optimizer=data_parallel,
         overlap_grad_sync=data_parallel,
+        # the sharded optimizer's weight gather behind the next step's forwards: the runtime
+        # waits for it wherever weights are read between steps (checkpoints, the end)
+        overlap_param_gather=data_parallel,
         sequence_parallel=setting.sequence_parallel,
         pipelines=tuple(pipelines),
     )
