@@ -15,8 +15,8 @@ from hethub.planner.candidates import Layout, combinations, homogeneous, mixed, 
 from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES, VIRTUAL_STAGES, chunks_allowed
 from hethub.predictor import Prediction, predict
 from hethub.spec import ClusterSpec, ModelSpec
-from hethub.spec.plan import PipelineLayout, Plan, StageSpec, uniform_layers
-from hethub.spec.schedules import Schedule, model_chunk
+from hethub.spec.plan import PipelineLayout, Plan, StageSpec, stage_chunk_layers, uniform_layers
+from hethub.spec.schedules import Schedule
 
 
 def _best(
@@ -178,13 +178,12 @@ def _plan(
     ``shard``, shard their optimizer. ``schedule`` None: 1F1B, interleaved over more chunks."""
     pipelines = []
     for layout, split, share in zip(structure, splits, shares):
-        p, v = len(layout.slots), len(split) // len(layout.slots)
         order = schedule or Schedule.INTERLEAVED_1F1B
         stages = tuple(
-            StageSpec.of_chunks(
-                slot.group, slot.tp, [split[model_chunk(order, s, p, c)] for c in range(v)]
+            StageSpec.of_chunks(slot.group, slot.tp, chunks)
+            for slot, chunks in zip(
+                layout.slots, stage_chunk_layers(order, split, len(layout.slots))
             )
-            for s, slot in enumerate(layout.slots)
         )
         base, extra = divmod(share, layout.count)
         pipelines += [

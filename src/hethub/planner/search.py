@@ -59,13 +59,14 @@ from hethub.spec.plan import (
     Precision,
     Recompute,
     StageSpec,
+    stage_chunk_layers,
     uniform_layers,
 )
 from hethub.spec.schedules import (
     Schedule,
     chunks_per_stage,
     in_flight_micro_batches,
-    model_chunk,
+    stage_model_chunks,
 )
 from hethub.spec.topology import data_parallel_degrees
 
@@ -441,12 +442,10 @@ def _stage_floors(
     waited = {}  # model chunk -> what a later stage waits for of it: its forward and backward,
     # its forward alone where backwards split (a zero-bubble stage's last operation may be a W,
     # which the backwards through the chunks before it can overlap)
-    mine: list[list[int]] = [[] for _ in stages]  # each stage's model chunks
-    for s, (stage, group) in enumerate(zip(stages, groups)):
-        own = dataclasses.replace(setting, recompute=stage.recompute or setting.recompute)
-        for c, layers in enumerate(stage.chunks):
-            g = model_chunk(schedule, s, p, c)
-            mine[s].append(g)
+    mine = stage_model_chunks(schedule, p, chunks)  # each stage's model chunks
+    for stage, group, held in zip(stages, groups, mine):
+        own = dataclasses.replace(setting, recompute=stage.recompute)
+        for g, layers in zip(held, stage.chunks):
             times = own.pricing.work(
                 group, own.shape(stage.tp, layers, StagePosition.of(g, p * chunks))
             )
@@ -476,54 +475,58 @@ def _recompute_dropped(plan: Plan):
     """The plan with one recomputing stage recomputing nothing, in every layout holding it, the
     last stages first (they hold the fewest micro-batches in flight, so the likeliest to fit):
     recomputation where memory is short, and only there."""
-    layouts = list(dict.fromkeys(p.stages for p in plan.pipelines))
-    for stages in layouts:
+    for layout in _layouts(plan):
+        stages = layout.stages
         for s in reversed(range(len(stages))):
-            if stages[s].recompute in (None, Recompute.NONE):
+            if stages[s].recompute == Recompute.NONE:
                 continue
             changed = tuple(
                 dataclasses.replace(st, recompute=Recompute.NONE) if i == s else st
                 for i, st in enumerate(stages)
             )
-            yield dataclasses.replace(
-                plan,
-                pipelines=tuple(
-                    dataclasses.replace(pl, stages=changed) if pl.stages == stages else pl
-                    for pl in plan.pipelines
-                ),
-            )
+            yield _restaged(plan, layout, changed)
 
 
 def _layer_moves(plan: Plan):
     """Plans with one layer moved to a neighbouring chunk of the model (a neighbouring stage
     without interleaving), in every layout (replicas that share stages move together, since they
     sync as one)."""
-    layouts = list(dict.fromkeys((p.stages, p.schedule) for p in plan.pipelines))
-    for stages, schedule in layouts:
-        p, v = len(stages), len(stages[0].chunks)
-        held = [[model_chunk(schedule, s, p, c) for c in range(v)] for s in range(p)]
-        chunk_layers = [0] * (p * v)
-        for s, stage in enumerate(stages):
-            for g, layers in zip(held[s], stage.chunks):
-                chunk_layers[g] = layers
-        for g in range(p * v - 1):
+    for layout in _layouts(plan):
+        stages, chunk_layers = layout.stages, layout.chunk_layers()
+        for g in range(len(chunk_layers) - 1):
             for donor, taker in ((g, g + 1), (g + 1, g)):
                 if chunk_layers[donor] == 1:
                     continue
                 moved = list(chunk_layers)
                 moved[donor] -= 1
                 moved[taker] += 1
+                split = stage_chunk_layers(layout.schedule, moved, len(stages))
                 changed = tuple(
-                    StageSpec.of_chunks(st.group, st.tp, [moved[k] for k in held[s]], st.recompute)
-                    for s, st in enumerate(stages)
+                    StageSpec.of_chunks(st.group, st.tp, chunks, st.recompute)
+                    for st, chunks in zip(stages, split)
                 )
-                pipelines = tuple(
-                    dataclasses.replace(pl, stages=changed)
-                    if (pl.stages, pl.schedule) == (stages, schedule)
-                    else pl
-                    for pl in plan.pipelines
-                )
-                yield dataclasses.replace(plan, pipelines=pipelines)
+                yield _restaged(plan, layout, changed)
+
+
+def _layouts(plan: Plan) -> list[PipelineLayout]:
+    """The plan's distinct layouts (stages and schedule), in order: the replicas of one change
+    together, since they sync as one."""
+    first: dict[tuple, PipelineLayout] = {}
+    for pipeline in plan.pipelines:
+        first.setdefault((pipeline.stages, pipeline.schedule), pipeline)
+    return list(first.values())
+
+
+def _restaged(plan: Plan, layout: PipelineLayout, stages: tuple[StageSpec, ...]) -> Plan:
+    """``plan`` with every pipeline of ``layout``'s stages and schedule holding ``stages``."""
+    key = (layout.stages, layout.schedule)
+    return dataclasses.replace(
+        plan,
+        pipelines=tuple(
+            dataclasses.replace(pl, stages=stages) if (pl.stages, pl.schedule) == key else pl
+            for pl in plan.pipelines
+        ),
+    )
 
 
 def _speed(ranked: Ranked) -> float:
@@ -923,7 +926,7 @@ def _chunk_extras(
     """The time each of the stage's ``chunks`` chunks spends on the embedding or the head,
     besides its layers: each end where spec.schedules.model_chunk puts the model's first and
     last chunk."""
-    held = [model_chunk(setting.schedule, stage, stages, c) for c in range(chunks)]
+    held = stage_model_chunks(setting.schedule, stages, chunks)[stage]
     last = stages * chunks - 1
     first_only, last_only = StagePosition.of(0, 2), StagePosition.of(1, 2)
     return [

@@ -32,8 +32,8 @@ from hethub.spec.schedules import (
     Schedule,
     chunk_sequence,
     interleaved_orders,
-    model_chunk,
     run_in_dependency_order,
+    stage_model_chunks,
     stage_sequence,
 )
 
@@ -181,7 +181,7 @@ def _walked_order(schedule: Schedule, p: int, v: int, m: int) -> ScheduleOrder:
     if stopped != [len(order) for order in orders]:
         raise AssertionError(f"{schedule} order deadlocks (p={p}, v={v}, m={m})")
     last_chunk = p * v - 1
-    held = [[model_chunk(schedule, s, p, c) for c in range(v)] for s in range(p)]
+    held = stage_model_chunks(schedule, p, v)
     # index[kind][model chunk][micro-batch] of forwards and backwards
     index = [[[-1] * m for _ in range(last_chunk + 1)] for _ in (FORWARD, BACKWARD)]
     steps, previous = [], [-1] * p

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import yaml
 
 from hethub.spec.fields import Fields, load_yaml
-from hethub.spec.schedules import Schedule, chunks_per_stage, model_chunk
+from hethub.spec.schedules import Schedule, chunks_per_stage, stage_model_chunks
 
 
 class Recompute(enum.StrEnum):
@@ -175,10 +176,21 @@ class PipelineLayout:
         p, v = len(self.stages), self.virtual_stages
         schedule = self.schedule or Schedule.INTERLEAVED_1F1B
         layers = [0] * (p * v)
-        for s, stage in enumerate(self.stages):
-            for c, count in enumerate(stage.chunks):
-                layers[model_chunk(schedule, s, p, c)] = count
+        for stage, held in zip(self.stages, stage_model_chunks(schedule, p, v)):
+            for g, count in zip(held, stage.chunks):
+                layers[g] = count
         return layers
+
+
+def stage_chunk_layers(
+    schedule: Schedule, chunk_layers: Sequence[int], stages: int
+) -> list[list[int]]:
+    """Each stage's layers per chunk, from each of the model's chunks' layers in model order:
+    PipelineLayout.chunk_layers' inverse."""
+    chunks = len(chunk_layers) // stages
+    return [
+        [chunk_layers[g] for g in held] for held in stage_model_chunks(schedule, stages, chunks)
+    ]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -519,10 +531,7 @@ def uniform_plan(
     ``group``, each stage holding ``virtual_stages`` chunks (Megatron's even split over the
     model's pp x virtual_stages chunks)."""
     split = uniform_layers(layers, pp * virtual_stages)
-    chunks = [
-        [split[model_chunk(Schedule(schedule), s, pp, c)] for c in range(virtual_stages)]
-        for s in range(pp)
-    ]
+    chunks = stage_chunk_layers(Schedule(schedule), split, pp)
     return parse_plan(
         {
             "model": model,

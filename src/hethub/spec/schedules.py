@@ -48,6 +48,15 @@ def model_chunk(schedule: Schedule, stage: int, stages: int, chunk: int) -> int:
     return chunk * stages + stage
 
 
+@functools.cache
+def stage_model_chunks(schedule: Schedule, stages: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Each stage's model chunks, chunk by chunk (model_chunk over the whole pipeline): what
+    every walk of a pipeline's chunks reads."""
+    return tuple(
+        tuple(model_chunk(schedule, s, stages, c) for c in range(chunks)) for s in range(stages)
+    )
+
+
 def chunks_per_stage(schedule: Schedule) -> int | None:
     """The chunks every stage holds under ``schedule``, where it fixes them (None: any count,
     interleaved 1F1B's virtual_stages)."""
@@ -301,7 +310,7 @@ def run_in_dependency_order(
     of its order when it ran everything)."""
     p, v, m = stages, chunks, micro_batches
     last = p * v - 1
-    model = [[model_chunk(schedule, s, p, c) for c in range(v)] for s in range(p)]
+    model = stage_model_chunks(schedule, p, v)
     done = bytearray(3 * p * v * m)  # (kind, model chunk, micro-batch) -> ran
     position = [0] * p
     progress = True
