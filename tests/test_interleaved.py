@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_zero_bubble import run_pipeline as run_schedule
 
 from hethub.spec.schedules import (
     BACKWARD,
     FORWARD,
+    Schedule,
     interleaved_sequence,
     interleaved_warmup,
     micro_batch_groups,
@@ -22,36 +24,9 @@ from hethub.spec.schedules import (
 
 
 def run_pipeline(p: int, v: int, m: int, cost) -> float:
-    """Simulate the whole pipeline; the time its last operation ends. Fails on a deadlock."""
-    sequences = [interleaved_sequence(s, p, v, m) for s in range(p)]
-    done: dict[tuple[int, int, int], float] = {}  # (kind, model chunk, micro-batch) -> end
-    position, free = [0] * p, [0.0] * p
-    total = sum(len(sequence) for sequence in sequences)
-    while len(done) < total:
-        moved = False
-        for s in range(p):
-            while position[s] < len(sequences[s]):
-                kind, chunk, j = sequences[s][position[s]]
-                g = chunk * p + s  # the model's chunk
-                needs = []
-                if kind == FORWARD and g > 0:
-                    needs.append((FORWARD, g - 1, j))
-                if kind == BACKWARD:
-                    needs.append((FORWARD, g, j))
-                    if g < p * v - 1:
-                        needs.append((BACKWARD, g + 1, j))
-                if any(n not in done for n in needs):
-                    break
-                start = max([free[s], *(done[n] for n in needs)])
-                key = (kind, g, j)
-                assert key not in done, f"{key} runs twice"
-                done[key] = free[s] = start + cost(kind, g)
-                position[s] += 1
-                moved = True
-        assert moved, f"deadlock: p={p} v={v} m={m} at {position}"
-    assert set(done) == {(k, g, j) for k in (FORWARD, BACKWARD) for g in range(p * v)
-                         for j in range(m)}  # fmt: skip
-    return max(done.values())
+    """Simulate the whole interleaved pipeline (test_zero_bubble's independent walk of every
+    schedule); the time its last operation ends. Fails on a deadlock."""
+    return run_schedule(Schedule.INTERLEAVED_1F1B, p, m, cost, chunks=v)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])

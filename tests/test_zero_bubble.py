@@ -36,11 +36,12 @@ from hethub.spec.schedules import (
 ZERO_BUBBLE = (Schedule.ZB_H1, Schedule.ZBV)
 
 
-def run_pipeline(schedule: Schedule, p: int, m: int, cost) -> float:
+def run_pipeline(schedule: Schedule, p: int, m: int, cost, chunks: int | None = None) -> float:
     """Simulate the whole pipeline, ``cost(kind, model chunk)`` each operation (1F1B's backward
-    is its B and W together); the time its last operation ends. Fails on a deadlock, an
-    operation run twice or left out."""
-    v = chunks_per_stage(schedule) or 1
+    is its B and W together), ``chunks`` a stage where the schedule does not fix them
+    (interleaved 1F1B); the time its last operation ends. Fails on a deadlock, an operation run
+    twice or left out."""
+    v = chunks_per_stage(schedule) or chunks or 1
     sequences = [chunk_sequence(schedule, s, p, v, m) for s in range(p)]
     done: dict[tuple[int, int, int], float] = {}  # (kind, model chunk, micro-batch) -> end
     position, free = [0] * p, [0.0] * p
