@@ -20,6 +20,13 @@ from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_plan
 from hethub.spec.topology import build_topology
 
+
+def overlapped(name: str, **fields) -> tuple[str, dict]:
+    """test_engine's plan ``name`` with ``fields`` set: the same layout, its syncs overlapped."""
+    model, plan = PLANS[name]
+    return model, {**plan, **fields}
+
+
 OVERLAPPED_PLANS = {
     "cross-layout sync overlapped, two vendors, tp 2, tied head": (
         "tiny-gpt",
@@ -43,33 +50,13 @@ OVERLAPPED_PLANS = {
             ],
         },
     ),
-    "cross-layout sync overlapped, an interleaved replica beside a plain one": (
-        "tiny-llama",
-        {
-            "global_batch": 5,
-            "schedule": "interleaved-1f1b",
-            "overlap_grad_sync": True,
-            "pipelines": [
-                {
-                    "count": 1,
-                    "micro_batches": 3,
-                    "virtual_stages": 3,
-                    "stages": [stage("nv", 1, [1, 2, 1]), stage("amd", 1, [2, 1, 1])],
-                },
-                {"count": 1, "micro_batches": 2, "stages": [stage("nv", 1, 3), stage("amd", 1, 5)]},
-            ],
-        },
+    "cross-layout sync overlapped, an interleaved replica beside a plain one": overlapped(
+        "an interleaved replica and a plain one", overlap_grad_sync=True
     ),
-    "sharded, param gather overlapped, tp 2, two replicas": (
-        "tiny-llama",
-        {
-            "global_batch": 4,
-            "shard_optimizer": True,
-            "overlap_param_gather": True,
-            "pipelines": [
-                {"count": 2, "micro_batches": 2, "stages": [stage("nv", 2, 5), stage("amd", 1, 3)]}
-            ],
-        },
+    "sharded, param gather overlapped, tp 2, two replicas": overlapped(
+        "sharded optimizer, overlapped sync, tp 2, two replicas",
+        overlap_grad_sync=False,
+        overlap_param_gather=True,
     ),
 }
 PLANS.update(OVERLAPPED_PLANS)
