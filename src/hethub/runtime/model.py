@@ -381,7 +381,7 @@ class Stage(nn.Module):
             )
             # gpt ties the head to the embedding: on a stage without the embedding it keeps a copy,
             # whose gradient the runtime adds to the embedding's.
-            if not (gpt and is_first):
+            if not (spec.tied_head and is_first):
                 self.head = nn.Parameter(torch.empty(spec.vocab // tp_size(group), spec.hidden))
 
     @property

@@ -225,7 +225,7 @@ def parameter_table(spec: ModelSpec) -> Mapping[str, Parameter]:
 def holds_tied_copy(spec: ModelSpec, *, is_first: bool, is_last: bool) -> bool:
     """A stage keeps its own copy of ``embed.weight`` as its tied output projection: GPT's last
     stage without the embedding (its gradient is summed with the embedding's)."""
-    return is_last and not is_first and spec.arch == "gpt"
+    return is_last and not is_first and spec.tied_head
 
 
 def stage_parameters(
@@ -273,7 +273,7 @@ def parameter_counts(spec: ModelSpec) -> ParameterCounts:
         embedding=size(_embedding(spec)),
         layer=size(_layer(spec, 0)),
         head=size(_head(spec)),
-        tied_copy=embed if spec.arch == "gpt" else 0,
+        tied_copy=embed if spec.tied_head else 0,
     )
 
 
