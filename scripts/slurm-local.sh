@@ -4,11 +4,16 @@
 # ports), all as root, in a folder of their own. It runs the command given (with SLURM_CONF set,
 # so sbatch, squeue and scancel reach this Slurm), then stops every process it started by its
 # PID. Needs root and Debian's slurm-wlm and munge (apt-get install -y slurm-wlm munge).
+# tests/test_slurm.py runs hethub's Slurm job on it; by hand:
 #
 #   scripts/slurm-local.sh bash -c 'sbatch --wait job.sbatch'
+#
+# The daemons listen on SLURM_LOCAL_PORT (default 16817) and the two ports above it.
 set -euo pipefail
 [ "$#" -gt 0 ] || { echo "usage: $0 COMMAND [ARG...]" >&2; exit 2; }
-HERE=$(mktemp -d /tmp/slurm-local.XXXXXX)
+PORT=${SLURM_LOCAL_PORT:-16817}
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons, for a PATH without them
+HERE=$(mktemp -d "${TMPDIR:-/tmp}/slurm-local.XXXXXX")
 PIDS=()
 stop() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -27,7 +32,7 @@ PIDS+=($!)
 cat > "$HERE/slurm.conf" <<CONF
 ClusterName=hethub-local
 SlurmctldHost=$(hostname)(127.0.0.1)
-SlurmctldPort=16817
+SlurmctldPort=$PORT
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket=$HERE/munge.sock
@@ -39,6 +44,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# Only the backfill scheduler starts a heterogeneous job: every second, not every 30 s.
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 ReturnToService=2
 StateSaveLocation=$HERE/state
@@ -47,8 +54,8 @@ SlurmctldPidFile=$HERE/slurmctld.pid
 SlurmdPidFile=$HERE/slurmd-%n.pid
 SlurmctldLogFile=$HERE/slurmctld.log
 SlurmdLogFile=$HERE/slurmd-%n.log
-NodeName=n0 NodeAddr=127.0.0.1 Port=17001 CPUs=1 State=UNKNOWN
-NodeName=n1 NodeAddr=127.0.0.1 Port=17002 CPUs=1 State=UNKNOWN
+NodeName=n0 NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=1 State=UNKNOWN
+NodeName=n1 NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=1 State=UNKNOWN
 PartitionName=local Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF="$HERE/slurm.conf"
@@ -61,9 +68,12 @@ for node in n0 n1; do
   PIDS+=($!)
 done
 # Both nodes idle, or give up after 30 s
+idle=0
 for _ in $(seq 60); do
-  [ "$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)" = 2 ] && break
+  idle=$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)
+  [ "$idle" = 2 ] && break
   sleep 0.5
 done
 sinfo -N >&2
+[ "$idle" = 2 ] || { echo "slurm-local: nodes n0 and n1 not idle after 30 s; see $HERE" >&2; exit 1; }
 "$@"
