@@ -283,7 +283,9 @@ def test_the_per_host_scripts_stopped_and_started_again_train_the_single_node_lo
     for agent in started:
         os.kill(agent.pid, signal.SIGTERM)  # bash exec'd the agent: this is torchrun
     stopped = finished(started)
-    assert all(code != 0 for code, _ in stopped), stopped
+    for code, said in stopped:  # one line from each agent, not torchrun's traceback
+        assert code == 128 + signal.SIGTERM and "Traceback" not in said, said
+        assert "hethub agent: stopped by SIGTERM" in said, said
     done = json.loads((checkpoints.parent / "metrics.jsonl").read_text().splitlines()[-1])
     assert done["step"] < 4  # stopped before the end: the second start has steps to run
     del store
@@ -295,3 +297,15 @@ def test_the_per_host_scripts_stopped_and_started_again_train_the_single_node_lo
     reference = [json.loads(line) for line in (tmp_path / "runs/one/metrics.jsonl").open()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["loss"] for m in metrics] == [r["loss"] for r in reference]
+
+
+@pytest.mark.slow
+def test_a_node_agent_whose_worker_fails_says_so_in_one_line():
+    """The node agent's failure, after its restarts: which worker and how, and no traceback."""
+    agent = subprocess.run(
+        [sys.executable, "-m", "hethub.launchers.node_agent", "--standalone",
+         "--nproc-per-node=1", "--max-restarts=0", "--no-python", "false"],
+        env=environment(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert agent.returncode == 1 and "Traceback" not in agent.stderr, agent.stderr
+    assert "hethub agent: this node's worker 0 exited with status 1" in agent.stderr

@@ -208,6 +208,8 @@ def test_a_job_cancelled_and_submitted_again_resumes_bit_for_bit(slurm, folder, 
     slurm.run("scancel", "--signal=TERM", str(job))
     stopped = slurm.wait_until_ended(job)
     assert all(c["JobState"] != "COMPLETED" for c in stopped), job_output(script, job)
+    said = job_output(script, job)  # each node's agent says its stop in one line, no traceback
+    assert said.count("hethub agent: stopped by SIGTERM") == 2 and "Traceback" not in said, said
     assert metrics(script.parent / "run")[-1]["step"] < STEPS  # stopped with steps to run
 
     again = slurm.submit(script)  # the same script: it finds the run and resumes it

@@ -93,13 +93,14 @@ def start_lines(launch: Launch) -> str:
 def agent_command(
     launch: Launch, *, processes: str, this_node: str, endpoint: str, rdzv_id: str, start: str
 ) -> str:
-    """The agent's command line: torchrun's launcher with `hethub train` as its workers.
+    """The agent's command line: torchrun's launcher, through node_agent (which says a stop
+    by a signal or a failure in one line), with `hethub train` as its workers.
     ``processes`` (the node's plan ranks), ``this_node``, ``endpoint``, ``rdzv_id`` and ``start``
     (`hethub train`'s start flags) are shell words, expanded where the agent starts."""
     return " ".join(
         [
             shlex.quote(launch.python),
-            "-m torch.distributed.run",
+            "-m hethub.launchers.node_agent",
             f"--nnodes={len(launch.nodes)}",
             f"--nproc-per-node={processes}",
             "--rdzv-backend=c10d",
