@@ -1,6 +1,7 @@
 """`hethub launch`: write what starts a plan on a cluster of unlike nodes: a Slurm heterogeneous
-job (one component per group) and one script per node for a cluster without a scheduler. The
-plan is the plan file, or what `hethub train` would plan (hethub.jobs.prepare)."""
+job (one component per group), a Kubernetes JobSet (one replicated job per group) and one script
+per node for a cluster without a scheduler. The plan is the plan file, or what `hethub train`
+would plan (hethub.jobs.prepare)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from hethub.cli.agent import DEFAULT_MAX_RESTARTS
 from hethub.cli.args import add_job_arguments, non_negative_int, positive_int
 from hethub.errors import HethubError
 from hethub.jobs import prepare
-from hethub.jobs.prepare import builtin_cluster, write_plan
-from hethub.launchers import Launch, agent_nodes, host_scripts, slurm_script
+from hethub.jobs.prepare import builtin_cluster, plan_files, write_plan
+from hethub.launchers import Launch, agent_nodes, host_scripts, jobset_manifest, slurm_script
+from hethub.launchers.jobset import FILES_MOUNT, JobSetJob
 from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
 from hethub.runtime.rundir import RunDir
-from hethub.spec.cluster import ClusterSpec, SlurmSettings
+from hethub.spec.cluster import ClusterSpec, KubernetesSettings, SlurmSettings
 from hethub.spec.topology import build_topology
 
 DEFAULT_PORT = 29500
@@ -27,14 +29,17 @@ TRAIN_FLAGS = ("steps", "seed", "lr", "checkpoint_every", "keep_checkpoints", "t
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "launch",
-        help="write a Slurm heterogeneous job, or per-host scripts, that train a plan",
+        help="write a Slurm heterogeneous job, a Kubernetes JobSet, or per-host scripts, that "
+        "train a plan",
         description="slurm: write OUT/job.sbatch, a Slurm heterogeneous job with one component "
-        "per group. hosts: write OUT/GROUP-INDEX.sh, one script per node, for a cluster without "
-        "a scheduler. Either way each node runs one torchrun agent, whose workers are "
+        "per group. jobset: write OUT/jobset.yaml, a Kubernetes JobSet with one replicated job "
+        "per group, and the ConfigMap of the cluster and plan files. hosts: write "
+        "OUT/GROUP-INDEX.sh, one script per node, for a cluster without a scheduler. Each way "
+        "each node runs one torchrun agent, whose workers are "
         "`hethub train --this-node GROUP:INDEX`; the plan is --plan, or the one hethub train "
         "would make (written to OUT/plan.yaml).",
     )
-    parser.add_argument("form", choices=("slurm", "hosts"), help="what to write")
+    parser.add_argument("form", choices=("slurm", "jobset", "hosts"), help="what to write")
     add_job_arguments(parser)
     parser.add_argument("--out", default="launch", help="folder to write into (default launch)")
     parser.add_argument(
@@ -77,18 +82,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="SIGTERM this long before the time limit: the workers checkpoint and stop "
         f"(default {DEFAULT_SIGNAL_S})",
     )
+    parser.add_argument(
+        "--image", help="jobset: container image of the groups whose kubernetes: lacks one"
+    )
+    parser.add_argument(
+        "--volume-claim",
+        metavar="CLAIM",
+        help="jobset: the PersistentVolumeClaim (ReadWriteMany) that holds the run folder; "
+        "every pod mounts it at --run-dir",
+    )
     parser.set_defaults(run=run, resume=None)
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.run_dir:
         raise HethubError("--run-dir is needed: the run folder, on storage every node sees")
+    if args.form == "jobset":
+        _check_jobset_flags(args)
     job = prepare(args, measure=False, write=False, local_launch=False)
+    cluster_file = Path(args.cluster).resolve() if args.cluster else builtin_cluster()
+    plan_file = Path(args.plan or Path(args.out) / "plan.yaml").resolve()
+    # A JobSet's pods read both files from its ConfigMap, and the run folder where the claim is
+    # mounted; the other forms name the paths every node shares.
+    in_pods = args.form == "jobset"
     launch = Launch(
         name=f"hethub-{Path(args.run_dir).name}",
-        cluster_file=str(Path(args.cluster).resolve() if args.cluster else builtin_cluster()),
-        plan_file=str(Path(args.plan or Path(args.out) / "plan.yaml").resolve()),
-        run_dir=str(Path(args.run_dir).resolve()),
+        cluster_file=f"{FILES_MOUNT}/cluster.yaml" if in_pods else str(cluster_file),
+        plan_file=f"{FILES_MOUNT}/plan.yaml" if in_pods else str(plan_file),
+        run_dir=args.run_dir if in_pods else str(Path(args.run_dir).resolve()),
         train_flags=_train_flags(args),
         python=args.python,
         port=args.port,
@@ -97,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.form == "slurm":
         files = {"job.sbatch": _slurm(args, launch, job.cluster)}
+    elif args.form == "jobset":
+        # the plan as parsed, with its model's file where it is no preset (as a run folder's)
+        carried = {"cluster.yaml": cluster_file.read_text(), **plan_files(job.plan, job.model)}
+        files = {"jobset.yaml": _jobset(args, launch, job.cluster, carried)}
     else:
         files = host_scripts(launch, f"{_rendezvous_host(args, job.cluster, launch)}:{args.port}")
     out = Path(args.out)  # written once every check has passed
@@ -109,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     written = ", ".join(str(out / name) for name in files)
     if args.form == "slurm":
         print(f"wrote {written}; submit it with: sbatch {out / 'job.sbatch'}")
+    elif args.form == "jobset":
+        print(f"wrote {written}; apply it with: kubectl apply -f {out / 'jobset.yaml'}")
     else:
         print(f"wrote {written}; run each on its node (bash FILE)")
     return 0
@@ -123,6 +150,30 @@ def _slurm(args: argparse.Namespace, launch: Launch, cluster: ClusterSpec) -> st
         cpus_per_node=args.cpus_per_node,
     )
     return slurm_script(launch, cluster, SlurmJob(defaults=defaults, signal_s=args.signal_seconds))
+
+
+def _check_jobset_flags(args: argparse.Namespace) -> None:
+    if not args.volume_claim:
+        raise HethubError(
+            "jobset: --volume-claim is needed: the claim of ReadWriteMany storage that holds the "
+            "run folder, which every pod mounts at --run-dir"
+        )
+    if not Path(args.run_dir).is_absolute() or not Path(args.run_dir).name:
+        raise HethubError(
+            f"jobset: --run-dir = {args.run_dir!r}: give the absolute path where every pod "
+            "mounts the run's folder of the volume claim (e.g. /runs/llama)"
+        )
+
+
+def _jobset(
+    args: argparse.Namespace, launch: Launch, cluster: ClusterSpec, files: dict[str, str]
+) -> str:
+    job = JobSetJob(
+        defaults=KubernetesSettings(image=args.image),
+        volume_claim=args.volume_claim,
+        grace_s=args.signal_seconds,
+    )
+    return jobset_manifest(launch, cluster, job, files)
 
 
 def _rendezvous_host(args: argparse.Namespace, cluster: ClusterSpec, launch: Launch) -> str:

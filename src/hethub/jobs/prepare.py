@@ -540,12 +540,20 @@ def _plan(
 def write_plan(run: RunDir, plan: Plan, model: ModelSpec) -> None:
     """plan.yaml in a run folder (or `hethub launch`'s), with its model beside it (model.yaml)
     unless it is a preset."""
-    if plan.model.lower() not in preset_names():
-        run.write_text(
-            run.path / "model.yaml", yaml.safe_dump(model_file_fields(model), sort_keys=False)
-        )
-        plan = dataclasses.replace(plan, model="model.yaml")
-    run.write_text(run.plan, plan.to_yaml())
+    for name, text in plan_files(plan, model).items():
+        run.write_text(run.path / name, text)
+
+
+def plan_files(plan: Plan, model: ModelSpec) -> dict[str, str]:
+    """The texts of plan.yaml and, unless its model is a preset, of model.yaml beside it, which
+    the plan then names."""
+    if plan.model.lower() in preset_names():
+        return {"plan.yaml": plan.to_yaml()}
+    model_text = yaml.safe_dump(model_file_fields(model), sort_keys=False)
+    return {
+        "model.yaml": model_text,
+        "plan.yaml": dataclasses.replace(plan, model="model.yaml").to_yaml(),
+    }
 
 
 def _write_prediction(

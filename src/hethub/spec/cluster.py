@@ -28,6 +28,21 @@ class SlurmSettings:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class KubernetesSettings:
+    """A group's ``kubernetes:`` section: its pods in the JobSet that `hethub launch jobset`
+    writes. Each is left to the flags (image) or to the data (device_resource) when None."""
+
+    image: str | None = None
+    """The container image of the group's pods: one with hethub and the torch of this vendor's
+    accelerators (a CUDA, ROCm, CANN or Gaudi build)."""
+    node_selector: tuple[tuple[str, str], ...] = ()
+    """Node labels that pick this kind of node (the pod's nodeSelector), in the file's order."""
+    device_resource: str | None = None
+    """The extended resource a pod asks for, one per device (None: the vendor's device plugin's,
+    hethub/data/device_plugins.yaml)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 @hashed_once()
 class DeviceGroup:
     """Identical nodes of one accelerator kind."""
@@ -51,6 +66,9 @@ class DeviceGroup:
     slurm: SlurmSettings | None = None
     """Where Slurm puts the group's nodes (None: no ``slurm:`` section; `hethub launch` then
     takes its flags)."""
+    kubernetes: KubernetesSettings | None = None
+    """The group's pods on Kubernetes (None: no ``kubernetes:`` section; `hethub launch jobset`
+    then takes its flags)."""
 
     @property
     def link_gb_s(self) -> float:
@@ -116,7 +134,9 @@ _GROUP_FIELDS = (
     "intra_node_gb_s",
     "hosts",
     "slurm",
+    "kubernetes",
 )
+_KUBERNETES_FIELDS = ("image", "node_selector", "device_resource")
 _SLURM_FIELDS = ("partition", "constraint", "account", "time", "cpus_per_node")
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 """Slurm's time limit forms; slurm_time_seconds reads them."""
@@ -146,6 +166,11 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                 ),
                 hosts=_hosts(f, nodes) if f.has("hosts") else None,
                 slurm=_slurm(f.raw("slurm"), source, f.path("slurm")) if f.has("slurm") else None,
+                kubernetes=(
+                    _kubernetes(f.raw("kubernetes"), source, f.path("kubernetes"))
+                    if f.has("kubernetes")
+                    else None
+                ),
             )
         )
     cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
@@ -201,6 +226,32 @@ def _slurm(raw: Any, source: str, prefix: str) -> SlurmSettings:
         slurm_time_seconds(time, f.error("time", time, SLURM_TIME_RULE))
     cpus = f.positive_int("cpus_per_node") if f.has("cpus_per_node") else None
     return SlurmSettings(**texts, time=time, cpus_per_node=cpus)
+
+
+def _kubernetes(raw: Any, source: str, prefix: str) -> KubernetesSettings:
+    """A group's ``kubernetes:`` section: an image, node labels, a resource name, each one word."""
+    f = Fields(raw, source, prefix, allowed=_KUBERNETES_FIELDS)
+    texts = {key: f.string(key) for key in ("image", "device_resource") if f.has(key)}
+    for key, text in texts.items():
+        if any(c.isspace() for c in text):
+            raise f.error(key, text, "must be one word, as Kubernetes takes it (no spaces)")
+    selector: tuple[tuple[str, str], ...] = ()
+    if f.has("node_selector"):
+        labels = f.raw("node_selector")
+        if (
+            not isinstance(labels, dict)
+            or not labels
+            or not all(isinstance(k, str) and k.strip() for k in labels)
+            or not all(isinstance(v, str) for v in labels.values())
+        ):
+            raise f.error(
+                "node_selector",
+                labels,
+                "must be a mapping of node label to value, both strings (quote a number or "
+                'true: "true")',
+            )
+        selector = tuple(labels.items())
+    return KubernetesSettings(**texts, node_selector=selector)
 
 
 SLURM_TIME_RULE = (
