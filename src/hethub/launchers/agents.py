@@ -112,3 +112,27 @@ def agent_command(
             start,
         ]
     )
+
+
+def indexed_agent_command(launch: Launch, group: str, node_index: str, start: str) -> str:
+    """What each node of ``group`` runs where its scheduler gives the node's index in the shell
+    variable ``node_index`` (Slurm's SLURM_NODEID, an Indexed Job's JOB_COMPLETION_INDEX): its
+    agent, exec'd, after the array of the nodes' process counts where the plan fills the group's
+    nodes unevenly, from which each node reads its own."""
+    counts = [node.processes for node in launch.group_nodes(group)]
+    prefix, processes = "", str(counts[0])
+    if len(set(counts)) > 1:
+        prefix = f"processes=({' '.join(map(str, counts))}); "
+        processes = f'"${{processes[${node_index}]}}"'
+    return (
+        prefix
+        + "exec "
+        + agent_command(
+            launch,
+            processes=processes,
+            this_node=shlex.quote(f"{group}:") + f'"${node_index}"',
+            endpoint='"$RDZV_ENDPOINT"',
+            rdzv_id='"$RDZV_ID"',
+            start=start,
+        )
+    )

@@ -7,7 +7,6 @@ group -> component, node -> task, SLURM_NODEID -> JOB_COMPLETION_INDEX."""
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import PurePosixPath
@@ -15,7 +14,7 @@ from pathlib import PurePosixPath
 import yaml
 
 from hethub.errors import HethubError
-from hethub.launchers.agents import Launch, agent_command, start_lines
+from hethub.launchers.agents import Launch, indexed_agent_command, start_lines
 from hethub.spec.cluster import ClusterSpec, DeviceGroup, KubernetesSettings
 from hethub.spec.fields import parse_yaml
 
@@ -126,20 +125,8 @@ def _replicated_job(
             "of the cluster file, or --image (one with hethub and this vendor's torch build)"
         )
     run_name = PurePosixPath(launch.run_dir).name
-    counts = [node.processes for node in nodes]
-    prefix, processes = "", str(counts[0])
-    if len(set(counts)) > 1:  # a group's nodes filled unevenly: each pod reads its own count
-        prefix = f"processes=({' '.join(map(str, counts))})\n"
-        processes = '"${processes[$JOB_COMPLETION_INDEX]}"'
-    command = agent_command(
-        launch,
-        processes=processes,
-        this_node=shlex.quote(f"{group.name}:") + '"$JOB_COMPLETION_INDEX"',
-        endpoint='"$RDZV_ENDPOINT"',
-        rdzv_id='"$RDZV_ID"',
-        start='"${START[@]}"',
-    )
-    script = f"set -euo pipefail\n{start_lines(launch)}\n{prefix}exec {command}\n"
+    command = indexed_agent_command(launch, group.name, "JOB_COMPLETION_INDEX", '"${START[@]}"')
+    script = f"set -euo pipefail\n{start_lines(launch)}\n{command}\n"
     container = {
         "name": "agent",
         "image": image,

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from hethub.errors import HethubError
-from hethub.launchers.agents import AgentNode, Launch, agent_command, start_lines
+from hethub.launchers.agents import Launch, indexed_agent_command, start_lines
 from hethub.spec.cluster import (
     SLURM_TIME_RULE,
     ClusterSpec,
@@ -75,7 +75,7 @@ def slurm_script(launch: Launch, cluster: ClusterSpec, job: SlurmJob) -> str:
         if index:
             headers.append("#SBATCH hetjob")
         headers += _component(launch, group, len(nodes), settings, job.signal_s, index)
-        sruns.append(_srun(launch, index, group_name, nodes))
+        sruns.append(_srun(launch, index, group_name))
     return "\n".join(
         [
             "#!/bin/bash",
@@ -136,28 +136,9 @@ def _component(
     return lines
 
 
-def _srun(launch: Launch, index: int, group: str, nodes: tuple[AgentNode, ...]) -> str:
-    """One component's agents: one task per node, which knows its node from SLURM_NODEID (and
-    from it its processes, where the plan fills the group's nodes unevenly)."""
-    counts = [node.processes for node in nodes]
-    prefix, processes = "", str(counts[0])
-    if len(set(counts)) > 1:
-        prefix, processes = (
-            f"processes=({' '.join(map(str, counts))}); ",
-            '"${processes[$SLURM_NODEID]}"',
-        )
-    command = (
-        prefix
-        + "exec "
-        + agent_command(
-            launch,
-            processes=processes,
-            this_node=shlex.quote(f"{group}:") + '"$SLURM_NODEID"',
-            endpoint='"$RDZV_ENDPOINT"',
-            rdzv_id='"$RDZV_ID"',
-            start='"$@"',
-        )
-    )
+def _srun(launch: Launch, index: int, group: str) -> str:
+    """One component's agents: one task per node, which knows its node from SLURM_NODEID."""
+    command = indexed_agent_command(launch, group, "SLURM_NODEID", start='"$@"')
     return (
         f"srun --het-group={index} --ntasks-per-node=1 bash -c {shlex.quote(command)} "
         f'agent "${{START[@]}}" &\nagents+=($!)'
