@@ -100,6 +100,8 @@ def test_the_job_of_two_node_kinds_has_a_component_per_group(tmp_path):
         'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n1)'
     ) in script
     assert 'export RDZV_ENDPOINT="${RDZV_ADDR:-$RDZV_HOST}:29500"' in script
+    # one rendezvous per start of the job: a requeued job keeps its id, not its count
+    assert 'export RDZV_ID="hethub-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"' in script
     sruns = [line for line in script.splitlines() if line.startswith("srun")]
     assert len(sruns) == 2
     for index, (group, srun) in enumerate(zip(("fast", "slow"), sruns)):
