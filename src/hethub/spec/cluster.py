@@ -213,13 +213,20 @@ def _hosts(f: Fields, nodes: int) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def _words(f: Fields, keys: tuple[str, ...], taker: str) -> dict[str, str]:
+    """The section's fields among ``keys`` that it gives, each a non-empty string that ``taker``
+    (a scheduler) takes as one word, as it is."""
+    texts = {key: f.string(key) for key in keys if f.has(key)}
+    for key, text in texts.items():
+        if any(c.isspace() for c in text):
+            raise f.error(key, text, f"must be one word, as {taker} takes it (no spaces)")
+    return texts
+
+
 def _slurm(raw: Any, source: str, prefix: str) -> SlurmSettings:
     """A group's ``slurm:`` section: strings Slurm takes as they are, a time limit in its form."""
     f = Fields(raw, source, prefix, allowed=_SLURM_FIELDS)
-    texts = {key: f.string(key) for key in ("partition", "constraint", "account") if f.has(key)}
-    for key, text in texts.items():
-        if not text.strip() or any(c.isspace() for c in text):
-            raise f.error(key, text, "must be one word, as Slurm takes it (no spaces)")
+    texts = _words(f, ("partition", "constraint", "account"), "Slurm")
     time = None
     if f.has("time"):
         time = str(f.raw("time"))
@@ -231,10 +238,7 @@ def _slurm(raw: Any, source: str, prefix: str) -> SlurmSettings:
 def _kubernetes(raw: Any, source: str, prefix: str) -> KubernetesSettings:
     """A group's ``kubernetes:`` section: an image, node labels, a resource name, each one word."""
     f = Fields(raw, source, prefix, allowed=_KUBERNETES_FIELDS)
-    texts = {key: f.string(key) for key in ("image", "device_resource") if f.has(key)}
-    for key, text in texts.items():
-        if any(c.isspace() for c in text):
-            raise f.error(key, text, "must be one word, as Kubernetes takes it (no spaces)")
+    texts = _words(f, ("image", "device_resource"), "Kubernetes")
     selector: tuple[tuple[str, str], ...] = ()
     if f.has("node_selector"):
         labels = f.raw("node_selector")
