@@ -17,7 +17,7 @@ from hethub.launchers import Launch, agent_nodes, host_scripts, jobset_manifest,
 from hethub.launchers.jobset import FILES_MOUNT, JobSetJob
 from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
 from hethub.runtime.rundir import RunDir
-from hethub.spec.cluster import ClusterSpec, KubernetesSettings, SlurmSettings
+from hethub.spec.cluster import ClusterSpec, SlurmSettings
 from hethub.spec.topology import build_topology
 
 DEFAULT_PORT = 29500
@@ -168,11 +168,7 @@ def _check_jobset_flags(args: argparse.Namespace) -> None:
 def _jobset(
     args: argparse.Namespace, launch: Launch, cluster: ClusterSpec, files: dict[str, str]
 ) -> str:
-    job = JobSetJob(
-        defaults=KubernetesSettings(image=args.image),
-        volume_claim=args.volume_claim,
-        grace_s=args.signal_seconds,
-    )
+    job = JobSetJob(image=args.image, volume_claim=args.volume_claim, grace_s=args.signal_seconds)
     return jobset_manifest(launch, cluster, job, files)
 
 

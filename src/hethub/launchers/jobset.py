@@ -6,6 +6,7 @@ group -> component, node -> task, SLURM_NODEID -> JOB_COMPLETION_INDEX."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -26,14 +27,16 @@ DNS_LABEL = 63
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobSetJob:
-    """What the flags give every group: an image for those whose kubernetes: section lacks one,
-    the claim that holds the run folder, and the grace time between SIGTERM and SIGKILL."""
+    """What the flags give every group: an image for those whose kubernetes: section lacks one
+    (None: no --image), the claim that holds the run folder, and the grace time between SIGTERM
+    and SIGKILL."""
 
-    defaults: KubernetesSettings
+    image: str | None
     volume_claim: str
     grace_s: int
 
 
+@functools.cache
 def device_plugins() -> dict[str, str]:
     """Each vendor's device plugin resource (hethub/data/device_plugins.yaml)."""
     text = resources.files("hethub.data").joinpath("device_plugins.yaml").read_text()
@@ -118,7 +121,7 @@ def _replicated_job(
 ) -> dict:
     nodes = launch.group_nodes(group.name)
     settings = group.kubernetes or KubernetesSettings()
-    image = settings.image or job.defaults.image
+    image = settings.image or job.image
     if image is None:
         raise HethubError(
             f"group {group.name}: no container image: give 'image' in its kubernetes: section "
