@@ -1,10 +1,14 @@
-"""Fit the predictor's physical parameters (the `calibration:` block of the catalog) to the
-measured A100 iterations of measurements/a100.
+"""Fit the predictor's step-level parameters (the catalog's `calibration:` entries marked
+`fitted`) to the measured A100 iterations of measurements/a100, each inside its bounds.
 
 Usage: python benchmarks/calibrate.py [--iterations N] [--hold NAME=VALUE ...]
 
-``--hold`` keeps a parameter at a value known from the hardware instead of fitting it (a fraction
-that a free fit drives to its bound, 1.0, is compensating for something else).
+Only what no microbenchmark of a device pins down is fitted: the framework's dispatch of an
+operator, a GEMM's fixed tail, a collective's latency and a step's overhead, each within the
+bounds the catalog writes next to its physical reason. A device's GEMM, attention and memory
+efficiency and its kernel launch are its own catalog figures, from microbenchmarks, and are never
+fitted to step times. ``--hold`` keeps a fitted parameter at a value.
+
 Prints the fitted values as YAML to paste into src/hethub/data/catalog.yaml. The objective is the
 mean of the per-file MAPEs, so that the 41 multi-node rows weigh as much as the 1,440 single-node
 ones. Needs SciPy (`pip install scipy`); the predictor itself does not.
@@ -21,12 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vtrain_rows import load_rows, predict_row
+from measured_rows import FITTED_ON, load_rows, predict_row
 
 from hethub.predictor import Calibration, default_calibration
+from hethub.predictor.calibration import Bound, fitted_bounds
 from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
 
-FRACTIONS = {"matmul_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency"}
+
+def clear_caches() -> None:
+    for cached in (layer_cost, embedding_cost, head_cost):
+        cached.cache_clear()
 
 
 def per_file_mape(cal: Calibration, rows) -> dict[str, float]:
@@ -37,46 +45,54 @@ def per_file_mape(cal: Calibration, rows) -> dict[str, float]:
     return {name: 100 * sum(e) / len(e) for name, e in errors.items()}
 
 
-HELD_IN_THE_CATALOG = ("link_efficiency",)
-"""What the catalog's calibration holds instead of fitting (docs/predictor.md says why): a free
-fit drives it to its bound, 1.0 of the NVLink figure, which no collective reaches."""
-
-
 def fit(rows, start: Calibration, held: dict[str, float], iterations: int, say=None) -> Calibration:
-    """Nelder-Mead from ``start`` over every parameter but ``held``, minimising the mean of the
-    per-file MAPEs of ``rows`` (fractions through a logistic, the rest through a log)."""
+    """Nelder-Mead from ``start`` over the catalog's fitted parameters but ``held``, minimising
+    the mean of the per-file MAPEs of ``rows``; each parameter moves inside its bounds (through
+    a logistic between them), never outside."""
     from scipy.optimize import minimize
 
     start = dataclasses.replace(start, **held)
-    names = [f.name for f in dataclasses.fields(Calibration) if f.init and f.name not in held]
+    bounds = {name: b for name, b in fitted_bounds().items() if name not in held}
+    names = list(bounds)
+
+    def inside(value: float, bound: Bound) -> float:
+        span = bound.high - bound.low
+        share = min(max((value - bound.low) / span, 1e-4), 1 - 1e-4)
+        return math.log(share / (1 - share))
 
     def to_cal(x) -> Calibration:
-        values = dict(held)
-        for name, v in zip(names, x):
-            values[name] = 1 / (1 + math.exp(-v)) if name in FRACTIONS else math.exp(v)
+        values = {
+            name: bounds[name].low + (bounds[name].high - bounds[name].low) / (1 + math.exp(-v))
+            for name, v in zip(names, x)
+        }
         return dataclasses.replace(start, **values)
 
     def objective(x) -> float:
-        for cached in (layer_cost, embedding_cost, head_cost):
-            cached.cache_clear()
+        clear_caches()
         mapes = per_file_mape(to_cal(x), rows)
         return sum(mapes.values()) / len(mapes)
 
-    # A fraction fitted to its bound prints as 1 (4 digits): start just inside it.
-    x0 = [
-        math.log(v / (1 - v)) if n in FRACTIONS else math.log(v)
-        for n, v in ((n, getattr(start, n)) for n in names)
-        for v in [min(v, 1 - 1e-4) if n in FRACTIONS else v]
-    ]
+    x0 = [inside(getattr(start, name), bounds[name]) for name in names]
     if say:
         say(f"start: {per_file_mape(start, rows)}")
+    # Each vertex moves one parameter by a unit of its logit (about a fifth of its range from
+    # the middle): scipy's default simplex moves a parameter at its midpoint (logit 0) by 0.00025.
+    simplex = [x0] + [
+        [v + (1.0 if i == j else 0.0) for j, v in enumerate(x0)] for i in range(len(x0))
+    ]
     result = minimize(
         objective,
         x0,
         method="Nelder-Mead",
-        options={"maxiter": iterations, "xatol": 1e-3, "fatol": 1e-3},
+        options={
+            "maxiter": iterations,
+            "xatol": 1e-3,
+            "fatol": 1e-3,
+            "initial_simplex": simplex,
+        },
     )
     fitted = to_cal(result.x)
+    clear_caches()
     if say:
         say(f"fitted: {per_file_mape(fitted, rows)} in {result.nfev} evaluations")
     return fitted
@@ -84,22 +100,28 @@ def fit(rows, start: Calibration, held: dict[str, float], iterations: int, say=N
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=1500)
+    parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument(
         "--hold", action="append", default=[], metavar="NAME=VALUE", help="not fitted"
     )
     args = parser.parse_args()
     held = {name: float(value) for name, value in (h.split("=", 1) for h in args.hold)}
     fitted = fit(
-        load_rows(),
+        load_rows(FITTED_ON),
         default_calibration(),
         held,
         args.iterations,
         say=lambda line: print(line, file=sys.stderr),
     )
+    bounds = fitted_bounds()
     print("calibration:")
     for name in (f.name for f in dataclasses.fields(Calibration) if f.init):
-        print(f"  {name}: {getattr(fitted, name):.4g}{'  (held)' if name in held else ''}")
+        how = (
+            "held"
+            if name in held or name not in bounds
+            else f"fitted in [{bounds[name].low:g}, {bounds[name].high:g}]"
+        )
+        print(f"  {name}: {getattr(fitted, name):.4g}  # {how}")
     return 0
 
 

@@ -190,9 +190,9 @@ def test_a_pricing_told_megatron_prices_its_layer_and_its_activations():
 
 
 def test_the_measured_rows_are_priced_as_megatron_lm_ran_them():
-    rows = load_benchmark("vtrain_rows")
-    assert rows.MEASURED_KERNELS is MEGATRON
-    for row in rows.load_rows()[::400]:
+    rows = load_benchmark("measured_rows")
+    assert {data.kernels for data in rows.ALL} == {MEGATRON}
+    for row in rows.load_rows(rows.ALL)[::300]:
         told = predict(row.plan, row.cluster, row.model, kernels=MEGATRON).iteration_time_s
         own = predict(row.plan, row.cluster, row.model).iteration_time_s
         assert rows.predict_row(row).iteration_time_s == told != own

@@ -14,7 +14,13 @@ CLUSTER = parse_cluster(
     {
         "groups": [
             {"name": "nv", "accelerator": "a100-80gb", "nodes": 2, "devices_per_node": 8},
-            {"name": "amd", "accelerator": "mi250x", "nodes": 2, "devices_per_node": 8},
+            {
+                "name": "amd",
+                "accelerator": "mi250x",
+                "nodes": 2,
+                "devices_per_node": 8,
+                "network_gbps": 400,
+            },
         ]
     },
     "test",
@@ -67,9 +73,9 @@ def test_an_overlapped_param_gather_hides_behind_the_first_forwards_up_to_their_
         (0, 1),
         (1, 0),
     }
-    # The AMD stage's gather (4 replicas of a whole 7B model) outlasts its first forward: only
-    # the rest shows. The NV stages' halves hide whole: behind stage 0's forward, and stage 1's
-    # wait for it.
+    # The AMD stage's gather (4 replicas of a whole 7B model, across its nodes' 400 Gbit/s)
+    # outlasts its first forward: only the rest shows. The NV stages' halves hide whole: behind
+    # stage 0's forward, and stage 1's wait for it.
     (amd,) = [s for s in overlapped.stages if s.pipeline == 1]
     assert amd.param_gather_s > amd.forward_s
     assert shown == {(1, 0): pytest.approx(amd.param_gather_s - amd.forward_s, rel=1e-12)}

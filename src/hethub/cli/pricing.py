@@ -68,10 +68,20 @@ def priced_by(cluster: ClusterSpec, profiles: Profiles | None, missing: int) -> 
             "the analytic model, not calibrated for this machine: it can be several times off; "
             f"measure it with hethub profile --model M and add --profiles {default_profiles_dir()}"
         )
+    unmeasured = sorted(
+        {g.accelerator.name for g in cluster.groups if "gemm" in g.accelerator.efficiency.inherited}
+    )
+    caveat = (
+        f"; {', '.join(unmeasured)} {'has' if len(unmeasured) == 1 else 'have'} no GEMM "
+        f"benchmark of its own: its vendor's default figures (hethub catalog marks them *)"
+        if unmeasured
+        else ""
+    )
     return (
-        "the analytic model, from the catalog's public figures: under 8% mean error on 1,481 "
-        "measured A100 iterations (benchmarks/predictor_accuracy.py); other accelerators are "
-        "not checked against measurements"
+        "the analytic model, at each device's microbenchmarked efficiency (hethub catalog): "
+        "2.3% mean error on Megatron-LM's published A100 table, which it was never fitted on "
+        "(benchmarks/predictor_accuracy.py); other accelerators are not checked against "
+        f"measured steps{caveat}"
     )
 
 

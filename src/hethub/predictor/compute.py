@@ -1,8 +1,11 @@
 """Compute time of one micro-batch through a layer, the embedding and the head, on one device.
 
-GEMMs are priced by FLOPs at a size-dependent efficiency, memory-bound operators (norms, softmax,
-activations, dropout, residual adds) by bytes over memory bandwidth, and the host by a launch
-cost per operator: a piece of work takes the larger of its host time and its device time.
+Each figure is the device's own (spec.accelerator.DeviceEfficiency, from microbenchmarks): a GEMM
+takes its FLOPs at the device's sustained GEMM rate plus its bytes at its streaming memory rate
+(a roofline, so a thin GEMM slows by its bytes per FLOP, not by a fitted ramp), the fused
+attention kernel its FLOPs at the device's flash-attention rate, memory-bound operators (norms,
+softmax, activations, dropout, residual adds) their bytes at the streaming rate, and the host a
+launch per operator: a piece of work takes the larger of its host time and its device time.
 Backward is twice the forward (input and weight gradients); full recomputation repeats the
 forward inside the backward, selective recomputation the attention's inner part (spec.layer_ops).
 """
@@ -20,6 +23,7 @@ from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.layer_ops import ALL_REDUCE, Kernels, Op, OpKind, collective_bytes, layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 
 
@@ -54,24 +58,42 @@ class WorkCost:
 
 def gemm_time(
     flops: float,
-    narrowest: int,
+    bytes_moved: float,
     accelerator: AcceleratorSpec,
     cal: Calibration,
     precision: Precision,
 ) -> float:
-    """One GEMM whose smallest dimension is ``narrowest``.
-
-    Its efficiency rises with its narrowest dimension (thin GEMMs, like attention's per-head
-    products over 64 or 128 channels, cannot fill the tensor cores): eff = max * d / (d + d_half);
-    and every GEMM pays a fixed ramp (tile waves, launch on the device), so small ones run slow.
-    """
-    efficiency = cal.matmul_efficiency * narrowest / (narrowest + cal.matmul_half_dim)
+    """One GEMM of ``flops`` that reads and writes ``bytes_moved``: its FLOPs at the device's
+    sustained GEMM rate, its bytes at its streaming memory rate (a thin GEMM, like attention's
+    per-head products over 64 or 128 channels, moves many bytes a FLOP and runs far below the
+    GEMM rate: it reaches half of it where its bytes take as long as its FLOPs), and a fixed
+    tail (its start and last partial wave of tiles)."""
     peak = peak_tflops(accelerator, precision)
-    return flops / (peak * 1e12 * efficiency) + cal.matmul_ramp_us * 1e-6
+    compute = flops / (peak * 1e12 * accelerator.efficiency.gemm_sustained)
+    return compute + memory_time(bytes_moved, accelerator) + cal.matmul_ramp_us * 1e-6
 
 
-def memory_time(bytes_moved: float, accelerator: AcceleratorSpec, cal: Calibration) -> float:
-    return bytes_moved / (accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency)
+def attention_time(
+    flops: float, bytes_moved: float, accelerator: AcceleratorSpec, precision: Precision
+) -> float:
+    """The fused attention kernel (flash attention): its FLOPs at the device's measured
+    flash-attention rate, which is well below its GEMM rate (softmax between the two products,
+    the causal mask's partial tiles), and the q, k, v and output it moves."""
+    peak = peak_tflops(accelerator, precision)
+    compute = flops / (
+        peak * 1e12 * accelerator.efficiency.attention * accelerator.efficiency.sustained
+    )
+    return compute + memory_time(bytes_moved, accelerator)
+
+
+def memory_time(bytes_moved: float, accelerator: AcceleratorSpec) -> float:
+    """A memory-bound operator's bytes at the device's streaming rate."""
+    return bytes_moved / (accelerator.memory_bw_gb_s * 1e9 * accelerator.efficiency.memory)
+
+
+def launch_time(operators: int, accelerator: AcceleratorSpec, cal: Calibration) -> float:
+    """The host's time to dispatch and launch ``operators`` operators on the device."""
+    return operators * (cal.dispatch_us + accelerator.efficiency.launch_us) * 1e-6
 
 
 def kernels_of(accelerator: AcceleratorSpec) -> Kernels:
@@ -104,12 +126,14 @@ def pass_time(
     device = 0.0
     for op in ops:
         if op.kind is OpKind.MEMORY:
-            device += memory_time(op.bytes_moved, accelerator, cal)
+            device += memory_time(op.bytes_moved, accelerator)
         elif op.kind is OpKind.COLLECTIVE:
             device += collective_s(op)
+        elif op.kind is OpKind.ATTENTION:
+            device += attention_time(op.flops, op.bytes_moved, accelerator, precision)
         else:
-            device += gemm_time(op.flops, op.narrowest, accelerator, cal, precision)
-    return max(len(ops) * cal.launch_us * 1e-6, device)
+            device += gemm_time(op.flops, op.bytes_moved, accelerator, cal, precision)
+    return max(launch_time(len(ops), accelerator, cal), device)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -146,11 +170,54 @@ def layer_cost(
         collective_s = functools.partial(_same_seconds, tp_allreduce_s)
     else:
         collective_s = functools.partial(tp_collective_time, tp=tp, group=tp_group, cal=cal)
+    # The backward's weight gradients join the step's gradients at each micro-batch: bytes of
+    # the trainer's, not of the layer's own operations (spec.layer_ops holds those to the
+    # layer's trace).
+    accumulate = memory_time(
+        parameter_counts(model).layer / tp * accumulation_bytes(kernels, precision), accelerator
+    )
     return WorkCost(
         pass_time(ops.forward, accelerator, cal, precision, collective_s),
-        pass_time(ops.backward, accelerator, cal, precision, collective_s),
+        pass_time(ops.backward, accelerator, cal, precision, collective_s) + accumulate,
         sum(op.flops for op in ops.forward),
     )
+
+
+def accumulation_bytes(kernels: Kernels, precision: Precision) -> int:
+    """Bytes per parameter a micro-batch's weight gradients move to join the step's: hethub's
+    runtime adds them into the fp32 main gradients (one foreach operation a chunk:
+    Precision.grad_accumulation_bytes); Megatron-LM's 16-bit runs of 2021 let autograd add
+    them in place into the 16-bit gradient (read both, write one)."""
+    if kernels is Kernels.MEGATRON_LM:
+        return 3 * 2
+    return precision.grad_accumulation_bytes
+
+
+def grad_sync_bytes(kernels: Kernels, precision: Precision) -> int:
+    """Bytes per parameter of the gradients the data-parallel sync sums: hethub's fp32 main
+    gradients (Precision.main_grad_bytes), or Megatron-LM's 16-bit ones for its fp16 runs (its
+    gradient buffer is in the 16-bit dtype unless told to accumulate in fp32, which only its bf16
+    runs are)."""
+    if kernels is Kernels.MEGATRON_LM:
+        return 2
+    return precision.main_grad_bytes
+
+
+MEGATRON_FP16_OPTIMIZER_BYTES = 2 + 4 + 2 * 4 + 4 + 4 * 4 + 3 * 4 + 4 + 2
+"""Bytes per parameter Megatron-LM's fp16 optimizer of 2021 moves in a step: the 16-bit
+gradient copied into the fp32 main gradient (2 + 4), unscaled with its inf/nan check (4 + 4),
+the gradient norm for clipping (4), Adam reading the main gradient, the fp32 weight and both
+moments (16) and writing the three (12), and the fp32 weight copied back to the 16-bit one
+(4 + 2): 52."""
+
+
+def optimizer_bytes(kernels: Kernels, precision: Precision) -> int:
+    """Bytes per parameter an optimizer step moves: hethub's fused AdamW on the main gradients
+    (Precision.optimizer_bytes_moved; no clipping), or Megatron-LM's fp16 optimizer with its
+    loss-scale check and gradient-norm clipping for its runs (MEGATRON_FP16_OPTIMIZER_BYTES)."""
+    if kernels is Kernels.MEGATRON_LM:
+        return MEGATRON_FP16_OPTIMIZER_BYTES
+    return precision.optimizer_bytes_moved
 
 
 def selective_rerun_share(
@@ -200,8 +267,8 @@ def embedding_cost(
     tokens = micro_batch * model.seq_len
     element = precision.element_bytes
     bytes_moved = 2 * tokens * model.hidden * element * (2 if model.arch == "gpt" else 1)
-    device = memory_time(bytes_moved, accelerator, cal)
-    host = 3 * cal.launch_us * 1e-6
+    device = memory_time(bytes_moved, accelerator)
+    host = launch_time(3, accelerator, cal)
     return WorkCost(max(host, device), max(2 * host, 2 * device), 0.0)
 
 
@@ -220,9 +287,11 @@ def head_cost(
     norm_bytes = 2 * tokens * model.hidden * precision.element_bytes
     # Cross-entropy: cast, max, exp-sum and gradient passes over the fp32 logit shard.
     loss_bytes = 4 * tokens * model.vocab / tp * precision.loss_bytes
-    narrowest = min(tokens, model.hidden, model.vocab // tp)
-    gemm = gemm_time(flops, narrowest, accelerator, cal, precision)
-    device = gemm + memory_time(norm_bytes + loss_bytes, accelerator, cal)
-    host = 10 * cal.launch_us * 1e-6
-    backward = max(2 * host, 2 * gemm + memory_time(2 * norm_bytes + loss_bytes, accelerator, cal))
+    element = precision.element_bytes
+    gemm_bytes = (tokens * model.hidden + model.hidden * model.vocab // tp) * element
+    gemm_bytes += tokens * model.vocab // tp * element  # the logits
+    gemm = gemm_time(flops, gemm_bytes, accelerator, cal, precision)
+    device = gemm + memory_time(norm_bytes + loss_bytes, accelerator)
+    host = launch_time(10, accelerator, cal)
+    backward = max(2 * host, 2 * gemm + memory_time(2 * norm_bytes + loss_bytes, accelerator))
     return WorkCost(max(host, device), backward, flops)

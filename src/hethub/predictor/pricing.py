@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hethub.errors import HethubError
-from hethub.predictor import comm, profiled
+from hethub.predictor import comm, compute, profiled
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.compute import (
     embedding_cost,
@@ -181,7 +181,7 @@ class AnalyticPricing(Pricing):
             shape.layers,
             shape.position,
             peers.replicas,
-            precision,
+            compute.grad_sync_bytes(self.kernels_on(group), precision),
         )
         gather = 0.0
         if peers.sharded:
@@ -195,7 +195,7 @@ class AnalyticPricing(Pricing):
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
             params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
             exchange = comm.ring_allreduce_time(
-                params * precision.main_grad_bytes / peers.fewest,
+                params * compute.grad_sync_bytes(self.kernels_on(group), precision) / peers.fewest,
                 peers.classes,
                 peers.cross_bw,
                 cal,
@@ -211,6 +211,7 @@ class AnalyticPricing(Pricing):
             shape.layers,
             shape.position,
             shape.precision,
+            self.kernels_on(group),
         )
 
     def memory(
@@ -458,15 +459,13 @@ def _analytic_sync_s(
     layers: int,
     position: StagePosition,
     replicas: int,
-    precision: Precision,
+    grad_bytes: int,
 ) -> float:
-    """All-reduce of one rank's fp32 gradients among its stage's ``replicas``, stage-major: a
-    stage's replicas share nodes."""
+    """All-reduce of one rank's gradients, ``grad_bytes`` a parameter, among its stage's
+    ``replicas``, stage-major: a stage's replicas share nodes."""
     params = stage_params(model, layers, position) / tp
     replicas_per_node = max(1, group.devices_per_node // tp)
-    return comm.group_allreduce_time(
-        params * precision.main_grad_bytes, replicas, group, cal, replicas_per_node
-    )
+    return comm.group_allreduce_time(params * grad_bytes, replicas, group, cal, replicas_per_node)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -478,14 +477,16 @@ def _analytic_optimizer_s(
     layers: int,
     position: StagePosition,
     precision: Precision,
+    kernels: Kernels,
 ) -> float:
-    """Adam over one rank's parameters: memory-bound, or its launches where they take longer."""
+    """The optimizer step over one rank's parameters, as the trainer that runs it
+    (compute.optimizer_bytes): memory-bound, or its launches where they take longer."""
     params = stage_params(model, layers, position) / tp
     return max(
-        params
-        * precision.optimizer_bytes_moved
-        / (group.accelerator.memory_bw_gb_s * 1e9 * cal.memory_efficiency),
-        OPTIMIZER_OPS * cal.launch_us * 1e-6,
+        compute.memory_time(
+            params * compute.optimizer_bytes(kernels, precision), group.accelerator
+        ),
+        compute.launch_time(OPTIMIZER_OPS, group.accelerator, cal),
     )
 
 

@@ -13,6 +13,47 @@ from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
 
+EFFICIENCY_FIELDS = ("gemm", "sustained", "attention", "memory", "launch_us")
+"""The figures of a device's `efficiency:` in the catalog, each measured by a microbenchmark."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+@hashed_once()
+class DeviceEfficiency:
+    """How much of its datasheet a device's kernels reach, each figure from a microbenchmark of
+    that device (the catalog names it) or, where none is published, its vendor's default.
+
+    A GEMM's time is its FLOPs at ``gemm`` of the dense peak plus the bytes it moves at
+    ``memory`` of the bandwidth (a roofline: a thin GEMM, whose bytes per FLOP are many, runs
+    far below ``gemm``; the narrow dimension where it reaches half of it follows from the
+    device's FLOPs per byte, not from a fit)."""
+
+    gemm: float
+    """Fraction of the dense peak a large GEMM reaches in a burst: a GEMM benchmark's best shape
+    (MAMF, the maximum achievable matmul FLOP/s, a mean of 100 runs at boost clock) over the
+    datasheet figure."""
+    sustained: float
+    """Fraction of that burst rate a GEMM keeps once the device runs at its power limit, as a
+    training step holds it (MSMF over MAMF: the maximum sustainable matmul FLOP/s, measured at
+    the saturated clock)."""
+    attention: float
+    """Fraction of the dense peak the fused attention kernel (flash attention) reaches, forward
+    and backward together, by its FLOPs."""
+    memory: float
+    """Fraction of the memory bandwidth a streaming kernel (copy, triad) reaches."""
+    launch_us: float
+    """The device runtime's cost to launch one kernel (an empty kernel's time back to back);
+    the framework's dispatch comes on top of it (predictor.Calibration.dispatch_us)."""
+    source: str
+    """Where the figures come from."""
+    inherited: tuple[str, ...] = ()
+    """The figures taken from the vendor's default, for want of a measurement of the device."""
+
+    @property
+    def gemm_sustained(self) -> float:
+        """Fraction of the dense peak a large GEMM sustains through a training step."""
+        return self.gemm * self.sustained
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 @hashed_once()
@@ -41,6 +82,8 @@ class AcceleratorSpec:
     plan on this device is refused)."""
     source: str = ""
     """The public document the figures come from."""
+    efficiency: DeviceEfficiency
+    """How much of those figures its kernels reach (microbenchmarks, or the vendor's default)."""
 
 
 @functools.cache
@@ -88,6 +131,7 @@ _INLINE_FIELDS = (
     "network_gbps",
     "fp32_tflops",
     "source",
+    "efficiency",
 )
 
 
@@ -110,4 +154,26 @@ def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
         network_gbps=f.positive_number("network_gbps", defaults["network_gbps"]),
         fp32_tflops=f.positive_number("fp32_tflops") if f.has("fp32_tflops") else None,
         source=str(f.raw("source", "inline in the cluster file")),
+        efficiency=parse_efficiency(f.raw("efficiency", {}), vendor, source, f.path("efficiency")),
     )
+
+
+def parse_efficiency(value: Any, vendor: str, source: str, field: str) -> DeviceEfficiency:
+    """A device's `efficiency:` mapping; each figure it leaves out is its vendor's default (and
+    is named as inherited, so that `hethub catalog` says which figures were not measured)."""
+    f = Fields(value, source, field, allowed=(*EFFICIENCY_FIELDS, "source"))
+    default = _catalog_data()["vendor_defaults"][vendor]["efficiency"]
+    inherited = tuple(name for name in EFFICIENCY_FIELDS if not f.has(name))
+    figures = {
+        name: (
+            f.positive_number(name, default[name])
+            if name == "launch_us"
+            else f.fraction(name, default[name])
+        )
+        for name in EFFICIENCY_FIELDS
+    }
+    own = str(f.raw("source", "")) if len(inherited) < len(EFFICIENCY_FIELDS) else ""
+    if inherited:
+        said = f"{', '.join(inherited)}: {vendor}'s default ({default['source']})"
+        own = f"{own}; {said}" if own else said
+    return DeviceEfficiency(**figures, source=own, inherited=inherited)

@@ -92,6 +92,14 @@ class Precision(enum.StrEnum):
         return self.main_grad_bytes + 2 * FP32_BYTES + 2 * 2 * FP32_BYTES + copy_back
 
     @property
+    def grad_accumulation_bytes(self) -> int:
+        """Bytes moved per parameter when a backward's gradients join the main gradients: the
+        backward's gradient (the compute dtype) read, the fp32 main gradient read and written
+        (hethub's runtime at each chunk's backward, as Megatron-LM's main_grad at each
+        micro-batch's)."""
+        return self.weight_bytes + 2 * self.main_grad_bytes
+
+    @property
     def loss_bytes(self) -> int:
         """Bytes of one element of the cross-entropy's logits and of the loss (fp32 in either
         precision)."""
