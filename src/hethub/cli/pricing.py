@@ -168,7 +168,10 @@ def describe(
         "",
         f"iteration time       {p.iteration_time_s:.4f} s",
         f"throughput           {p.tokens_per_s:,.0f} tokens/s",
-        f"model TFLOP/s/device {p.model_tflops_per_device:.1f}",
+        (
+            f"model TFLOP/s/device {p.model_tflops_per_device:.1f} (MFU {100 * p.mfu:.1f}% of "
+            f"the plan's mean {p.precision} peak {p.mean_peak_tflops:.4g})"
+        ),
         f"pipeline bubble      {100 * p.bubble_fraction:.1f}%",
         f"peak memory          {p.peak_memory_gb:.1f} GB per device",
         "fits in memory       "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
-from hethub.predictor.compute import layer_gemms, missing_fp32
+from hethub.predictor.compute import layer_gemms, missing_fp32, peak_tflops
 from hethub.predictor.memory import stage_params, stage_position
 from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
 from hethub.predictor.results import Prediction, StagePrediction
@@ -323,7 +323,7 @@ def _assemble_step(
 ) -> Prediction:
     """The step from its priced stages: it ends when the last optimizer step does."""
     plan, cluster, model = step.plan, step.cluster, step.model
-    iteration = busy = span = synced = stepped = 0.0
+    iteration = busy = span = synced = stepped = peak = 0.0
     for stage in priced:
         s, run, start = stage.prediction, runs[stage.prediction.pipeline], stage.sync_start_s
         reduced = start + s.grad_sync_s - s.param_gather_s
@@ -332,6 +332,7 @@ def _assemble_step(
         devices = run.pipeline.count * s.tp
         busy += devices * s.compute_s
         span += devices * run.time_s
+        peak += devices * peak_tflops(cluster.group(s.group).accelerator, plan.precision)
     devices = sum(p.count * p.devices for p in plan.pipelines)
     # Where the pricing has it (a link profile), the runtime's way: it all-reduces the loss over
     # every rank, and only then does any rank step its optimizer.
@@ -348,6 +349,7 @@ def _assemble_step(
         / iteration
         / devices
         / 1e12,
+        mean_peak_tflops=peak / devices,
         peak_memory_gb=max(s.memory.total_gb for s in stages),
         fits=all(s.memory.total_gb <= cluster.group(s.group).accelerator.memory_gb for s in stages),
         devices=devices,

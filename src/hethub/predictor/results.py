@@ -45,6 +45,11 @@ class Prediction:
     iteration_time_s: float
     tokens_per_s: float
     model_tflops_per_device: float
+    """Model FLOPs (Megatron's convention: attention over all seq^2 pairs, no recomputation)
+    a second, per device."""
+    mean_peak_tflops: float
+    """The dense peak TFLOP/s of the plan's devices in its precision, their device-weighted
+    mean: what ``mfu`` divides by."""
     peak_memory_gb: float
     fits: bool
     devices: int
@@ -62,6 +67,12 @@ class Prediction:
     timeline: list[TimelineEvent] | None = field(default=None, compare=False)
     """With predict(..., timeline=True): every simulated operation and communication."""
 
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the model FLOP/s a device achieves over its dense peak in the
+        plan's precision (on a mixed cluster, the device-weighted mean peak)."""
+        return self.model_tflops_per_device / self.mean_peak_tflops
+
     def to_json(self) -> dict:
         """The object ``hethub predict --json`` prints."""
         return {
@@ -73,6 +84,8 @@ class Prediction:
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_device": self.model_tflops_per_device,
+            "mean_peak_tflops": self.mean_peak_tflops,
+            "mfu": self.mfu,
             "peak_memory_gb": self.peak_memory_gb,
             "fits": self.fits,
             "devices": self.devices,
