@@ -42,8 +42,10 @@ def test_the_bound_is_at_least_the_plans_own_split(monkeypatch):
     assert shares is not None and sum(shares.values()) == 8  # every replica in one group
     expected = _alone_sum(cluster, model, shares)
     assert upper_bound(result).tokens_per_s >= expected * (1 - 1e-12)
-    # With no climb at all, the bound is that split, each term the search's own.
+    # With no climb at all (and no planning of every share), the bound is that split, each
+    # term the search's own.
     monkeypatch.setattr(bound_module, "MAX_ROUNDS", 0)
+    monkeypatch.setattr(bound_module, "EVERY_SHARE", 0)
     bound = upper_bound(result)
     assert {name: g.global_batch for name, g in bound.groups.items()} == shares
     assert bound.tokens_per_s == expected

@@ -28,8 +28,9 @@ already planned (or after MAX_ROUNDS). Where each replica of the search's best p
 group, the split that plan makes is planned too and weighed with the climb's (a split the bound's
 maximum must be at least). The bound is the best split the search itself planned:
 each term is the planner's best for that group alone at that share. It is the maximum over the
-splits the climb weighs, and exactly the maximum on the small clusters the tests enumerate; the
-stand-in can miss a better split where a group's best plan at it is unlike every recipe.
+splits the climb weighs; the stand-in can miss a better split where a group's best plan at it is
+unlike every recipe. Where the groups' shares are few (EVERY_SHARE), each group is planned alone
+at every share instead, and the bound is exactly the maximum.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ from hethub.planner.search import (
 from hethub.spec.plan import Plan
 
 MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
+EVERY_SHARE = 32
+"""Up to this many (group, share) pairs, every group is planned alone at every share and the
+best split is exact; above it, the climb."""
 RECIPES_PER_SEARCH = 2  # of each search of a group alone, the best distinct plans kept as recipes
 
 
@@ -110,7 +114,19 @@ def upper_bound(result: SearchResult) -> UpperBound:
     best_split, best_sum = {}, -1.0
     if own:
         best_split, best_sum = own, sum(stand_in.value(name, n) for name, n in own.items())
-    for _ in range(MAX_ROUNDS):
+    if total * len(names) <= EVERY_SHARE:
+        # Few shares: plan each group alone at every one and take the exact best split. A
+        # group's throughput dips where a share does not divide into its replicas or
+        # micro-batches, and a recipe made concrete at a dip can underrate the group's best
+        # there, which the climb reads.
+        for name in names:
+            for n in range(1, total + 1):
+                stand_in.plan(name, n)
+        shares = _best_split(total, names, stand_in.value)
+        planned = sum(stand_in.value(name, n) for name, n in shares.items())
+        if planned > best_sum:
+            best_split, best_sum = shares, planned
+    for _ in range(MAX_ROUNDS if total * len(names) > EVERY_SHARE else 0):
         shares = _climb(total, whole, stand_in.value)
         new = [(name, n) for name, n in shares.items() if n and (name, n) not in stand_in.planned]
         for name, n in new:
@@ -289,6 +305,21 @@ def _best_in_window(
     worth, chosen = best[0]
     keep = sum(value(name, n) for name, n in shares.items())
     return chosen if worth > keep * (1 + 1e-12) else shares
+
+
+def _best_split(total: int, names: list[str], value: Callable[[str, int], float]) -> dict[str, int]:
+    """The split of ``total`` among ``names`` with the highest sum of ``value``: a knapsack over
+    the groups, exact."""
+    best: dict[int, tuple[float, dict[str, int]]] = {0: (0.0, {})}
+    for name in names:
+        grown: dict[int, tuple[float, dict[str, int]]] = {}
+        for used, (worth, chosen) in best.items():
+            for n in range(total - used + 1):
+                candidate = (worth + value(name, n), {**chosen, name: n})
+                if used + n not in grown or candidate[0] > grown[used + n][0]:
+                    grown[used + n] = candidate
+        best = grown
+    return best[total][1]
 
 
 def _lattice_split(total: int, weights: dict[str, float], unit: int) -> dict[str, int]:
