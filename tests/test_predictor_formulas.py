@@ -11,7 +11,7 @@ from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration, fitted_bounds
 from hethub.spec import lookup, parse_cluster, parse_model
 from hethub.spec.accelerator import catalog, parse_accelerator
-from hethub.spec.layer_ops import Kernels, OpKind, layer_ops
+from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, trainer_bytes
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule, in_flight_micro_batches
@@ -218,7 +218,7 @@ def test_megatron_gpt_layer_memory_traffic_by_hand():
 def _accumulate_s(model, kernels, tp=1):
     """A micro-batch's weight gradients joining the step's: bytes the trainer moves a parameter."""
     per_layer = parameter_counts(model).layer / tp
-    return compute.memory_time(per_layer * compute.accumulation_bytes(kernels, BF16), ROUND)
+    return compute.memory_time(per_layer * trainer_bytes(kernels, BF16).accumulation, ROUND)
 
 
 def test_a_layer_told_its_kernels_is_priced_by_them():
@@ -236,8 +236,8 @@ def test_a_layer_told_its_kernels_is_priced_by_them():
     assert (own.forward_s, own.backward_s) == pytest.approx(
         (10e-3, 19e-3 + _accumulate_s(GPT, Kernels.FUSED))
     )
-    assert compute.accumulation_bytes(Kernels.FUSED, BF16) == 2 + 4 + 4
-    assert compute.optimizer_bytes(Kernels.MEGATRON_LM, BF16) > BF16.optimizer_bytes_moved
+    assert dataclasses.astuple(trainer_bytes(Kernels.FUSED, BF16)) == (10, 4, 30)
+    assert dataclasses.astuple(trainer_bytes(Kernels.MEGATRON_LM, BF16)) == (6, 2, 52)
 
 
 def test_layer_takes_the_larger_of_host_and_device_time():

@@ -21,7 +21,15 @@ from hethub.predictor import comm
 from hethub.predictor.calibration import Calibration
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.cluster import DeviceGroup
-from hethub.spec.layer_ops import ALL_REDUCE, Kernels, Op, OpKind, collective_bytes, layer_ops
+from hethub.spec.layer_ops import (
+    ALL_REDUCE,
+    Kernels,
+    Op,
+    OpKind,
+    collective_bytes,
+    layer_ops,
+    trainer_bytes,
+)
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
@@ -174,50 +182,14 @@ def layer_cost(
     # the trainer's, not of the layer's own operations (spec.layer_ops holds those to the
     # layer's trace).
     accumulate = memory_time(
-        parameter_counts(model).layer / tp * accumulation_bytes(kernels, precision), accelerator
+        parameter_counts(model).layer / tp * trainer_bytes(kernels, precision).accumulation,
+        accelerator,
     )
     return WorkCost(
         pass_time(ops.forward, accelerator, cal, precision, collective_s),
         pass_time(ops.backward, accelerator, cal, precision, collective_s) + accumulate,
         sum(op.flops for op in ops.forward),
     )
-
-
-def accumulation_bytes(kernels: Kernels, precision: Precision) -> int:
-    """Bytes per parameter a micro-batch's weight gradients move to join the step's: hethub's
-    runtime adds them into the fp32 main gradients (one foreach operation a chunk:
-    Precision.grad_accumulation_bytes); Megatron-LM's 16-bit runs of 2021 let autograd add
-    them in place into the 16-bit gradient (read both, write one)."""
-    if kernels is Kernels.MEGATRON_LM:
-        return 3 * 2
-    return precision.grad_accumulation_bytes
-
-
-def grad_sync_bytes(kernels: Kernels, precision: Precision) -> int:
-    """Bytes per parameter of the gradients the data-parallel sync sums: hethub's fp32 main
-    gradients (Precision.main_grad_bytes), or Megatron-LM's 16-bit ones for its fp16 runs (its
-    gradient buffer is in the 16-bit dtype unless told to accumulate in fp32, which only its bf16
-    runs are)."""
-    if kernels is Kernels.MEGATRON_LM:
-        return 2
-    return precision.main_grad_bytes
-
-
-MEGATRON_FP16_OPTIMIZER_BYTES = 2 + 4 + 2 * 4 + 4 + 4 * 4 + 3 * 4 + 4 + 2
-"""Bytes per parameter Megatron-LM's fp16 optimizer of 2021 moves in a step: the 16-bit
-gradient copied into the fp32 main gradient (2 + 4), unscaled with its inf/nan check (4 + 4),
-the gradient norm for clipping (4), Adam reading the main gradient, the fp32 weight and both
-moments (16) and writing the three (12), and the fp32 weight copied back to the 16-bit one
-(4 + 2): 52."""
-
-
-def optimizer_bytes(kernels: Kernels, precision: Precision) -> int:
-    """Bytes per parameter an optimizer step moves: hethub's fused AdamW on the main gradients
-    (Precision.optimizer_bytes_moved; no clipping), or Megatron-LM's fp16 optimizer with its
-    loss-scale check and gradient-norm clipping for its runs (MEGATRON_FP16_OPTIMIZER_BYTES)."""
-    if kernels is Kernels.MEGATRON_LM:
-        return MEGATRON_FP16_OPTIMIZER_BYTES
-    return precision.optimizer_bytes_moved
 
 
 def selective_rerun_share(

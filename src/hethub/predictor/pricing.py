@@ -28,7 +28,7 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
-from hethub.spec.layer_ops import Kernels
+from hethub.spec.layer_ops import Kernels, trainer_bytes
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 
@@ -181,7 +181,7 @@ class AnalyticPricing(Pricing):
             shape.layers,
             shape.position,
             peers.replicas,
-            compute.grad_sync_bytes(self.kernels_on(group), precision),
+            trainer_bytes(self.kernels_on(group), precision).grad_sync,
         )
         gather = 0.0
         if peers.sharded:
@@ -195,7 +195,7 @@ class AnalyticPricing(Pricing):
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
             params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
             exchange = comm.ring_allreduce_time(
-                params * compute.grad_sync_bytes(self.kernels_on(group), precision) / peers.fewest,
+                params * trainer_bytes(self.kernels_on(group), precision).grad_sync / peers.fewest,
                 peers.classes,
                 peers.cross_bw,
                 cal,
@@ -480,11 +480,11 @@ def _analytic_optimizer_s(
     kernels: Kernels,
 ) -> float:
     """The optimizer step over one rank's parameters, as the trainer that runs it
-    (compute.optimizer_bytes): memory-bound, or its launches where they take longer."""
+    (spec.layer_ops.trainer_bytes): memory-bound, or its launches where they take longer."""
     params = stage_params(model, layers, position) / tp
     return max(
         compute.memory_time(
-            params * compute.optimizer_bytes(kernels, precision), group.accelerator
+            params * trainer_bytes(kernels, precision).optimizer, group.accelerator
         ),
         compute.launch_time(OPTIMIZER_OPS, group.accelerator, cal),
     )

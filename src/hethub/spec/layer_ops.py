@@ -135,6 +135,43 @@ def collective_bytes(op: Op) -> int:
     return op.written
 
 
+@dataclass(frozen=True, slots=True)
+class TrainerBytes:
+    """What the trainer around a layer moves per parameter (outside the layer's own operations,
+    which its trace holds): each micro-batch's weight gradients joining the step's, the
+    data-parallel sync's gradients, and the optimizer step."""
+
+    accumulation: int
+    grad_sync: int
+    optimizer: int
+
+
+MEGATRON_FP16_OPTIMIZER_BYTES = 2 + 4 + 2 * 4 + 4 + 4 * 4 + 3 * 4 + 4 + 2
+"""Megatron-LM's fp16 optimizer of 2021, a step: the 16-bit gradient copied into the fp32 main
+gradient (2 + 4), unscaled with its inf/nan check (4 + 4), the gradient norm for clipping (4),
+Adam reading the main gradient, the fp32 weight and both moments (16) and writing the three
+(12), and the fp32 weight copied back to the 16-bit one (4 + 2): 52."""
+
+
+def trainer_bytes(kernels: Kernels, precision: Precision) -> TrainerBytes:
+    """Per parameter, what the trainer of ``kernels``' layer moves.
+
+    hethub's runtime (every device's own kernels): each chunk's backward adds its gradients into
+    the fp32 main gradients in one foreach operation (Precision.grad_accumulation_bytes), the
+    sync sums the fp32 main gradients, and its fused AdamW steps without clipping
+    (Precision.optimizer_bytes_moved). Megatron-LM's 16-bit runs of 2021 (Kernels.MEGATRON_LM):
+    autograd adds each micro-batch's fp16 gradients in place (read both, write one: 6), its
+    gradient buffer is fp16, so the sync sums 2 bytes a parameter (only its bf16 runs
+    accumulate in fp32), and its fp16 optimizer moves MEGATRON_FP16_OPTIMIZER_BYTES."""
+    if kernels is Kernels.MEGATRON_LM:
+        return TrainerBytes(3 * 2, 2, MEGATRON_FP16_OPTIMIZER_BYTES)
+    return TrainerBytes(
+        precision.grad_accumulation_bytes,
+        precision.main_grad_bytes,
+        precision.optimizer_bytes_moved,
+    )
+
+
 def op_counts(ops: tuple[Op, ...]) -> collections.Counter[str]:
     """How many operations of each name ``ops`` holds."""
     return collections.Counter(op.name for op in ops)
