@@ -4,6 +4,11 @@ middle and last stages).
 
 Usage: python benchmarks/memory_vs_runtime.py [--model NAME]
 
+The plans run on the model (local-llama unless told), then on two models whose logits matter
+(LOGITS_MODELS, issue 36): a Llama whose vocabulary outweighs the rest of its last stage, and a
+GPT whose tied embedding and head outweigh its layers, each in fp32 (F.cross_entropy's loss at
+TP 1) and bf16 (the vocabulary-parallel loss), on one rank and more.
+
 Each plan runs one step to make the optimizer's state, then a second one counted by
 profiler.live_bytes: every storage alive at its start (weights, masters, moments, gradient
 buffers) and every one an operation makes until it is freed. Two windows, one after the other:
@@ -31,7 +36,7 @@ import torch
 from hethub.predictor import predict
 from hethub.predictor.memory import layers_bytes
 from hethub.runtime.spawn import run_ranks
-from hethub.spec import load_model, parse_cluster, parse_plan
+from hethub.spec import ModelSpec, load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.schedules import in_flight_micro_batches
 
 CLUSTER = {"groups": [{"name": "cpu", "accelerator": "cpu", "devices_per_node": 8}]}
@@ -77,6 +82,39 @@ PLANS = {
     "bf16 tp2 pp2 recompute": ("bf16", "full", 2, 2),
 }
 
+LOGITS_MODELS = {
+    # The last stage's loss is its peak: 256 tokens of 32000 logits (32.8 MB in fp32) against
+    # 4.2M parameters, most of them the embedding and the head.
+    "wide-vocab-llama": {
+        "arch": "llama",
+        "hidden": 64,
+        "layers": 2,
+        "heads": 4,
+        "ffn_hidden": 176,
+        "vocab": 32000,
+        "seq_len": 128,
+    },
+    # One stage holds the tied embedding and head: its backward ends with that weight's
+    # gradient three times over (the head's, the embedding's, their sum; 51.5 MB in fp32).
+    "wide-vocab-gpt": {
+        "arch": "gpt",
+        "hidden": 256,
+        "layers": 2,
+        "heads": 4,
+        "vocab": 50304,  # GPT-2's, padded as Megatron-LM pads it
+        "seq_len": 64,
+    },
+}
+"""Models whose logits and vocabulary-sized tensors outweigh their layers (issue 36)."""
+
+LOGITS_PLANS = {
+    "fp32 pp1": ("fp32", "none", 1, 1),
+    "bf16 pp1": ("bf16", "none", 1, 1),
+    "fp32 pp1 recompute": ("fp32", "full", 1, 1),
+    "fp32 pp2": ("fp32", "none", 1, 2),
+    "fp32 tp2": ("fp32", "none", 2, 1),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Held:
@@ -93,14 +131,16 @@ class Held:
         return max(self.schedule_peak, self.update_peak)
 
 
-def measure_rank(rank: int, world: int, model_name: str, fields: dict) -> Held:
-    """Run by each rank (run_ranks): one step to make the optimizer's state, then one counted."""
+def measure_rank(rank: int, world: int, model: str | ModelSpec, fields: dict) -> Held:
+    """Run by each rank (run_ranks): one step to make the optimizer's state, then one counted.
+    ``model``: a preset's name, or the model itself."""
     from hethub.profiler.live_bytes import LiveBytes
     from hethub.profiler.measure import saved_bytes
     from hethub.runtime.engine import Engine
     from hethub.spec.topology import build_topology
 
-    spec, plan = load_model(model_name), parse_plan({"model": model_name, **fields})
+    spec = load_model(model) if isinstance(model, str) else model
+    plan = parse_plan({"model": spec.name, **fields})
     cluster = parse_cluster(CLUSTER, "benchmark")
     engine = Engine.for_job(plan, build_topology(plan, cluster), spec, cluster, seed=0)
     tokens = torch.randint(0, spec.vocab, (plan.global_batch, spec.seq_len + 1))
@@ -162,26 +202,33 @@ def _row(name: str, plan, model, stage, held: Held, in_flight: float) -> tuple[s
     return f"{name:24} {stage.position:>2} {text} {error:+6.1f}% {rest:+6.1f}%", error
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="local-llama", help="model preset (default local-llama)")
-    args = parser.parse_args()
-    model = load_model(args.model)
-    cluster = parse_cluster(CLUSTER, "benchmark")
+def model_rows(model: ModelSpec, plans: dict, cluster) -> list[float]:
+    """Print ``model``'s table of ``plans``; the absolute error of each stage, percent."""
     errors = []
     print(f"model {model.name}; MB measured/predicted (see the docstring for each term)")
     heads = ("state", "layers", "schedule", "update", "peak")
     print(f"{'plan':24} st " + " ".join(f"{h:^15}" for h in heads) + "  error   rest")
-    for name, (precision, recompute, tp, stages) in PLANS.items():
+    for name, (precision, recompute, tp, stages) in plans.items():
         fields = plan_fields(precision, recompute, tp, stages, model.layers)
         plan = parse_plan({"model": model.name, **fields})
-        held = run_ranks(measure_rank, tp * stages, model.name, fields, timeout_s=300)
+        held = run_ranks(measure_rank, tp * stages, model, fields, timeout_s=300)
         prediction = predict(plan, cluster, model)
         for stage in prediction.stages:
             in_flight = in_flight_micro_batches(plan.schedule, stage.position, stages, 2)
             line, error = _row(name, plan, model, stage, held[stage.position * tp], in_flight)
             errors.append(abs(error))
             print(line)
+    return errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="local-llama", help="model preset (default local-llama)")
+    args = parser.parse_args()
+    cluster = parse_cluster(CLUSTER, "benchmark")
+    errors = model_rows(load_model(args.model), PLANS, cluster)
+    for name, fields in LOGITS_MODELS.items():
+        errors += model_rows(parse_model(fields, "benchmark", name), LOGITS_PLANS, cluster)
     worst = max(errors)
     print(
         f"mean absolute error {statistics.fmean(errors):.1f}%, worst {worst:.1f}% "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from hethub.predictor.stage import StagePosition
 from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
-from hethub.spec.parameters import parameter_table, stage_parameter_count
+from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
 from hethub.spec.schedules import (
     Schedule,
@@ -275,8 +275,10 @@ def loss_bytes(
 class _LastStageMoments:
     """What the last stage holds besides its layers' activations at each moment of a
     micro-batch's backward: through its loss, head and final norm, then through its layers
-    (runtime.tensor_parallel's loss, runtime.model.Stage). The logits (N, V/tp) live through
-    all of them: the pipeline keeps them until its next forward."""
+    (runtime.tensor_parallel's loss, runtime.model.Stage). The logits (N, V/tp) live only as
+    long as the loss keeps them: the pipeline drops them once the loss is made
+    (runtime.pipeline), so F.cross_entropy's (fp32, TP 1) go at once, the vocabulary-parallel
+    loss's with its backward."""
 
     norm_kept: float
     loss: float
@@ -294,15 +296,15 @@ class _LastStageMoments:
         hidden = tokens * model.hidden * element
         norm_kept, norm_backward = _norm_bytes(model, tokens, precision, kernels)
         if tp == 1 and element == FP32_BYTES:
-            # F.cross_entropy: it keeps the fp32 log-softmax; its backward makes the gradient
-            # of the log-probabilities, then that of the logits.
+            # F.cross_entropy: it keeps the fp32 log-softmax, not the logits; its backward
+            # makes the gradient of the log-probabilities, then that of the logits.
             loss = 3 * logits
         else:
-            # _VocabParallelCrossEntropy keeps the logits (the pipeline's) and each row's fp32
-            # log-sum-exp; its backward makes the fp32 softmax, then the gradient in the
-            # logits' dtype (the same tensor in fp32).
+            # _VocabParallelCrossEntropy keeps the logits and each row's fp32 log-sum-exp; its
+            # backward makes the fp32 softmax, then the gradient in the logits' dtype (the same
+            # tensor in fp32).
             softmax = tokens * vocab * FP32_BYTES
-            loss = tokens * FP32_BYTES + softmax + (logits if element != FP32_BYTES else 0)
+            loss = logits + tokens * FP32_BYTES + softmax + (logits if element != FP32_BYTES else 0)
         # The head's backward: the logits' gradient, the head's weight gradient, the final
         # norm's output gradient.
         head = logits + vocab * model.hidden * element + hidden
@@ -314,10 +316,10 @@ class _LastStageMoments:
         head_grad = vocab * model.hidden * element
         return cls(
             norm_kept=norm_kept,
-            loss=norm_kept + logits + loss,
-            head=norm_kept + logits + head,
-            final_norm=logits + norm_input + norm_backward + head_grad,
-            layer=logits + _layer_backward_bytes(model, tp, micro_batch, precision) + head_grad,
+            loss=norm_kept + loss,
+            head=norm_kept + head,
+            final_norm=norm_input + norm_backward + head_grad,
+            layer=_layer_backward_bytes(model, tp, micro_batch, precision) + head_grad,
         )
 
 
@@ -351,14 +353,12 @@ def late_backward_bytes(
     the other micro-batches in flight (each its layers' activations, or under full
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
-    tensors (the outputs sent; on the last stage its logits). ``split``: as layers_bytes'."""
+    tensors (the outputs sent; the last stage sends none, and its loss's tensors are gone by
+    then). ``split``: as layers_bytes'."""
     layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
     one = layers * (layer_input / split if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
-    if position.last:
-        boundary = micro_batch * model.seq_len * model.vocab / tp * precision.element_bytes
-    else:
-        boundary = in_flight * layer_input
+    boundary = 0.0 if position.last else in_flight * layer_input
     # At the first layer's backward peak (its MLP's), the gradients of its attention half and
     # of the first stage's embedding are still to come; the last to come, when the layer's
     # activations are freed, leave its input's gradient beside every other.
@@ -374,7 +374,14 @@ def late_backward_bytes(
         if layers
         else 0.0
     )
-    return others + boundary + max(first_layer, grads + layer_input)
+    end = grads + layer_input
+    if position.first and position.last:
+        # GPT's one weight for the embedding and the head (runtime.model.Stage): the head's
+        # gradient, made first, waits in autograd's buffer while the embedding's backward makes
+        # its own (beside its output's gradient), and the engine then sums the two into a third.
+        tied = parameter_counts(model).tied_copy / tp * precision.weight_bytes
+        end = grads + tied + max(layer_input, tied)
+    return others + boundary + max(first_layer, end)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -54,11 +54,6 @@ class _Step:
     """The V's turn, by micro-batch: the last stage's chunk 0 output, chunk 1's input."""
     turned_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     """The V's turn back: chunk 1's input gradient, chunk 0's output gradient."""
-    last_output: torch.Tensor | None = None
-    """The last forward's output (the logits on the last chunk), held until the next forward
-    has made its own, as the predictor's memory prices the last stage
-    (predictor.memory._LastStageMoments: the pipeline keeps the logits until its next
-    forward)."""
     loss_sum: torch.Tensor | None = None
     """This rank's share of the loss, summed where the losses are."""
 
@@ -153,8 +148,10 @@ class Pipeline:
             x = self._receive(step.shape, True, j, self._returning(c))
         with self.timeline.timed("forward", j, self.stretch):
             out = self._forward(c, x)
-            step.last_output = out  # the one before is dropped now, not after the loss
             if chunk.is_last:
+                # The logits (out) go with this call: the loss keeps what its backward reads
+                # (F.cross_entropy its log-softmax, the vocabulary-parallel loss the logits),
+                # as predictor.memory._LastStageMoments prices it.
                 loss = self.stage.chunks[c].loss(out, micro[j][:, 1:])
                 # one micro-batch in all: the scale is 1, and two operations (forward and
                 # backward) would multiply by it
