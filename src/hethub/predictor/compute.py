@@ -104,6 +104,7 @@ def launch_time(operators: int, accelerator: AcceleratorSpec, cal: Calibration) 
     return operators * (cal.dispatch_us + accelerator.efficiency.launch_us) * 1e-6
 
 
+@functools.cache  # read for every stage of every prediction
 def kernels_of(accelerator: AcceleratorSpec) -> Kernels:
     """The kernels torch runs a layer's norms and attention with on ``accelerator``."""
     return Kernels.of_vendor(accelerator.vendor)
