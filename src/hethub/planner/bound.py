@@ -114,7 +114,8 @@ def upper_bound(result: SearchResult) -> UpperBound:
     best_split, best_sum = {}, -1.0
     if own:
         best_split, best_sum = own, sum(stand_in.value(name, n) for name, n in own.items())
-    if total * len(names) <= EVERY_SHARE:
+    exact = total * len(names) <= EVERY_SHARE
+    if exact:
         # Few shares: plan each group alone at every one and take the exact best split. A
         # group's throughput dips where a share does not divide into its replicas or
         # micro-batches, and a recipe made concrete at a dip can underrate the group's best
@@ -126,7 +127,7 @@ def upper_bound(result: SearchResult) -> UpperBound:
         planned = sum(stand_in.value(name, n) for name, n in shares.items())
         if planned > best_sum:
             best_split, best_sum = shares, planned
-    for _ in range(MAX_ROUNDS if total * len(names) > EVERY_SHARE else 0):
+    for _ in range(0 if exact else MAX_ROUNDS):
         shares = _climb(total, whole, stand_in.value)
         new = [(name, n) for name, n in shares.items() if n and (name, n) not in stand_in.planned]
         for name, n in new:
@@ -287,39 +288,41 @@ def _best_in_window(
 ) -> dict[str, int]:
     """The split of ``total`` with the highest sum of ``value`` among shares ``shares[g] + j *
     step`` (|j| <= WINDOW, the j summing to 0): a knapsack over the groups, exact."""
-    # best[offset] = (sum of value, shares) over the groups so far whose j sum to ``offset``
-    best: dict[int, tuple[float, dict[str, int]]] = {0: (0.0, {})}
-    for name, centre in shares.items():
-        options = [
+    choices = {
+        name: [
             (j, centre + j * step)
             for j in range(-WINDOW, WINDOW + 1)
             if 0 <= centre + j * step <= total
         ]
-        grown: dict[int, tuple[float, dict[str, int]]] = {}
-        for offset, (worth, chosen) in best.items():
-            for j, n in options:
-                candidate = (worth + value(name, n), {**chosen, name: n})
-                if offset + j not in grown or candidate[0] > grown[offset + j][0]:
-                    grown[offset + j] = candidate
-        best = grown
-    worth, chosen = best[0]
+        for name, centre in shares.items()
+    }
+    worth, chosen = _knapsack(choices, value, 0)
     keep = sum(value(name, n) for name, n in shares.items())
     return chosen if worth > keep * (1 + 1e-12) else shares
 
 
 def _best_split(total: int, names: list[str], value: Callable[[str, int], float]) -> dict[str, int]:
-    """The split of ``total`` among ``names`` with the highest sum of ``value``: a knapsack over
-    the groups, exact."""
+    """The split of ``total`` among ``names`` with the highest sum of ``value``, exact."""
+    choices = {name: [(n, n) for n in range(total + 1)] for name in names}
+    return _knapsack(choices, value, total)[1]
+
+
+def _knapsack(
+    choices: dict[str, list[tuple[int, int]]], value: Callable[[str, int], float], target: int
+) -> tuple[float, dict[str, int]]:
+    """One (cost, share) of each group's ``choices``, their costs summing to ``target``, with the
+    highest sum of ``value(group, share)``: a knapsack over the groups, exact."""
+    # best[spent] = (sum of value, shares) over the groups so far whose costs sum to ``spent``
     best: dict[int, tuple[float, dict[str, int]]] = {0: (0.0, {})}
-    for name in names:
+    for name, options in choices.items():
         grown: dict[int, tuple[float, dict[str, int]]] = {}
-        for used, (worth, chosen) in best.items():
-            for n in range(total - used + 1):
+        for spent, (worth, chosen) in best.items():
+            for cost, n in options:
                 candidate = (worth + value(name, n), {**chosen, name: n})
-                if used + n not in grown or candidate[0] > grown[used + n][0]:
-                    grown[used + n] = candidate
+                if spent + cost not in grown or candidate[0] > grown[spent + cost][0]:
+                    grown[spent + cost] = candidate
         best = grown
-    return best[total][1]
+    return best[target]
 
 
 def _lattice_split(total: int, weights: dict[str, float], unit: int) -> dict[str, int]:
