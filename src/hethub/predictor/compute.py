@@ -88,9 +88,7 @@ def attention_time(
     flash-attention rate, which is well below its GEMM rate (softmax between the two products,
     the causal mask's partial tiles), and the q, k, v and output it moves."""
     peak = peak_tflops(accelerator, precision)
-    compute = flops / (
-        peak * 1e12 * accelerator.efficiency.attention * accelerator.efficiency.sustained
-    )
+    compute = flops / (peak * 1e12 * accelerator.efficiency.attention_sustained)
     return compute + memory_time(bytes_moved, accelerator)
 
 

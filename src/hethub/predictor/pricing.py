@@ -173,6 +173,7 @@ class AnalyticPricing(Pricing):
         sharded optimizer), and with unlike layouts the exchange of each shard across them:
         hierarchically, each of a layout's replicas carrying an equal slice of it across."""
         cal, precision = self.calibration, shape.precision
+        grad_bytes = trainer_bytes(self.kernels_on(group), precision).grad_sync
         reduce = _analytic_sync_s(
             group,
             cal,
@@ -181,7 +182,7 @@ class AnalyticPricing(Pricing):
             shape.layers,
             shape.position,
             peers.replicas,
-            trainer_bytes(self.kernels_on(group), precision).grad_sync,
+            grad_bytes,
         )
         gather = 0.0
         if peers.sharded:
@@ -195,7 +196,7 @@ class AnalyticPricing(Pricing):
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
             params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
             exchange = comm.ring_allreduce_time(
-                params * trainer_bytes(self.kernels_on(group), precision).grad_sync / peers.fewest,
+                params * grad_bytes / peers.fewest,
                 peers.classes,
                 peers.cross_bw,
                 cal,

@@ -54,6 +54,11 @@ class DeviceEfficiency:
         """Fraction of the dense peak a large GEMM sustains through a training step."""
         return self.gemm * self.sustained
 
+    @property
+    def attention_sustained(self) -> float:
+        """Fraction of the dense peak flash attention sustains through a training step."""
+        return self.attention * self.sustained
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 @hashed_once()

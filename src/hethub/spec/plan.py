@@ -95,8 +95,7 @@ class Precision(enum.StrEnum):
     def grad_accumulation_bytes(self) -> int:
         """Bytes moved per parameter when a backward's gradients join the main gradients: the
         backward's gradient (the compute dtype) read, the fp32 main gradient read and written
-        (hethub's runtime at each chunk's backward, as Megatron-LM's main_grad at each
-        micro-batch's)."""
+        (hethub's runtime, at each chunk's backward)."""
         return self.weight_bytes + 2 * self.main_grad_bytes
 
     @property
