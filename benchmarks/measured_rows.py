@@ -128,8 +128,12 @@ def _gpt(raw: dict[str, str], seq_len: int, where: str) -> ModelSpec:
 
 
 def _a100_nodes(gpus: int, network_gbps: float | None, where: str) -> ClusterSpec:
-    group = {"name": "a100", "accelerator": "a100-80gb", "nodes": math.ceil(gpus / 8)}
-    group["devices_per_node"] = 8
+    group = {
+        "name": "a100",
+        "accelerator": "a100-80gb",
+        "nodes": math.ceil(gpus / 8),
+        "devices_per_node": 8,
+    }
     if network_gbps is not None:
         group["network_gbps"] = network_gbps
     return parse_cluster({"groups": [group]}, where)
