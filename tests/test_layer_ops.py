@@ -8,6 +8,7 @@ spec/layer_ops.py says the same."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -46,6 +47,9 @@ def spec(arch: str, *, hidden=64, heads=4, kv_heads=4, ffn=None, seq=16) -> Mode
 LLAMA = spec("llama")
 LLAMA_GQA = spec("llama", kv_heads=2)
 GPT = spec("gpt")
+QWEN2 = dataclasses.replace(LLAMA_GQA, name="test-qwen2", qkv_bias=True)  # q/k/v biases only
+LLAMA_BIASED = dataclasses.replace(LLAMA_GQA, name="test-llama-bias", qkv_bias=True, o_bias=True)
+GPT2 = dataclasses.replace(GPT, name="test-gpt2", activation="gelu_tanh")
 
 
 def addressed_bytes(tensor: torch.Tensor) -> int:
@@ -161,7 +165,11 @@ def check_layer(model, group, tp, precision, micro_batch=2, recompute=Recompute.
 
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
-@pytest.mark.parametrize("model", [LLAMA, LLAMA_GQA, GPT], ids=["llama", "llama-gqa", "gpt"])
+@pytest.mark.parametrize(
+    "model",
+    [LLAMA, LLAMA_GQA, GPT, QWEN2, LLAMA_BIASED, GPT2],
+    ids=["llama", "llama-gqa", "gpt", "qwen2", "llama-bias", "gpt2"],
+)
 def test_the_description_is_what_the_layer_dispatches_at_tp1(model, precision):
     check_layer(model, None, 1, precision)
 
@@ -209,6 +217,7 @@ def _tp2_rank(rank: int, world: int) -> None:
         for precision in (Precision.FP32, Precision.BF16):
             check_layer(model, group, world, precision)
         check_layer(model, group, world, Precision.BF16, recompute=Recompute.SELECTIVE)
+    check_layer(LLAMA_BIASED, group, world, Precision.FP32)  # o's bias added after the sum
 
 
 def test_the_description_is_what_the_layer_dispatches_at_tp2():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -32,12 +31,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "on its share of the global batch, the shares chosen to maximise the sum).",
     )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
-    parser.add_argument("--model", required=True, help="preset name or model YAML")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="preset name, model YAML, or HuggingFace model folder (or its config.json)",
+    )
     parser.add_argument(
         "--global-batch", required=True, type=positive_int, help="sequences per optimizer step"
     )
     parser.add_argument(
-        "--seq-len", type=positive_int, help="sequence length (default: the model's)"
+        "--seq-len",
+        type=positive_int,
+        help="sequence length (default: the model's; a HuggingFace model's "
+        "max_position_embeddings, "
+        "at most 4096)",
     )
     parser.add_argument(
         "--out", default="plan.yaml", help="where to write the plan (default: plan.yaml)"
@@ -67,9 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.time_limit is not None and args.time_limit <= 0:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")
     cluster = load_cluster(args.cluster)
-    model = load_model(args.model, source="--model")
-    if args.seq_len:
-        model = dataclasses.replace(model, seq_len=args.seq_len)
+    model = load_model(args.model, source="--model", seq_len=args.seq_len)
     out = Path(args.out)
     if out.is_dir():  # before the search, and --force or not: a folder is never replaced
         raise HethubError(

@@ -42,7 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "cluster of one group the shorthand --tp --pp --dp --micro-batch --global-batch.",
     )
     parser.add_argument("--cluster", required=True, help="cluster YAML file")
-    parser.add_argument("--model", help="preset name or model YAML (overrides the plan's model)")
+    parser.add_argument(
+        "--model",
+        help="preset name, model YAML, or HuggingFace model folder (overrides the plan's model)",
+    )
     parser.add_argument("--plan", help="plan YAML file")
     for flag in SHORTHAND:
         parser.add_argument(

@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"preset name or model YAML (default {DEFAULT_MODEL}, as hethub train's)",
+        help=f"preset name, model YAML or HuggingFace model folder (default {DEFAULT_MODEL}, "
+        "as hethub train's)",
     )
     parser.add_argument(
         "--tp",

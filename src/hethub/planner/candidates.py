@@ -35,11 +35,13 @@ Structure = tuple[Layout, ...]
 
 
 def tp_degrees(group: DeviceGroup, model: ModelSpec) -> list[int]:
-    """TP degrees a stage of the group may use: inside a node, dividing the heads and KV heads."""
+    """TP degrees a stage of the group may use: inside a node, dividing the heads, the KV heads,
+    the vocabulary and the ffn features (spec.check's rule)."""
     return [
         t
         for t in range(1, group.devices_per_node + 1)
-        if group.devices_per_node % t == 0 and model.heads % t == 0 and model.kv_heads % t == 0
+        if group.devices_per_node % t == 0
+        and all(n % t == 0 for n in (model.heads, model.kv_heads, model.vocab, model.ffn_hidden))
     ]
 
 

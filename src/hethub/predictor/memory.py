@@ -376,8 +376,8 @@ def late_backward_bytes(
     )
     end = grads + layer_input
     if position.first and position.last:
-        # GPT's one weight for the embedding and the head (runtime.model.Stage): the head's
-        # gradient, made first, waits in autograd's buffer while the embedding's backward makes
+        # A tied head is the embedding's weight (runtime.model.Stage): the head's gradient,
+        # made first, waits in autograd's buffer while the embedding's backward makes
         # its own (beside its output's gradient), and the engine then sums the two into a third.
         tied = parameter_counts(model).tied_copy / tp * precision.weight_bytes
         end = grads + tied + max(layer_input, tied)

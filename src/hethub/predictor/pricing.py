@@ -439,8 +439,9 @@ def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageS
     forward = backward = 0.0
     if shape.position.first:
         forward += half
-        if model.arch == "gpt":
-            backward += comm.group_allreduce_time(model.seq_len * model.hidden * e, tp, group, cal)
+        if model.arch == "gpt":  # every row of the position table, the unused ones too
+            positions = model.position_rows * model.hidden * e
+            backward += comm.group_allreduce_time(positions, tp, group, cal)
     else:
         backward += half
     forward += half

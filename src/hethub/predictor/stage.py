@@ -19,7 +19,7 @@ class StagePosition:
     last: bool
     """It holds the head and computes the loss."""
     alone: bool
-    """It is its pipeline's only stage (gpt's tied head then needs no copy of the embedding)."""
+    """It is its pipeline's only stage (a tied head then needs no copy of the embedding)."""
 
     @staticmethod
     def of(index: int, stages: int) -> StagePosition:

@@ -24,7 +24,7 @@ from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import Fields
 from hethub.spec.hashing import hashed_once
-from hethub.spec.model import ARCHS, ModelSpec
+from hethub.spec.model import ARCHS, ModelSpec, arch_defaults
 from hethub.spec.plan import Precision
 
 FORMAT = 1
@@ -77,6 +77,21 @@ class MeasuredOn:
     """And as it ended (the measuring processes' own work included)."""
 
 
+def layer_variant(model: ModelSpec) -> str:
+    """How ``model``'s layer differs in its work from its arch's own (spec.model.arch_defaults):
+    the biases it adds or lacks and its activation, '+'-joined ("qkv-bias" for Qwen2,
+    "gelu-tanh" for GPT-2), "" for none. A tied head, the norm's epsilon and the rotary's
+    frequencies cost the same, so they are not in it."""
+    defaults = arch_defaults(model.arch)
+    marks = []
+    for bias in ("qkv_bias", "o_bias"):
+        if getattr(model, bias) != defaults[bias]:
+            marks.append(bias if getattr(model, bias) else f"no-{bias}")
+    if model.activation != defaults["activation"]:
+        marks.append(model.activation)
+    return "+".join(marks).replace("_", "-")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerKey:
     """What a layer profile was measured for; two keys match only if every field is equal."""
@@ -100,6 +115,9 @@ class LayerKey:
     2-core machine share its cores); never below tp, whose ranks always compute together."""
     tp: int
     micro_batch: int
+    variant: str = ""
+    """What the layer runs besides its arch's own (layer_variant): "" for hethub's GPT and Llama
+    layers, so that files measured before the field existed keep their key."""
 
     @classmethod
     def of(
@@ -128,13 +146,15 @@ class LayerKey:
             concurrent_ranks=max(concurrent_ranks, tp),
             tp=tp,
             micro_batch=micro_batch,
+            variant=layer_variant(model),
         )
 
     def file_name(self) -> str:
+        variant = f"-{self.variant}" if self.variant else ""
         return _file_name(
             LAYER,
             self.device,
-            f"{self.arch}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
+            f"{self.arch}{variant}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
             f"-f{self.ffn_hidden}-s{self.seq_len}-v{self.vocab}-{self.dtype}-t{self.threads}"
             f"-c{self.concurrent_ranks}-tp{self.tp}-mb{self.micro_batch}",
         )
@@ -144,7 +164,8 @@ class LayerKey:
         2 ranks at once)'."""
         return (
             f"{self.device} tp={self.tp} micro-batch {self.micro_batch} "
-            f"({self.arch} hidden {self.hidden}, heads {self.heads}/{self.kv_heads}, "
+            f"({self.arch}{' ' + self.variant if self.variant else ''} hidden {self.hidden}, "
+            f"heads {self.heads}/{self.kv_heads}, "
             f"ffn {self.ffn_hidden}, seq {self.seq_len}, vocab {self.vocab}, "
             f"{self.dtype}, {plural(self.threads, 'thread')}, "
             f"{plural(self.concurrent_ranks, 'rank')} at once)"
@@ -460,6 +481,8 @@ def to_json(profile: LayerProfile | LinkProfile) -> dict[str, Any]:
         for name in ("layer_time_cv", "measured_on"):  # not recorded: absent, as in older files
             if data[name] is None:
                 del data[name]
+        if not profile.key.variant:  # the arch's own layer: its key as before the field existed
+            del data["key"]["variant"]
         return {"format": FORMAT, "kind": LAYER, **data}
     data = dataclasses.asdict(profile)
     if profile.peer is None:  # a link inside a machine: its file as before the field existed
@@ -606,6 +629,7 @@ def _parse_layer(data: dict, source: str) -> LayerProfile:
         concurrent_ranks=k.positive_int("concurrent_ranks"),
         tp=k.positive_int("tp"),
         micro_batch=k.positive_int("micro_batch"),
+        variant=k.string("variant") if k.has("variant") else "",
     )
     if key.concurrent_ranks < key.tp:
         raise k.error("concurrent_ranks", key.concurrent_ranks, f"must be at least tp ({key.tp})")

@@ -5,6 +5,7 @@ The parameters' names, shapes and TP splits are hethub.spec.parameters' table.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -27,7 +28,7 @@ from hethub.runtime.tensor_parallel import (
     tp_size,
     vocab_parallel_cross_entropy,
 )
-from hethub.spec.model import ModelSpec
+from hethub.spec.model_spec import DEFAULT_ROPE_THETA, ModelSpec, RopeScaling
 from hethub.spec.parameters import (
     INIT_STD,
     FusedParts,
@@ -63,7 +64,7 @@ def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 
 
 NORM_EPS = 1e-5
-"""RMSNorm's epsilon, Llama's."""
+"""The norms' epsilon where a spec gives none (ModelSpec.norm_eps's default)."""
 
 
 class _CpuRmsNorm(torch.autograd.Function):
@@ -167,10 +168,35 @@ def unfuse(parts: FusedParts, fused: torch.Tensor) -> list[torch.Tensor]:
     return [piece.reshape(shape).clone() for piece, shape in zip(pieces, parts.shapes, strict=True)]
 
 
+def rotary_inverse_frequencies(
+    head_dim: int, theta: float = DEFAULT_ROPE_THETA, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """The rotary angle per position of each feature pair (d/2, fp32 on the CPU): theta^(-2i/d),
+    and under Llama 3.1's scaling, its low frequencies divided by the factor and the middle ones
+    interpolated, as transformers computes them (modeling_rope_utils'
+    _compute_llama3_parameters, operation for operation, so that the tables are the same bits)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inverse = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inverse
+    old_context = scaling.original_max_position_embeddings
+    low_wavelength = old_context / scaling.low_freq_factor
+    high_wavelength = old_context / scaling.high_freq_factor
+    wavelength = 2 * math.pi / inverse
+    scaled = torch.where(wavelength > low_wavelength, inverse / scaling.factor, inverse)
+    smooth = (old_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelength < high_wavelength) * ~(wavelength > low_wavelength)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Rotary(nn.Module):
-    """Rotary position embedding (the half-split pairing: feature i turns with i + d/2) with its
-    tables for positions [0, seq_len), made once, as non-persistent buffers: a stage's layers
-    share one (checkpoints never see them).
+    """Rotary position embedding (the half-split pairing: feature i turns with i + d/2, as
+    HuggingFace's Llama checkpoints lay q and k out) with its tables for positions
+    [0, seq_len), made once, as non-persistent buffers: a stage's layers share one (checkpoints
+    never see them). Its frequencies: rotary_inverse_frequencies of ``theta`` and ``scaling``.
 
     The tables are in the activations' dtype. The angles are computed in fp32 (bf16 cannot even
     count positions past 256) and each cosine and sine rounded once to that dtype: the rotated q
@@ -181,9 +207,16 @@ class Rotary(nn.Module):
     activations: remade from the fp32 angles at the first call in a new dtype, once a run.
     """
 
-    def __init__(self, head_dim: int, seq_len: int) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        seq_len: int,
+        theta: float = DEFAULT_ROPE_THETA,
+        scaling: RopeScaling | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim, self.seq_len = head_dim, seq_len
+        self.theta, self.scaling = theta, scaling
         self.register_buffer("cos", torch.empty(seq_len, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(seq_len, head_dim), persistent=False)
         self.reset_tables()
@@ -191,8 +224,8 @@ class Rotary(nn.Module):
     def reset_tables(self, dtype: torch.dtype | None = None) -> None:
         """Compute the tables on their device, in ``dtype`` (their own if None). A stage made on
         the meta device and then allocated (Stage.build) holds garbage until this runs."""
-        device, dtype, d = self.cos.device, dtype or self.cos.dtype, self.head_dim
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        device, dtype = self.cos.device, dtype or self.cos.dtype
+        inv = rotary_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.seq_len, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv)  # (T, d/2)
         cos, sin = angles.cos(), angles.sin()
@@ -251,6 +284,19 @@ def replicated_on_shard(module: nn.Module, x: torch.Tensor, group) -> torch.Tens
     return functional_call(module, summed, (x,))
 
 
+def norm_of(spec: ModelSpec) -> nn.Module:
+    """A norm over the hidden features with the spec's epsilon: GPT's LayerNorm, Llama's
+    RMSNorm."""
+    if spec.arch == "gpt":
+        return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
+    return RMSNorm(spec.hidden, eps=spec.norm_eps)
+
+
+def rotary_of(spec: ModelSpec) -> Rotary:
+    """The spec's rotary embedding for its sequence length."""
+    return Rotary(spec.head_dim, spec.seq_len, spec.rope_theta, spec.rope_scaling)
+
+
 class Layer(nn.Module):
     """One transformer layer, Megatron-style: attention heads and the MLP split over TP, one GEMM
     for q, k and v and one for gate and up. A Llama layer rotates with ``rotary``, its stage's
@@ -269,14 +315,13 @@ class Layer(nn.Module):
         self.group = parallel_group(group)
         sp = self.sequence_parallel = sequence_parallel and self.group is not None
         size, gpt, h = tp_size(group), spec.arch == "gpt", spec.hidden
-        norm = (lambda: nn.LayerNorm(h)) if gpt else (lambda: RMSNorm(h, eps=NORM_EPS))
-        self.norm1, self.norm2 = norm(), norm()
+        self.norm1, self.norm2 = norm_of(spec), norm_of(spec)
         if not gpt:
-            self.rotary = rotary if rotary is not None else Rotary(spec.head_dim, spec.seq_len)
+            self.rotary = rotary if rotary is not None else rotary_of(spec)
         self.heads, self.kv_heads = spec.heads // size, spec.kv_heads // size
         # TP splits q, k and v by KV head, each with its query heads; gate and up by ffn feature
-        self.qkv = ColumnParallelBlocks(h, qkv_blocks(spec), 0, gpt, group, sp)
-        self.o = RowParallelLinear(h, h, gpt, group, sp)
+        self.qkv = ColumnParallelBlocks(h, qkv_blocks(spec), 0, spec.qkv_bias, group, sp)
+        self.o = RowParallelLinear(h, h, spec.o_bias, group, sp)
         if gpt:
             self.fc1 = ColumnParallelLinear(h, spec.ffn_hidden, True, group, sp)
             self.fc2 = RowParallelLinear(spec.ffn_hidden, h, True, group, sp)
@@ -324,7 +369,8 @@ class Layer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.arch == "gpt":
-            return self.fc2(F.gelu(self.fc1(x)))
+            approximate = "tanh" if self.spec.activation == "gelu_tanh" else "none"
+            return self.fc2(F.gelu(self.fc1(x), approximate=approximate))
         return self.down(_SwiGlu.apply(self.gate_up(x)))  # (B, T, 2f/tp) -> (B, T, f/tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -370,16 +416,14 @@ class Stage(nn.Module):
         if is_first:
             self.embed = VocabParallelEmbedding(spec.vocab, spec.hidden, group, sp)
             if gpt:
-                self.pos = nn.Embedding(spec.seq_len, spec.hidden)
-        rotary = None if gpt or count == 0 else Rotary(spec.head_dim, spec.seq_len)
+                self.pos = nn.Embedding(spec.position_rows, spec.hidden)
+        rotary = None if gpt or count == 0 else rotary_of(spec)
         self.layers = nn.ModuleDict(
             {str(first + i): Layer(spec, group, rotary, sp) for i in range(count)}
         )
         if is_last:
-            self.final_norm = (
-                nn.LayerNorm(spec.hidden) if gpt else RMSNorm(spec.hidden, eps=NORM_EPS)
-            )
-            # gpt ties the head to the embedding: on a stage without the embedding it keeps a copy,
+            self.final_norm = norm_of(spec)
+            # A head tied to the embedding: on a stage without the embedding it keeps a copy,
             # whose gradient the runtime adds to the embedding's.
             if not (spec.tied_head and is_first):
                 self.head = nn.Parameter(torch.empty(spec.vocab // tp_size(group), spec.hidden))
@@ -498,9 +542,9 @@ class Stage(nn.Module):
 
     def full_name(self, name: str) -> str:
         """This stage's parameter name as the full model names it (hethub.spec.parameters): the
-        module's own name, but for the output projection, which GPT ties to the embedding."""
+        module's own name, but for the output projection, where it is tied to the embedding."""
         if name == "head":
-            return "head.weight" if self.spec.arch == "llama" else "embed.weight"
+            return "embed.weight" if self.spec.tied_head else "head.weight"
         return name
 
     def full_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -27,14 +27,14 @@ def check_plan(
     """
     for i, pipeline in enumerate(plan.pipelines):
         if pipeline.schedule == Schedule.ZBV and model.tied_head:
-            # The V's first stage holds the embedding and the head, which GPT ties to it: the
-            # runtime would hold two parameters of one name on one rank (not run exactly yet).
+            # The V's first stage holds the embedding and the head, tied to it: the runtime
+            # would hold two parameters of one name on one rank (not run exactly yet).
             raise SpecError(
                 source,
                 f"pipelines[{i}].schedule",
                 Schedule.ZBV.value,
-                "does not run a model whose head is tied to its embedding (arch gpt): its first "
-                "stage would hold both; use zb-h1",
+                "does not run a model whose head is tied to its embedding (tie_word_embeddings): "
+                "its first stage would hold both; use zb-h1",
             )
         layers = sum(stage.layers for stage in pipeline.stages)
         if layers != model.layers:
@@ -75,6 +75,14 @@ def check_plan(
                     f"must divide the model's heads ({model.heads}) "
                     f"and kv_heads ({model.kv_heads})",
                 )
+            for what, size in (("vocab", model.vocab), ("ffn_hidden", model.ffn_hidden)):
+                if size % stage.tp:
+                    raise SpecError(
+                        source,
+                        f"{field}.tp",
+                        stage.tp,
+                        f"must divide the model's {what} ({size}): TP splits it in equal slices",
+                    )
             if plan.sequence_parallel and model.seq_len % stage.tp:
                 raise SpecError(
                     source,

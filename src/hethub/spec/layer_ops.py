@@ -222,6 +222,9 @@ class _Shape:
     element: int
     kernels: Kernels
     gpt: bool
+    qkv_bias: bool
+    o_bias: bool
+    """The attention's projections that add a bias (the spec's; GPT's MLP always does)."""
     sequence_parallel: bool = False
     """The norms and residual adds on this rank's tokens/tp, the blocks' inputs all-gathered and
     outputs reduce-scattered (tp > 1 only)."""
@@ -251,22 +254,22 @@ class _Piece:
     saved: int
 
 
-def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool) -> _Piece:
-    """A linear of ``inputs`` -> ``outputs`` features on this rank (GPT's have biases): its
+def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool, bias: bool) -> _Piece:
+    """A linear of ``inputs`` -> ``outputs`` features on this rank, with a bias or not: its
     GEMM, its tensor-parallel all-reduce (row-parallel: of the output, forward, before the bias
     is added; column-parallel: of the input's gradient, backward), and its gradients. What its
     GEMM keeps (the input) is counted where the input is made."""
     e, collective = x.element, x.tp > 1
-    separate_bias = x.gpt and row_parallel and collective
-    forward = [gemm(x.tokens, inputs, outputs, e, bias=x.gpt and not separate_bias)]
+    separate_bias = bias and row_parallel and collective
+    forward = [gemm(x.tokens, inputs, outputs, e, bias=bias and not separate_bias)]
     backward = [gemm(x.tokens, outputs, inputs, e), gemm(outputs, x.tokens, inputs, e)]
     if x.sequence_parallel and collective:
-        return _sequence_parallel_linear(x, outputs, row_parallel, forward, backward)
+        return _sequence_parallel_linear(x, outputs, row_parallel, bias, forward, backward)
     if row_parallel and collective:
         forward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(outputs), x.bytes(outputs)))
     if separate_bias:
         forward.append(memory("add", x.bytes(outputs) + outputs * e, x.bytes(outputs)))
-    if x.gpt:  # the bias's gradient: the output's gradient summed over the tokens
+    if bias:  # the bias's gradient: the output's gradient summed over the tokens
         backward.append(memory("sum", x.bytes(outputs), outputs * e))
     if not row_parallel and collective:
         backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
@@ -274,22 +277,22 @@ def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool) -> _Pie
 
 
 def _sequence_parallel_linear(
-    x: _Shape, outputs: int, row_parallel: bool, forward: list[Op], backward: list[Op]
+    x: _Shape, outputs: int, row_parallel: bool, bias: bool, forward: list[Op], backward: list[Op]
 ) -> _Piece:
     """_linear under sequence parallelism, its GEMMs given: a column-parallel linear's input
     comes gathered (_gathered, where the norm is) and has no collective of its own; a
-    row-parallel one reduce-scatters its output (its gradient all-gathered back), and GPT's
+    row-parallel one reduce-scatters its output (its gradient all-gathered back), and its
     bias is added on the shard, its gradient summed over the shard's tokens and over TP."""
     e = x.element
     if row_parallel:
         scatter = _reduce_scattered(x, outputs)
         forward += scatter.forward
         backward += scatter.backward
-    if x.gpt and row_parallel:
+    if bias and row_parallel:
         shard = x.shard.bytes(outputs)
         forward.append(memory("add", shard + outputs * e, shard))
         backward += [memory("sum", shard, outputs * e), *_summed_gradient(outputs * e)]
-    elif x.gpt:
+    elif bias:
         backward.append(memory("sum", x.bytes(outputs), outputs * e))
     return _Piece(tuple(forward), tuple(backward), 0)
 
@@ -470,7 +473,8 @@ def _attention(x: _Shape) -> _Piece:
     tensors, and its v is copied out of the QKV output, so that none of that output outlives
     the forward. Backward: the three gradients are concatenated, read where they lie."""
     h, qkv = x.hidden, x.q + 2 * x.kv
-    first, last = _linear(x, h, qkv, row_parallel=False), _linear(x, x.q, h, row_parallel=True)
+    first = _linear(x, h, qkv, row_parallel=False, bias=x.qkv_bias)
+    last = _linear(x, x.q, h, row_parallel=True, bias=x.o_bias)
     grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
     cat = _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv))
     return _join(first, _inner_attention(x), last, cat)
@@ -508,7 +512,8 @@ def _mlp(x: _Shape) -> _Piece:
     h, f, act = x.hidden, x.ffn, x.bytes(x.ffn)
     if x.gpt:
         gelu = _Piece((memory("gelu", act, act),), (memory("gelu_backward", 2 * act, act),), 0)
-        first, second = _linear(x, h, f, row_parallel=False), _linear(x, f, h, row_parallel=True)
+        first = _linear(x, h, f, row_parallel=False, bias=True)
+        second = _linear(x, f, h, row_parallel=True, bias=True)
         return _join(first, gelu, second, _Piece((), (), 2 * act))
     swiglu = _Piece(  # runtime.model._SwiGlu, on every device
         (memory("silu", act, act), memory("mul_", 2 * act, act)),
@@ -521,7 +526,8 @@ def _mlp(x: _Shape) -> _Piece:
         ),
         2 * act + act,  # gate|up, the product
     )
-    first, second = _linear(x, h, 2 * f, row_parallel=False), _linear(x, f, h, row_parallel=True)
+    first = _linear(x, h, 2 * f, row_parallel=False, bias=False)
+    second = _linear(x, f, h, row_parallel=True, bias=False)
     return _join(first, swiglu, second)
 
 
@@ -566,6 +572,8 @@ def layer_ops(
         element=precision.element_bytes,
         kernels=kernels,
         gpt=model.arch == "gpt",
+        qkv_bias=model.qkv_bias,
+        o_bias=model.o_bias,
         sequence_parallel=sequence_parallel and tp > 1,
     )
     if kernels is Kernels.MEGATRON_LM:

@@ -1,60 +1,28 @@
-"""The model: a GPT (Megatron-LM) or Llama transformer, from a preset name or a YAML file."""
+"""The model: a GPT (Megatron-LM) or Llama transformer, from a preset name, a YAML file or a
+HuggingFace model folder (spec.hf_config). Its dataclass, ModelSpec: spec.model_spec."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from hethub.errors import SpecError
 from hethub.spec.fields import Fields, load_yaml, parse_yaml, suggestion
-from hethub.spec.hashing import hashed_once
-
-ARCHS = ("gpt", "llama")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-@hashed_once()
-class ModelSpec:
-    """Transformer dimensions.
-
-    gpt: learned positions, LayerNorm, GELU MLP of ffn_hidden (4*hidden), biases, tied embedding.
-    llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, untied output head.
-    Its parameters (names, shapes, counts): hethub.spec.parameters.
-    """
-
-    name: str
-    arch: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    """Key/value heads; < heads means grouped-query attention (always = heads for gpt)."""
-    ffn_hidden: int
-    vocab: int
-    seq_len: int
-
-    @property
-    def tied_head(self) -> bool:
-        """The output head is the token embedding's weight (gpt), not a matrix of its own."""
-        return self.arch == "gpt"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_hidden(self) -> int:
-        """Width of the K (and of the V) projection."""
-        return self.kv_heads * self.head_dim
-
-    @property
-    def mlp_matrices(self) -> int:
-        """hidden x ffn weight matrices in the MLP: 2 (up, down) for GELU, 3 (gate, up, down) for
-        SwiGLU."""
-        return 3 if self.arch == "llama" else 2
+from hethub.spec.hf_config import load_hf_config
+from hethub.spec.model_spec import (
+    ACTIVATIONS,
+    ARCHS,
+    DEFAULT_NORM_EPS,
+    DEFAULT_ROPE_THETA,
+    HF_ARCHITECTURES,
+    ModelSpec,
+    RopeScaling,
+    arch_defaults,
+    with_seq_len,
+)
 
 
 def llama_ffn_hidden(hidden: int) -> int:
@@ -78,12 +46,96 @@ MODEL_FILE_FIELDS = (
     "ffn_hidden",
     "vocab",
     "seq_len",
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "o_bias",
+    "activation",
+    "max_position_embeddings",
+    "hf_architecture",
+)
+ROPE_SCALING_FIELDS = (
+    "type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
 )
 
 
 def model_file_fields(model: ModelSpec) -> dict[str, Any]:
-    """What a model file holds for ``model`` (parse_model reads it back to an equal spec)."""
-    return {f: getattr(model, f) for f in MODEL_FILE_FIELDS}
+    """What a model file holds for ``model`` (parse_model reads it back to an equal spec): every
+    dimension, and each other field only where it is not its arch's default, so that a model of
+    dimensions alone is written as it was before those fields existed."""
+    defaults = arch_defaults(model.arch)
+    fields = {f: getattr(model, f) for f in MODEL_FILE_FIELDS if f not in defaults}
+    fields.update({f: getattr(model, f) for f in defaults if getattr(model, f) != defaults[f]})
+    if model.rope_scaling is not None:
+        fields["rope_scaling"] = {
+            "type": RopeScaling.TYPE,
+            **dataclasses.asdict(model.rope_scaling),
+        }
+    return fields
+
+
+def _positive_float(f: Fields, key: str, *default: float) -> float:
+    """A positive number (required unless a ``default`` is given), with the fix for what YAML
+    1.1 reads as text: ``1e-6`` (no dot)."""
+    value = f.raw(key, *default)
+    if isinstance(value, str):
+        raise f.error(
+            key, value, "must be a positive number (YAML reads 1e-6 as text: write 1.0e-6)"
+        )
+    return f.positive_number(key, *default)
+
+
+def _parse_rope_scaling(f: Fields) -> RopeScaling | None:
+    if not f.has("rope_scaling"):
+        return None
+    rope = Fields(f.raw("rope_scaling"), f.source, f.path("rope_scaling"), ROPE_SCALING_FIELDS)
+    rope.choice("type", (RopeScaling.TYPE,))
+    low, high = _positive_float(rope, "low_freq_factor"), _positive_float(rope, "high_freq_factor")
+    if high <= low:
+        raise rope.error("high_freq_factor", high, f"must be above low_freq_factor ({low})")
+    return RopeScaling(
+        factor=_positive_float(rope, "factor"),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=rope.positive_int("original_max_position_embeddings"),
+    )
+
+
+def _parse_attention_options(f: Fields, arch: str) -> dict[str, Any]:
+    """The fields beyond the dimensions, each checked against the arch."""
+    gpt = arch == "gpt"
+    for llama_only in ("rope_theta", "rope_scaling"):
+        if gpt and f.has(llama_only):
+            raise f.error(
+                llama_only, f.raw(llama_only), "gpt has learned positions, not rotary: leave it out"
+            )
+    hf_architecture = None
+    if f.has("hf_architecture"):
+        hf_architecture = f.string("hf_architecture")
+        if HF_ARCHITECTURES.get(hf_architecture) != arch:
+            known = [name for name, of in HF_ARCHITECTURES.items() if of == arch]
+            hint = suggestion(hf_architecture, known)
+            raise f.error(
+                "hf_architecture",
+                hf_architecture,
+                f"arch {arch} is one of {', '.join(known)}{hint}",
+            )
+    return {
+        "rope_theta": _positive_float(f, "rope_theta", DEFAULT_ROPE_THETA),
+        "rope_scaling": _parse_rope_scaling(f),
+        "norm_eps": _positive_float(f, "norm_eps", DEFAULT_NORM_EPS),
+        "tie_word_embeddings": f.boolean("tie_word_embeddings", gpt),
+        "qkv_bias": f.boolean("qkv_bias", gpt),
+        "o_bias": f.boolean("o_bias", gpt),
+        "activation": f.choice("activation", ACTIVATIONS[arch], ACTIVATIONS[arch][0]),
+        "hf_architecture": hf_architecture,
+    }
 
 
 def parse_model(data: Any, source: str, name: str) -> ModelSpec:
@@ -103,6 +155,14 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
     if heads % kv_heads:
         raise f.error("kv_heads", kv_heads, f"must divide heads ({heads})")
     default_ffn = 4 * hidden if arch == "gpt" else llama_ffn_hidden(hidden)
+    seq_len = f.positive_int("seq_len")
+    max_positions = None
+    if f.has("max_position_embeddings"):
+        max_positions = f.positive_int("max_position_embeddings")
+    if max_positions is not None and seq_len > max_positions:
+        raise f.error(
+            "seq_len", seq_len, f"must be at most max_position_embeddings ({max_positions})"
+        )
     return ModelSpec(
         name=str(f.raw("name", name)),
         arch=arch,
@@ -112,29 +172,60 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
         kv_heads=kv_heads,
         ffn_hidden=f.positive_int("ffn_hidden", default_ffn),
         vocab=f.positive_int("vocab"),
-        seq_len=f.positive_int("seq_len"),
+        seq_len=seq_len,
+        max_position_embeddings=max_positions,
+        **_parse_attention_options(f, arch),
     )
 
 
 def load_model(
-    ref: str | Path, relative_to: Path | None = None, source: str = "", field: str = "model"
+    ref: str | Path,
+    relative_to: Path | None = None,
+    source: str = "",
+    field: str = "model",
+    *,
+    seq_len: int | None = None,
 ) -> ModelSpec:
-    """A model by preset name or by the path of a model YAML (relative to ``relative_to`` if
-    given)."""
+    """A model by preset name, by the path of a model YAML, or by a HuggingFace model folder
+    holding a config.json (or that file's path); paths relative to ``relative_to`` if given.
+    ``seq_len`` replaces the model's sequence length (at most its max_position_embeddings); a
+    HuggingFace config's default is spec.hf_config.DEFAULT_SEQ_LEN_CAP or its
+    max_position_embeddings, the smaller."""
     text = str(ref)
     if text.lower() in preset_names():
         name = text.lower()
         text = resources.files("hethub.data").joinpath("models", f"{name}.yaml").read_text()
-        return parse_model(parse_yaml(text, f"preset {name}"), f"preset {name}", name)
+        model = parse_model(parse_yaml(text, f"preset {name}"), f"preset {name}", name)
+        return model if seq_len is None else with_seq_len(model, seq_len, source)
     path = Path(text)
     if relative_to is not None and not path.is_absolute():
         path = relative_to / path
+    if path.is_dir() or path.suffix == ".json":
+        return load_hf_config(path, seq_len)
     if text.endswith((".yaml", ".yml")) or path.exists():
-        return parse_model(load_yaml(path, "model"), str(path), path.stem)
+        model = parse_model(load_yaml(path, "model"), str(path), path.stem)
+        return model if seq_len is None else with_seq_len(model, seq_len, source)
     raise SpecError(
         source,
         field,
         text,
-        f"not a preset{suggestion(text, preset_names())} nor an existing model file; "
-        f"presets: {', '.join(preset_names())}",
+        f"not a preset{suggestion(text, preset_names())} nor an existing model file or "
+        f"HuggingFace model folder; presets: {', '.join(preset_names())}",
     )
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "ARCHS",
+    "HF_ARCHITECTURES",
+    "MODEL_FILE_FIELDS",
+    "ModelSpec",
+    "RopeScaling",
+    "arch_defaults",
+    "llama_ffn_hidden",
+    "load_model",
+    "model_file_fields",
+    "parse_model",
+    "preset_names",
+    "with_seq_len",
+]

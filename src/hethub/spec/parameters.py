@@ -5,13 +5,16 @@ One table read by everything that handles parameters: initialisation and shardin
 (runtime.model), the gradient sync (runtime.engine) and checkpoints (runtime.checkpoint).
 Full-model names are the checkpoint's keys, whatever the layout:
 
-  embed.weight [vocab, h]; pos.weight [seq, h] (gpt)
+  embed.weight [vocab, h]; pos.weight [max_position_embeddings or seq, h] (gpt)
   layers.{i}.norm1 / norm2 (.weight, .bias for gpt)
-  layers.{i}.qkv (.weight [kv, heads/kv + 2, d, h], .bias [kv, heads/kv + 2, d] for gpt)
-  layers.{i}.o (.weight [h, h], .bias for gpt)
+  layers.{i}.qkv (.weight [kv, heads/kv + 2, d, h], .bias [kv, heads/kv + 2, d] where qkv_bias)
+  layers.{i}.o (.weight [h, h], .bias [h] where o_bias)
   layers.{i}.gate_up (.weight [2, f, h], llama), layers.{i}.down (.weight [h, f], llama)
   layers.{i}.fc1 (.weight [f, h], .bias), layers.{i}.fc2 (.weight [h, f], .bias) (gpt)
-  final_norm (.weight, .bias for gpt); head.weight [vocab, h] (llama; gpt ties it to embed.weight)
+  final_norm (.weight, .bias for gpt); head.weight [vocab, h] (absent where the head is tied to
+  embed.weight: gpt's default, Llama 3.2's)
+
+qkv_bias and o_bias default to the arch's (gpt yes, llama no; Qwen2 has qkv's only).
 
 The fused projections, one GEMM each, keep their output features in blocks: qkv, per KV head
 (Megatron-LM's grouped layout), its heads/kv query heads, then its key, then its value (with
@@ -84,15 +87,15 @@ class Parameter:
 
 
 def _embedding(spec: ModelSpec) -> list[Parameter]:
-    """The first stage's own parameters: the token embedding (and GPT's learned positions)."""
+    """The first stage's own parameters: the token embedding (and GPT's learned positions, one
+    row for every position the model takes)."""
     embedding = [
         Parameter("embed.weight", (spec.vocab, spec.hidden), Owner.EMBEDDING, None, 0, Init.NORMAL)
     ]
     if spec.arch == "gpt":
+        rows = spec.position_rows
         embedding.append(
-            Parameter(
-                "pos.weight", (spec.seq_len, spec.hidden), Owner.EMBEDDING, None, None, Init.NORMAL
-            )
+            Parameter("pos.weight", (rows, spec.hidden), Owner.EMBEDDING, None, None, Init.NORMAL)
         )
     return embedding
 
@@ -120,10 +123,18 @@ def _linears(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], int]]:
     return linears
 
 
+def _biased(spec: ModelSpec) -> frozenset[str]:
+    """The layer's linears that add a bias: GPT's MLP's always; qkv and o where the spec says."""
+    biased = {"fc1", "fc2"} if spec.arch == "gpt" else set()
+    biased |= {kind for kind, bias in (("qkv", spec.qkv_bias), ("o", spec.o_bias)) if bias}
+    return frozenset(biased)
+
+
 def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
     """Transformer layer ``i``'s parameters: every layer has the same shapes."""
     h = spec.hidden
     gpt = spec.arch == "gpt"
+    biased = _biased(spec)
     params = []
     for norm in ("norm1", "norm2"):
         params.append(Parameter(f"layers.{i}.{norm}.weight", (h,), Owner.LAYER, i, None, Init.ONES))
@@ -146,7 +157,7 @@ def _layer(spec: ModelSpec, i: int) -> list[Parameter]:
                 row_scale if row else 1.0,
             )
         )
-        if gpt:  # a row-parallel bias is added once, after the reduction: whole everywhere
+        if kind in biased:  # a row-parallel bias is added once, after the reduction: whole
             params.append(
                 Parameter(
                     f"layers.{i}.{kind}.bias",
@@ -192,22 +203,22 @@ def fused_parts(spec: ModelSpec) -> Mapping[str, FusedParts]:
         return FusedParts((*qkv_blocks(spec), *features), names, shapes, 1, (queries, 1, 1))
 
     parts = {"qkv.weight": qkv("weight", (h,))}
-    if spec.arch == "gpt":
+    if spec.qkv_bias:
         parts["qkv.bias"] = qkv("bias", ())
-    else:
+    if spec.arch == "llama":
         names, shapes = ("gate.weight", "up.weight"), ((f, h), (f, h))
         parts["gate_up.weight"] = FusedParts((*gate_up_blocks(spec), h), names, shapes, 0, (1, 1))
     return MappingProxyType(parts)
 
 
 def _head(spec: ModelSpec) -> list[Parameter]:
-    """The last stage's own parameters: the final norm, and Llama's output projection (GPT's is
-    the embedding, tied)."""
+    """The last stage's own parameters: the final norm, and the output projection unless it is
+    tied to the embedding."""
     h = spec.hidden
     head = [Parameter("final_norm.weight", (h,), Owner.HEAD, None, None, Init.ONES)]
     if spec.arch == "gpt":
         head.append(Parameter("final_norm.bias", (h,), Owner.HEAD, None, None, Init.ZEROS))
-    else:
+    if not spec.tied_head:
         head.append(Parameter("head.weight", (spec.vocab, h), Owner.HEAD, None, 0, Init.NORMAL))
     return head
 
@@ -223,8 +234,9 @@ def parameter_table(spec: ModelSpec) -> Mapping[str, Parameter]:
 
 
 def holds_tied_copy(spec: ModelSpec, *, is_first: bool, is_last: bool) -> bool:
-    """A stage keeps its own copy of ``embed.weight`` as its tied output projection: GPT's last
-    stage without the embedding (its gradient is summed with the embedding's)."""
+    """A stage keeps its own copy of ``embed.weight`` as its tied output projection: the last
+    stage without the embedding, where the head is tied (its gradient is summed with the
+    embedding's)."""
     return is_last and not is_first and spec.tied_head
 
 
@@ -255,7 +267,7 @@ class ParameterCounts:
     layer: int
     """One transformer layer."""
     head: int
-    """The last stage's own: the final norm (and Llama's output projection)."""
+    """The last stage's own: the final norm (and an untied output projection)."""
     tied_copy: int
     """A stage's copy of the embedding as its tied output projection (holds_tied_copy)."""
 
