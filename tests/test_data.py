@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hethub.corpus import open_corpus
 from hethub.errors import HethubError
 from hethub.runtime.data import builtin_corpus, check_tokens, global_batch, load_tokens
 
@@ -16,6 +17,13 @@ from hethub.runtime.data import builtin_corpus, check_tokens, global_batch, load
 def test_builtin_corpus_is_byte_tokens_of_the_pydoc_texts():
     tokens = builtin_corpus()
     assert len(tokens) > 100_000 and int(tokens.max()) < 256 and tokens.dtype == torch.long
+
+
+def test_the_runtime_s_built_in_corpus_is_the_corpus_package_s():
+    corpus = open_corpus(None)
+    tokens = builtin_corpus()
+    assert len(tokens) == len(corpus)
+    assert torch.equal(tokens[:257], corpus.consecutive(0, 1, 256)[0])
 
 
 def test_text_file_folder_and_bin(tmp_path):

@@ -19,15 +19,26 @@ LEAVES = {"errors", "files", "data"}
 MAY_IMPORT: dict[str, set[str]] = {
     **{leaf: set() for leaf in LEAVES},
     "spec": set(),
+    "corpus": set(),  # tokenized corpora and data prepare: numpy, torch, tokenizers
     "report": {"spec"},
     "profiles": {"spec", "report"},  # the pure profile store, below the predictor
     "predictor": {"spec", "report", "profiles"},
     "planner": {"spec", "report", "profiles", "predictor"},
     "comm": {"spec"},
     # the runtime reads plans, never the planner nor the predictor
-    "runtime": {"spec", "report", "comm"},
+    "runtime": {"spec", "report", "comm", "corpus"},
     "profiler": {"spec", "report", "profiles", "comm", "runtime"},  # torch measurement
-    "jobs": {"spec", "report", "profiles", "predictor", "planner", "comm", "runtime", "profiler"},
+    "jobs": {
+        "spec",
+        "report",
+        "profiles",
+        "predictor",
+        "planner",
+        "comm",
+        "corpus",
+        "runtime",
+        "profiler",
+    },
     "launchers": {"spec", "runtime"},  # the node agents' scripts: the runtime's node mapping
     "cli": {
         "spec",
@@ -36,6 +47,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "predictor",
         "planner",
         "comm",
+        "corpus",
         "runtime",
         "profiler",
         "jobs",

@@ -1,6 +1,7 @@
-"""Training data: token streams (the built-in corpus, a text file, a folder of text files, or a
-nanoGPT-style .bin of uint16 tokens) and the global batches drawn from them, the same for a given
-seed whatever the plan."""
+"""Training data, the runtime's side: a batch's tokens onto the device (to_device), and the older
+in-memory readers (builtin_corpus, load_tokens, check_tokens, global_batch) that the callers
+not yet moved to hethub.corpus's open_corpus still use. The corpora themselves, memory-mapped
+and shuffled by epoch, are hethub.corpus's."""
 
 from __future__ import annotations
 
@@ -9,17 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hethub.corpus.sources import TEXT_SUFFIXES, builtin_text
 from hethub.errors import HethubError
-
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 
 
 def builtin_corpus() -> torch.Tensor:
     """The standard library's pydoc topic texts as byte tokens (vocabulary 256); no download."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(builtin_text()), dtype=torch.uint8).long()
 
 
 def global_batch(
