@@ -1,7 +1,9 @@
 """Checkpoints: a resumed run is the uninterrupted one (bit for bit under the same plan, within
 1e-5 under another plan), GPT's tied head round-trips, unfinished saves are never loaded, a
 checkpoint of another model is refused with a clear message, and one written before the fused
-GEMMs (q, k, v, gate and up apart) loads as the same state as its fused twin.
+GEMMs (q, k, v, gate and up apart), or before the sharded saves (every tensor whole), loads as
+the same state as its twin. Every rank saves only its own TP slice (DCP's metadata shows each
+TP rank's chunk), and unlike replicas (TP 2 and TP 1) never write overlapping chunks.
 
 Three multi-process jobs (each costs seconds of process start), run once by a module fixture,
 each rank following a small script of actions; the tests check what they did.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -161,6 +164,8 @@ def _run(rank, label, plan, script):
             out["loaded"] = _snapshot(engine)
         elif action == "load unfused":  # a checkpoint written before the fused GEMMs
             out["unfused"] = load_checkpoint(engine, Path(args[0])), _snapshot(engine)
+        elif action == "load whole":  # a checkpoint written before the sharded saves
+            out["whole"] = load_checkpoint(engine, Path(args[0])), _snapshot(engine)
         elif action == "refused":
             other = dataclasses.replace(spec, hidden=args[1]) if len(args) > 1 else None
             target = _engine(parsed, topology, other) if other else engine
@@ -228,6 +233,16 @@ def write_unfused(saved, spec, path: Path, meta: dict, leave_out: tuple[str, ...
     return str(path)
 
 
+def write_whole(saved, path: Path, meta: dict) -> str:
+    """``saved`` (every tensor of a checkpoint) written at ``path`` as hethub wrote it before
+    the sharded saves: each tensor whole, one chunk; its path."""
+    with warnings.catch_warnings():  # DCP warns that it writes in one process: it is meant to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(saved, checkpoint_id=path, no_dist=True)
+    (path / "meta.json").write_text(json.dumps(meta))
+    return str(path)
+
+
 def step_dir(root, step):
     return Path(root) / f"step-{step:06d}"
 
@@ -285,6 +300,7 @@ def jobs(tmp_path_factory):
     unfused = root / "unfused"
     unfused.mkdir()
     out["unfused"] = write_unfused(out["saved2"], llama, unfused / "llama", meta)
+    out["whole"] = write_whole(out["saved2"], unfused / "whole", meta)
     out["gpt_unfused"] = write_unfused(out["gpt_saved2"], gpt, unfused / "gpt", meta)
     out["torn"] = write_unfused(
         out["saved2"], llama, unfused / "torn", meta, ("layers.0.v.weight",)
@@ -310,6 +326,7 @@ def jobs(tmp_path_factory):
                     ("refused", out["torn"]),
                     ("refused", out["neither"]),
                     ("load unfused", out["unfused"]),
+                    ("load whole", out["whole"]),
                     ("load", str(step_dir(a, 2))),
                 ]
                 + train(2, 3)
@@ -377,17 +394,48 @@ def test_resume_under_another_plan_matches_the_uninterrupted_run(jobs):
     assert_holds_shards(jobs["other"], jobs["other4"], "final", 4)
 
 
-@pytest.mark.slow
-def test_replicated_tensors_are_written_once(jobs):
-    """DCP's planner keeps one copy of a key every TP rank offered: one chunk, one copy in bytes."""
-    path = step_dir(jobs["root"], 2)
+def chunks_of(path):
+    """Every key of a checkpoint with its chunks as (offsets, sizes), from DCP's metadata."""
     metadata = dcp.FileSystemReader(path).read_metadata()
+    return {
+        key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+        for key, md in metadata.state_dict_metadata.items()
+    }
+
+
+def assert_written_once(path, saved):
+    """Every tensor of the checkpoint at ``path`` is written exactly once: its chunks' elements
+    add up to the tensor's (DCP refuses overlapping chunks); their bytes, with DCP's framing."""
     one_copy = 0
-    for key, md in metadata.state_dict_metadata.items():
-        assert len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size), key
-        one_copy += jobs["saved2"][key].numel() * 4
+    for key, chunks in chunks_of(path).items():
+        assert sum(math.prod(sizes) for _, sizes in chunks) == saved[key].numel(), key
+        one_copy += saved[key].numel() * 4
+    return one_copy
+
+
+@pytest.mark.slow
+def test_every_rank_saves_only_its_own_shard(jobs):
+    """Plan A's first stage is TP 2: each of its TP ranks wrote its own half of a split tensor,
+    as a chunk with its offset, and no rank wrote it whole; a tensor every TP rank holds whole
+    is written once (DCP's planner keeps one copy); the TP 1 stage's tensors are one chunk."""
+    path = step_dir(jobs["root"], 2)
+    chunks = chunks_of(path)
+    kv, blocks, d, h = jobs["saved2"]["model/layers.0.qkv.weight"].shape  # TP splits kv
+    for field in ("model/layers.0.qkv.weight", "optim/layers.0.qkv.weight/exp_avg_sq"):
+        assert chunks[field] == [
+            ((0, 0, 0, 0), (kv // 2, blocks, d, h)),
+            ((kv // 2, 0, 0, 0), (kv // 2, blocks, d, h)),
+        ]
+    vocab = jobs["saved2"]["model/embed.weight"].shape[0]
+    assert [offsets for offsets, _ in chunks["model/embed.weight"]] == [(0, 0), (vocab // 2, 0)]
+    assert chunks["model/layers.0.norm1.weight"] == [((0,), (h,))]  # whole on both TP ranks
+    assert len(chunks["model/layers.4.down.weight"]) == 1  # the TP 1 stage's: whole
+    one_copy = assert_written_once(path, jobs["saved2"])
     written = sum(f.stat().st_size for f in path.glob("*.distcp"))
     assert one_copy <= written < 1.1 * one_copy
+    # GPT's two unlike replicas (TP 2 and TP 1) both hold every tensor, in other slices: each
+    # is written by one of them, never in overlapping chunks.
+    assert_written_once(step_dir(jobs["root"].parent / "gpt-b", 4), jobs["gpt_other4"])
 
 
 @pytest.mark.slow
@@ -574,12 +622,13 @@ def test_a_sharded_interleaved_run_resumes_under_plain_1f1b_and_back(sharded_job
 
 @pytest.mark.slow
 def test_a_checkpoint_written_before_the_fused_gemms_loads_as_its_fused_twin(jobs):
+    # And one written before the sharded saves (every tensor whole) as its sharded twin.
     # Llama (grouped-query heads) on a TP 2 stage and a TP 1 one; GPT (fused biases too) on two
     # unlike replicas, TP 2 and TP 1: each rank's weights, moments and steps exactly as loaded
     # from the checkpoint the unfused one was made from.
-    for run in ("again", "gpt_other"):
+    for run, kind in (("again", "unfused"), ("gpt_other", "unfused"), ("again", "whole")):
         for rank in jobs[run]:
-            meta, state = rank["unfused"]
+            meta, state = rank[kind]
             assert meta == {"plan": "A", "step": 2}
             assert sorted(state) == sorted(rank["loaded"])
             for name, tensors in rank["loaded"].items():

@@ -7,13 +7,14 @@ import os
 import sys
 
 from hethub import __version__
-from hethub.cli import catalog, launch, plan, predict, profile, train, validate
+from hethub.cli import catalog, data, export, launch, plan, predict, profile, train, validate
+from hethub.cli import eval as eval_command  # a builtin's name
 from hethub.cli.args import ArgumentParser
 from hethub.errors import HethubError
 from hethub.runtime.torch_support import installed_torch, require_supported_torch
 
-COMMANDS = (train, launch, validate, plan, predict, profile, catalog)
-NEED_TORCH = {"train", "launch", "validate", "profile"}
+COMMANDS = (train, launch, validate, plan, predict, profile, catalog, data, eval_command, export)
+NEED_TORCH = {"train", "launch", "validate", "profile", "eval", "export"}
 """The commands that run torch (their workers too: they start as `hethub train`; launch checks the
 training data as train does); an unsupported torch stops them in one line before any torch code
 runs. plan, predict and catalog never load it."""

@@ -1,26 +1,31 @@
 """Checkpoints of a training job (torch.distributed.checkpoint), resumable under any plan.
 
-Layout independence: a checkpoint holds FULL tensors keyed by full-model parameter names
-(hethub.spec.parameters' names), never one rank's shard: ``model/<name>`` (the weight),
-``optim/<name>/exp_avg``, ``optim/<name>/exp_avg_sq`` and ``optim/<name>/step`` (AdamW's state).
-So any plan resumes any other plan's checkpoint: another pipeline split, another TP degree,
-other replicas. Every rank that holds a parameter (its replicas, its TP ranks once they have
-gathered it, the GPT head copy of the embedding) offers the same full tensor under the same
-key; DCP's default save planner keeps one of them (dedup_save_plans, keyed by name and offset)
-and spreads the writes over the ranks. On load every rank reads the full tensors of its stage
-and keeps its TP shard. The weights are the fp32 master weights in either precision
-(runtime.precision), so a checkpoint resumes under another precision too.
+Layout independence: a checkpoint holds tensors of their FULL shape keyed by full-model parameter
+names (hethub.spec.parameters' names): ``model/<name>`` (the weight), ``optim/<name>/exp_avg``,
+``optim/<name>/exp_avg_sq`` and ``optim/<name>/step`` (AdamW's state). So any plan resumes any
+other plan's checkpoint: another pipeline split, another TP degree, other replicas.
+
+Sharded saves: every rank writes only what it holds, never a gathered whole. A tensor TP splits
+is offered as a DTensor over the stage's TP group (Shard along the parameter's tp_dim), so DCP
+writes each TP rank's slice as a chunk of the full tensor with its offsets; a tensor held whole
+(a norm, a row-parallel bias, a step counter) by each TP rank of the stage, one of whose copies
+DCP's planner keeps (dedup_save_plans, keyed by name and offset). Each parameter is written by
+one stage of its holders (``_writers``: the holders in turn, so the writes spread over the
+replicas): replicas of unlike layouts (TP 2 here, TP 1 there) would otherwise offer overlapping
+chunks of one tensor, which DCP refuses. On load every rank asks for exactly its own TP slice
+(a DTensor of the new plan's layout) and DCP reads it out of whichever chunks overlap it:
+checkpoints of any TP degree, and those of the layout before (full tensors, one chunk each),
+load alike. The weights are the fp32 master weights in either precision (runtime.precision), so
+a checkpoint resumes under another precision too. A sharded optimizer's local_state still
+gathers its peers' flat slices into this rank's TP shard (a collective among the data-parallel
+peers, of one TP shard's size) before the save.
 
 Checkpoints written before the fused GEMMs (issue 26) hold each layer's q, k and v (gate and up)
 separately: ``model/layers.{i}.q.weight``, its moments and step, and so on. They still load:
 where a checkpoint has no fused key but the parts (spec.parameters.fused_parts, the one table of
-renames), the parts' weights and both moments are read and fused (runtime.model.fuse) into the
-fused parameter's, and its step is the first part's (every parameter steps together). Saves
-always write the fused names.
-
-Cost: every TP rank gathers whole weights and moments (three times its stage's full size in
-memory for a moment), fine for the models this runs on CPU; big models would save a sharded
-DTensor layout instead, which DCP reshards on load by itself.
+renames), the parts' full weights and both moments are read and fused (runtime.model.fuse) into
+the fused parameter's, and its step is the first part's (every parameter steps together). Such
+checkpoints are old and small; saves always write the fused names.
 
 Atomicity: a crash mid-save never leaves a checkpoint that loads. Every rank writes into
 ``step-000012.tmp-<token>``; once a barrier shows every rank has finished, rank 0 writes
@@ -41,6 +46,7 @@ rank, never a traceback per rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -53,6 +59,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from hethub.errors import HethubError
 from hethub.runtime.checkpoint_folders import (
@@ -65,7 +73,9 @@ from hethub.runtime.checkpoint_folders import (
 )
 from hethub.runtime.model import fuse, shard
 from hethub.runtime.optimizer import MOMENTS, LocalState
+from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import FusedParts, fused_parts
+from hethub.spec.topology import Topology, parameter_holders
 
 if TYPE_CHECKING:  # the engine does not need this module; annotations only
     from hethub.runtime.engine import Engine
@@ -84,10 +94,10 @@ def save_checkpoint(
     dist.broadcast_object_list(token, src=0)  # one temporary folder for the whole job
     tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
     tmp.mkdir(parents=True, exist_ok=True)
-    dcp.save(_full_state(engine), storage_writer=dcp.FileSystemWriter(tmp))
+    dcp.save(_state_to_save(engine), storage_writer=dcp.FileSystemWriter(tmp))
     dist.barrier()  # every rank's files are written (and synced) before the folder is published
     meta[MANIFEST] = _manifest(tmp)
-    _agree(_publish(tmp, final, meta) if dist.get_rank() == 0 else None)
+    agree(_publish(tmp, final, meta) if dist.get_rank() == 0 else None)
     if keep is not None and dist.get_rank() == 0:
         keep_latest(checkpoints_dir, keep)
     return final
@@ -105,7 +115,7 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     buffers: dict[str, torch.Tensor] = {}
     if problem is None:
         buffers, problem = _buffers(engine, path, metadata)
-    _agree(problem)  # one rank's problem stops every rank here, not inside dcp.load
+    agree(problem)  # one rank's problem stops every rank here, not inside dcp.load
     try:
         dcp.load(buffers, storage_reader=dcp.FileSystemReader(path))
     except CheckpointException as error:  # raised on every rank when one rank's read failed
@@ -114,18 +124,70 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     return meta
 
 
-def _full_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """The full tensors of this stage's weights and AdamW state, under their checkpoint keys
-    (a sharded optimizer first gathers its slices among its peers)."""
+def _state_to_save(engine: Engine) -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpoint under its keys: the weights and AdamW state of the
+    parameters its stage writes (``_writers``), each TP-split tensor as this rank's slice of
+    the full one (a sharded optimizer first gathers its TP shard among its peers)."""
+    engine.finish_param_gather()
     states = engine.optimizer.local_state()
-    out = {}
-    for name, _ in engine.weights.named:  # every TP rank gathers in this one order
+    writers = _writers(engine.topology, engine.spec)
+    out: dict[str, torch.Tensor] = {}
+    for name, _ in engine.weights.named:
+        if writers[name] != engine.groups.leader:
+            continue  # another stage holding it writes it
         state = states[name]
-        out[_key(name, "model")] = engine.gather_full(name, state.value)
-        for moment in MOMENTS:
-            out[_key(name, moment)] = engine.gather_full(name, getattr(state, moment))
+        for field in FIELDS:
+            out[_key(name, field)] = _slice_of_full(engine, name, getattr(state, _FIELD[field]))
         out[_key(name, "step")] = state.step
     return out
+
+
+_FIELD = {"model": "value", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+"""A checkpoint field's LocalState attribute."""
+
+
+@functools.lru_cache(maxsize=4)
+def _writers(topology: Topology, spec: ModelSpec) -> dict[str, int]:
+    """For every parameter: the leader of the stage that writes it, one of its holders
+    (topology.parameter_holders) taken in turn along the parameter table, so that every
+    replica writes its share. The same answer on every rank, from the topology alone."""
+    holders = parameter_holders(topology, spec)
+    return {name: holders[name][i % len(holders[name])] for i, name in enumerate(holders)}
+
+
+def _tp_mesh(engine: Engine, device_type: str) -> DeviceMesh | None:
+    """The stage's TP group as a one-dimensional DeviceMesh (None at TP 1): what a DTensor shard
+    of a TP-split tensor lives on. Made from the group itself: no new process group."""
+    if engine.groups.tp.handle is None:
+        return None
+    return DeviceMesh.from_group(engine.groups.tp.handle, device_type)
+
+
+def _slice_of_full(engine: Engine, name: str, local: torch.Tensor) -> torch.Tensor:
+    """``local``, this rank's TP shard of parameter ``name``'s tensor, as DCP is to see it: a
+    DTensor slice of the full tensor where TP splits it, else itself (whole)."""
+    layout = engine.parameter_table[name]
+    mesh = _tp_mesh(engine, local.device.type) if layout.tp_dim is not None else None
+    if mesh is None:
+        return local
+    full = torch.Size(layout.shape)
+    return DTensor.from_local(
+        local.contiguous(),
+        mesh,
+        [Shard(layout.tp_dim)],
+        run_check=False,
+        shape=full,
+        stride=_contiguous_stride(full),
+    )
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _unloadable(path: Path, error: CheckpointException) -> str:
@@ -199,7 +261,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _agree(problem: str | None) -> None:
+def agree(problem: str | None) -> None:
     """Every rank raises the first rank's problem (or none does): no rank goes on into a
     collective the others have left. Also a barrier."""
     problems: list[str | None] = [None] * dist.get_world_size()
@@ -289,25 +351,38 @@ def _buffers(
                     f"checkpoint {path} holds {what} of shape {list(saved.size)}, the model "
                     f"needs {shape}: it was written for another model"
                 )
-            # AdamW's step counter stays in the dtype it was saved in; the rest is the parameter's.
-            dtype = saved.properties.dtype if key.endswith("/step") else param.dtype
-            buffers[key] = torch.empty(shape, dtype=dtype)
+            if key.endswith("/step"):  # AdamW's step counter stays in the dtype it was saved in
+                buffers[key] = torch.empty(shape, dtype=saved.properties.dtype)
+            elif key.split("/")[1] == name:  # this rank's slice: DCP reads only what overlaps it
+                layout = engine.parameter_table[name]
+                local = torch.empty(layout.shard_shape(engine.me.tp), dtype=param.dtype)
+                buffers[key] = _slice_of_full(engine, name, local)
+            else:  # a part of a fused parameter, from before the fused GEMMs: old and small
+                buffers[key] = torch.empty(shape, dtype=param.dtype)
     return buffers, None
 
 
 def _install(engine: Engine, buffers: dict[str, torch.Tensor]) -> None:
-    """Hand this rank's TP shard of the loaded full tensors to its optimizer, which sets the
-    weights too; a fused parameter loaded as its parts is fused first."""
+    """Hand this rank's TP shard of the loaded tensors to its optimizer, which sets the weights
+    too; a fused parameter loaded as its parts is fused and sliced first."""
     rank, tp = engine.me.tp_rank, engine.me.tp
     states = {}
     for name, _ in engine.weights.named:
-        layout = engine.parameter_table[name]
-        if _key(name, "model") in buffers:
-            full = [buffers[_key(name, field)] for field in FIELDS]
+        if _key(name, "model") in buffers:  # loaded as this rank's slices
+            local = [_local(buffers[_key(name, field)]) for field in FIELDS]
             step = buffers[_key(name, "step")]
-        else:  # written before the fused GEMMs
+        else:  # written before the fused GEMMs: the parts' full tensors
+            layout = engine.parameter_table[name]
             parts, names = _parts_before_fusion(engine, name)
-            full = [fuse(parts, [buffers[_key(part, field)] for part in names]) for field in FIELDS]
+            local = [
+                shard(layout, fuse(parts, [buffers[_key(part, field)] for part in names]), rank, tp)
+                for field in FIELDS
+            ]
             step = buffers[_key(names[0], "step")]
-        states[name] = LocalState(*(shard(layout, tensor, rank, tp) for tensor in full), step)
+        states[name] = LocalState(*local, step)
     engine.optimizer.load_local_state(states)
+
+
+def _local(loaded: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a loaded tensor: a DTensor's local slice, or a tensor held whole."""
+    return loaded.to_local() if isinstance(loaded, DTensor) else loaded
