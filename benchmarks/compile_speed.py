@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from hethub.corpus import open_corpus
 from hethub.runtime.compiled import compiled_graphs, compiled_layers
-from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.engine import Engine
 from hethub.spec import load_model, parse_cluster, parse_plan
 from hethub.spec.topology import build_topology
@@ -69,8 +69,8 @@ def timed(step, tokens: torch.Tensor, device: torch.device) -> tuple[float, floa
 
 def compare(precision: str, steps: int, device: torch.device) -> None:
     spec = load_model(MODEL)
-    corpus = builtin_corpus()
-    batches = [global_batch(corpus, s, BATCH, spec.seq_len, SEED) for s in range(WARMUP + steps)]
+    corpus = open_corpus(None)
+    batches = [corpus.batch(s * BATCH, BATCH, spec.seq_len, SEED) for s in range(WARMUP + steps)]
     engines = {name: engine(precision, name == "compiled", device) for name in NAMES}
     first, warm_up = {}, {}
     graphs_before = compiled_graphs()

@@ -720,7 +720,7 @@ def profile_split(work: Path, cpu: bool) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from hethub.runtime.data import builtin_corpus, global_batch
+    from hethub.corpus import open_corpus
     from hethub.runtime.engine import Engine
     from hethub.spec import load_cluster, load_model, load_plan
     from hethub.spec.topology import build_topology
@@ -731,14 +731,14 @@ def profile_split(work: Path, cpu: bool) -> int:
         torch.set_num_threads(1)  # as a run's worker does
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cluster, corpus = load_cluster(work / "cluster.yaml"), builtin_corpus()
+    cluster, corpus = load_cluster(work / "cluster.yaml"), open_corpus(None)
     for plan_file in ("plan.yaml", COMPILED_PLAN):
         plan = load_plan(work / plan_file)
         spec = load_model(plan.model, relative_to=work)
         topology = build_topology(plan, cluster)
         engine = Engine.for_job(plan, topology, spec, cluster, seed=SPLIT_SEED, device=device)
         batches = [
-            global_batch(corpus, s, plan.global_batch, spec.seq_len, SPLIT_SEED)
+            corpus.batch(s * plan.global_batch, plan.global_batch, spec.seq_len, SPLIT_SEED)
             for s in range(SPLIT_WARMUP + SPLIT_STEPS)
         ]
         for tokens in batches[:SPLIT_WARMUP]:

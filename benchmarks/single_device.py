@@ -41,10 +41,10 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from hethub.corpus import open_corpus
 from hethub.errors import HethubError
 from hethub.predictor import predict
 from hethub.profiler.op_counts import OpCounter
-from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import full_state, unfuse
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
@@ -302,8 +302,8 @@ def compare(
 ) -> None:
     accelerator = accelerator_of(device)
     plan, cluster = hethub_plan(precision, accelerator or "h100", spec.layers, batch)
-    corpus = builtin_corpus()
-    batches = [global_batch(corpus, s, batch, spec.seq_len, SEED) for s in range(WARMUP + steps)]
+    corpus = open_corpus(None)
+    batches = [corpus.batch(s * batch, batch, spec.seq_len, SEED) for s in range(WARMUP + steps)]
     # Built one after the other, each warmed up before the next exists: the two first losses
     # (the same weights, the same batch) agree, and each one's peak memory is its own.
     builders = {

@@ -150,12 +150,19 @@ def test_a_bucket_done_mid_step_is_left_alone_by_later_flushes():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_update_is_one_fused_adamw_and_one_copy_whatever_the_parameter_count(precision):
+def test_the_update_is_one_fused_adamw_one_decay_and_one_copy_whatever_the_parameter_count(
+    precision,
+):
     stage, twin = two_chunks(), two_chunks()
     weights = MasterWeights(stage, precision)
     reference = MasterWeights(twin, precision)
     optimizer = PlainAdamW(weights, lr=1e-2, weight_decay=0.1)
-    per_tensor = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    # no decay on norms and biases (runtime.optimizer.takes_weight_decay)
+    groups = [
+        {"params": [p for p in reference.parameters() if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in reference.parameters() if p.dim() == 1], "weight_decay": 0.0},
+    ]
+    per_tensor = torch.optim.AdamW(groups, lr=1e-2, fused=True)
     for w in (weights, reference):
         w.zero_grad()
         for c in (1, 0):
@@ -175,6 +182,7 @@ def test_the_update_is_one_fused_adamw_and_one_copy_whatever_the_parameter_count
     assert len(weights.named) > 20
     copies = 1 if precision == "bf16" else 0  # the masters into the bf16 weights
     assert counted.ops.pop("_fused_adamw_") == 1 and counted.ops.pop("copy_", 0) == copies
+    assert counted.ops.pop("_foreach_mul_") == 1  # the weight decay, over the decayed spans
     assert sum(counted.ops.values()) <= 3, counted.ops  # the step counters' add, profiling marks
 
 

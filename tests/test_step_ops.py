@@ -17,8 +17,8 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
+from hethub.corpus import open_corpus
 from hethub.profiler.op_counts import OpCounter
-from hethub.runtime.data import builtin_corpus, global_batch
 from hethub.runtime.spawn import run_ranks
 
 MODEL = {  # two layers with grouped-query attention: every kind of operation, in seconds
@@ -71,8 +71,8 @@ def _count_steps(rank: int, world: int, precision: str) -> dict:
         "hethub": single_device.hethub_engine(spec, plan, cluster, device).step,
         "reference": single_device.Reference(spec, precision, device).step,
     }
-    corpus = builtin_corpus()
-    first, second = (global_batch(corpus, s, BATCH, spec.seq_len, 0) for s in range(2))
+    corpus = open_corpus(None)
+    first, second = (corpus.batch(s * BATCH, BATCH, spec.seq_len, 0) for s in range(2))
     out = {}
     for name, step in trainers.items():
         step(first)

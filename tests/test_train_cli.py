@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_engine import BF16_LOSS_RTOL, LOSS_MOVES_BY_TOLERANCES
 
-from hethub.runtime.data import builtin_corpus, global_batch
+from hethub.corpus import open_corpus
 from hethub.runtime.model import Stage
 from hethub.runtime.precision import MasterWeights
 from hethub.spec import load_model
@@ -53,17 +53,24 @@ pipelines:
 
 
 def reference_losses(steps: int, seed: int, lr: float, precision: str = "fp32") -> list[float]:
-    """One process, the whole model, the runtime's recipe for ``precision``."""
+    """One process, the whole model, the runtime's recipe for ``precision`` with `hethub
+    train`'s defaults but a constant rate (RECIPE_FLAGS): torch's AdamW with weight decay 0.1
+    on all but norms (a no-decay group), gradients clipped at norm 1."""
     spec = load_model("tiny-llama")
     model = Stage.build(spec, 0, spec.layers, None, is_first=True, is_last=True, seed=seed)
     weights = MasterWeights(model, precision)
-    optimizer = torch.optim.AdamW(weights.parameters(), lr=lr, weight_decay=0.0)
-    corpus, losses = builtin_corpus(), []
+    decayed = [p for _, p in weights.named if p.dim() > 1]
+    norms = [p for _, p in weights.named if p.dim() == 1]
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": 0.1}, {"params": norms, "weight_decay": 0.0}], lr=lr
+    )
+    corpus, losses = open_corpus(None), []
     for step in range(steps):
-        tokens = global_batch(corpus, step, 4, spec.seq_len, seed)
+        tokens = corpus.batch(step * 4, 4, spec.seq_len, seed)
         weights.zero_grad()
         loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(weights.parameters(), 1.0)
         optimizer.step()
         weights.copy_to_model()
         losses.append(loss.item())
@@ -98,7 +105,10 @@ def files(tmp_path):
     return _write_files(tmp_path)
 
 
-WHOLE_FLAGS = ["--seed", "3", "--lr", "1e-3", "--json", "--timeout", "60"]
+# A constant rate: these runs are resumed with more --steps than they started with, which
+# stretches a decaying schedule (a cosine decays to --min-lr at the run's last step).
+RECIPE_FLAGS = ["--lr-schedule", "constant"]
+WHOLE_FLAGS = ["--seed", "3", "--lr", "1e-3", *RECIPE_FLAGS, "--json", "--timeout", "60"]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +240,7 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
 def test_a_bf16_run_trains_in_bf16_and_resumes_bit_for_bit(files):
     (files / "plan.yaml").write_text(PLAN.replace("precision: fp32", "precision: bf16"))
     common = ["--cluster", "cluster.yaml", "--plan", "plan.yaml", "--seed", "3", "--lr", "1e-3"]
-    common += ["--json", "--timeout", "60"]
+    common += [*RECIPE_FLAGS, "--json", "--timeout", "60"]
     whole = hethub(files, "train", *common, "--steps", "4", "--run-dir", "runs/whole")
     assert whole.returncode == 0, whole.stderr
     steps = records(whole)[0]

@@ -9,6 +9,7 @@ import re
 
 from hethub.jobs.prepare import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL
 from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
+from hethub.runtime.lr_schedule import MIN_LR_SHARE, WARMUP_SHARE, LrSchedule
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 
 
@@ -76,6 +77,18 @@ def positive_finite_float(text: str) -> float:
     return value
 
 
+def non_negative_finite_float(text: str) -> float:
+    """argparse type= of a rate or a bound that may be 0 (--weight-decay, --min-lr,
+    --clip-grad): a number of 0 or more, neither nan nor infinite."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"= {text}: must be a finite number of 0 or more")
+    return value
+
+
 def timeout_seconds(text: str) -> float:
     """argparse type= of --timeout: seconds above 0, at most LONGEST_TIMEOUT."""
     value = positive_finite_float(text)
@@ -132,11 +145,13 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_finite_float,
         help=f"AdamW learning rate (default {DEFAULT_SETTINGS.lr:g})",
     )
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--data",
         help="a text file, a folder of text files, or a .bin of uint16 tokens "
         "(default: the standard library's pydoc texts)",
     )
+    add_eval_arguments(parser)
     parser.add_argument(
         "--run-dir",
         help="the run's directory (default runs/<plan or cluster name>, "
@@ -172,4 +187,78 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="launch even when the plan needs more memory or processes than this machine has "
         "(the pre-flight check; refused without it)",
+    )
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training recipe's flags beside --lr (runtime.lr_schedule, runtime.optimizer,
+    runtime.grad_norm), the starting weights and the sequence length. On --resume, each is the
+    run's unless given again."""
+    parser.add_argument(
+        "--weight-decay",
+        metavar="DECAY",
+        type=non_negative_finite_float,
+        help="AdamW's decoupled weight decay, on every parameter but norms and biases "
+        f"(default {DEFAULT_SETTINGS.weight_decay:g})",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        metavar="STEPS",
+        type=non_negative_int,
+        help="steps of linear warm-up of the learning rate "
+        f"(default {100 * WARMUP_SHARE:g}%% of the run's steps, rounded)",
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=[schedule.value for schedule in LrSchedule],
+        help="after the warm-up: a cosine or linear decay to --min-lr at the last step, or a "
+        f"constant rate (default {DEFAULT_SETTINGS.lr_schedule})",
+    )
+    parser.add_argument(
+        "--min-lr",
+        metavar="LR",
+        type=non_negative_finite_float,
+        help=f"the rate a decay reaches at the last step (default {MIN_LR_SHARE:g} x --lr)",
+    )
+    parser.add_argument(
+        "--clip-grad",
+        metavar="NORM",
+        type=non_negative_finite_float,
+        help="clip the gradients' global norm to this, 0 for no clipping "
+        f"(default {DEFAULT_SETTINGS.clip_grad:g})",
+    )
+    parser.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from the weights of a HuggingFace folder (config.json and safetensors) "
+        "instead of the seeded initialisation",
+    )
+    parser.add_argument(
+        "--seq-len",
+        metavar="L",
+        type=positive_int,
+        help="tokens per sequence (default: the model's; a HuggingFace model's "
+        "max_position_embeddings, at most 4096, which also bounds it)",
+    )
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Validation during training: held-out data, run forward through the run's own plan."""
+    parser.add_argument(
+        "--eval-data",
+        metavar="D",
+        help="held-out data to compute a validation loss on (as --data takes; default: none)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        metavar="K",
+        type=positive_int,
+        help="evaluate every K steps and at the last (default: at every checkpoint)",
+    )
+    parser.add_argument(
+        "--eval-sequences",
+        metavar="N",
+        type=positive_int,
+        help="windows evaluated, consecutive from the start of --eval-data "
+        "(default: the global batch)",
     )

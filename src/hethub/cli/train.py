@@ -144,6 +144,9 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
             + (" (emulated speeds)" if job.emulated else ""),
             file=out,
         )
+        evaluated = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
+        if evaluated:
+            print(f"validation loss {evaluated[0]:.3f} -> {evaluated[-1]:.3f}", file=out)
     run = job.run.path
     print(
         f"run directory: {run}/ (plan.yaml, metrics.jsonl, trace.json, loss.png, checkpoints/)",

@@ -39,6 +39,7 @@ from hethub.runtime.checkpoint_folders import (
     latest_intact_checkpoint,
     read_meta,
 )
+from hethub.runtime.lr_schedule import default_min_lr, default_warmup_steps
 from hethub.runtime.rundir import DEFAULT_SETTINGS, RunDir, RunSettings, new_run_dir
 from hethub.spec import (
     ClusterSpec,
@@ -108,17 +109,24 @@ def prepare(
     _check_profiles_folder(args, cluster, measure)
     if args.plan:
         plan = load_plan(args.plan)
-        model = load_model(plan.model, relative_to=Path(args.plan).parent, source=args.plan)
+        model = load_model(
+            plan.model,
+            relative_to=Path(args.plan).parent,
+            source=args.plan,
+            seq_len=settings.seq_len,
+        )
         check_plan(plan, cluster, model, args.plan)
         _check_data(
             settings, model, plan.global_batch
         )  # bad data stops before anything is measured
+        _check_eval_data(settings, model, plan.global_batch)
         _check_before_measuring(args, cluster, model, plan, measure, local_launch)
         profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     else:
-        model = load_model(args.model or DEFAULT_MODEL, source="--model")
+        model = load_model(args.model or DEFAULT_MODEL, source="--model", seq_len=settings.seq_len)
         global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
         _check_data(settings, model, global_batch)
+        _check_eval_data(settings, model, global_batch)
         precision = planned_precision(cluster)
         _check_before_measuring(args, cluster, model, None, measure, local_launch, precision)
         if say and precision is not DEFAULT_PRECISION:
@@ -174,9 +182,12 @@ def _prepare_resume(
     cluster = load_cluster(cluster_path)
     plan_path = Path(args.plan) if args.plan else run.plan
     plan = load_plan(plan_path)
-    model = load_model(plan.model, relative_to=plan_path.parent, source=str(plan_path))
+    model = load_model(
+        plan.model, relative_to=plan_path.parent, source=str(plan_path), seq_len=settings.seq_len
+    )
     check_plan(plan, cluster, model, str(plan_path))
     _check_data(settings, model, plan.global_batch)
+    _check_eval_data(settings, model, plan.global_batch)
     _check_profiles_folder(args, cluster, measure)
     _check_before_measuring(args, cluster, model, plan, measure, local_launch)
     profiles, basis = _profiles(args, cluster, model, plan, measure, say)
@@ -233,10 +244,24 @@ def _check_continues(args: argparse.Namespace, settings: RunSettings, done: int)
                 f"--{flag} = {value}: the run was trained with {getattr(settings, flag)}; "
                 f"a resumed run keeps its seed and learning rate so that it continues exactly"
             )
-    if args.data and str(Path(args.data).resolve()) != settings.data:
+    if args.data and _absolute_data(args.data) != settings.data:
         raise HethubError(
             f"--data = {args.data!r}: the run was trained on "
             f"{settings.data or 'the built-in corpus'}"
+        )
+    seq_len = _flag(args, "seq_len")
+    if seq_len is not None and seq_len != settings.seq_len:
+        trained = settings.seq_len or "the model's own"
+        raise HethubError(
+            f"--seq-len = {seq_len}: the run was trained at {trained}; a resumed run keeps its "
+            f"sequence length"
+        )
+    init_from = _flag(args, "init_from")
+    if init_from and str(Path(init_from).resolve()) != settings.init_from:
+        raise HethubError(
+            f"--init-from = {init_from!r}: the run started from "
+            f"{settings.init_from or 'its seeded initialisation'} and goes on from its "
+            f"checkpoint at step {done}"
         )
     if _given(args.steps, settings.steps) <= done:
         raise HethubError(
@@ -257,16 +282,63 @@ def _check_restartable(args: argparse.Namespace, run: RunDir) -> None:
 
 
 def _settings(args: argparse.Namespace, base: RunSettings) -> RunSettings:
-    """``base`` with the flags given in its place."""
-    return RunSettings(
+    """``base`` with the flags given in its place; the warm-up and the floor of the rate, where
+    neither gives them, worked out from the run's steps and rate (runtime.lr_schedule) and
+    recorded as numbers."""
+    lr, steps = _given(args.lr, base.lr), _given(args.steps, base.steps)
+    warmup = base.warmup_steps if base.warmup_steps is not None else default_warmup_steps(steps)
+    min_lr = base.min_lr if base.min_lr is not None else default_min_lr(lr)
+    init_from, eval_data = _flag(args, "init_from"), _flag(args, "eval_data")
+    settings = RunSettings(
         seed=_given(args.seed, base.seed),
-        lr=_given(args.lr, base.lr),
-        data=str(Path(args.data).resolve()) if args.data else base.data,
-        steps=_given(args.steps, base.steps),
+        lr=lr,
+        data=_absolute_data(args.data) if args.data else base.data,
+        steps=steps,
         checkpoint_every=_given(args.checkpoint_every, base.checkpoint_every),
         timeout_s=_given(args.timeout, base.timeout_s),
         keep_checkpoints=_given(args.keep_checkpoints, base.keep_checkpoints),
+        weight_decay=_given(_flag(args, "weight_decay"), base.weight_decay),
+        warmup_steps=_given(_flag(args, "warmup_steps"), warmup),
+        lr_schedule=_given(_flag(args, "lr_schedule"), base.lr_schedule),
+        min_lr=_given(_flag(args, "min_lr"), min_lr),
+        clip_grad=_given(_flag(args, "clip_grad"), base.clip_grad),
+        init_from=str(Path(init_from).resolve()) if init_from else base.init_from,
+        seq_len=_given(_flag(args, "seq_len"), base.seq_len),
+        eval_data=_absolute_data(eval_data) if eval_data else base.eval_data,
+        eval_every=_given(_flag(args, "eval_every"), base.eval_every),
+        eval_sequences=_given(_flag(args, "eval_sequences"), base.eval_sequences),
     )
+    _check_recipe(settings)
+    return settings
+
+
+def _flag(args: argparse.Namespace, name: str):
+    """A flag of the recipe or of evaluation, None where not given (or where the command has
+    no such flag)."""
+    return getattr(args, name, None)
+
+
+def _absolute_data(spec: str) -> str:
+    """--data or --eval-data with its paths absolute (each part's, in a blend): a resume reads
+    it from anywhere."""
+    from hethub.corpus import absolute_spec
+
+    return absolute_spec(spec, Path.cwd())
+
+
+def _check_recipe(settings: RunSettings) -> None:
+    """What the flags cannot check one by one: the floor of a decay is not above its peak, and
+    --init-from names a folder."""
+    if settings.min_lr is not None and settings.min_lr > settings.lr:
+        raise HethubError(
+            f"--min-lr = {settings.min_lr:g}: above --lr = {settings.lr:g}; a decay goes down "
+            f"from --lr to --min-lr"
+        )
+    if settings.init_from is not None and not Path(settings.init_from).is_dir():
+        raise HethubError(
+            f"--init-from = {settings.init_from!r}: no such folder; give a HuggingFace model "
+            f"folder (config.json and its .safetensors)"
+        )
 
 
 def _check_run_dir(args: argparse.Namespace, default: Path, write: bool) -> None:
@@ -406,14 +478,27 @@ def _given(value, default):
 
 
 def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
-    """Bad data (missing, empty, too short, out of the vocabulary) stops before any process
-    starts."""
-    from hethub.runtime.data import builtin_corpus, check_tokens, load_tokens
+    """Bad data (missing, of no known format, too short, out of the vocabulary) stops before
+    any process starts: read from the corpus's metadata where it has some, never loaded whole."""
+    from hethub.corpus import open_corpus
 
-    tokens = load_tokens(settings.data) if settings.data else builtin_corpus()
-    check_tokens(
-        tokens, settings.data or "the built-in corpus", model.vocab, model.seq_len, global_batch
-    )
+    open_corpus(settings.data).check(model.vocab, model.seq_len, global_batch)
+
+
+def eval_sequences(settings: RunSettings, global_batch: int) -> int:
+    """How many windows a run evaluates: --eval-sequences, else the global batch."""
+    return settings.eval_sequences or global_batch
+
+
+def _check_eval_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
+    """Held-out data that cannot fill the windows evaluated, or out of the model's vocabulary,
+    stops before any process starts."""
+    if settings.eval_data is None:
+        return
+    from hethub.corpus import open_corpus
+
+    corpus = open_corpus(settings.eval_data, what="--eval-data")
+    corpus.check(model.vocab, model.seq_len, eval_sequences(settings, global_batch))
 
 
 @dataclass(frozen=True)

@@ -511,7 +511,8 @@ def _optimizer_seconds_per_param(
     into the stage's bf16 weights), per parameter."""
     params = weights.parameters()
     weights.main_grads.normal_()
-    optimizer = PlainAdamW(weights, DEFAULT_SETTINGS.lr, weight_decay=0.0)
+    # with the decay a run applies by default (a foreach multiply of the decayed weights)
+    optimizer = PlainAdamW(weights, DEFAULT_SETTINGS.lr, DEFAULT_SETTINGS.weight_decay)
     step = optimizer.step
     step()  # allocates the moments
     clock = clock or HostClock()

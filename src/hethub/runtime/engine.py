@@ -11,9 +11,17 @@ operations, the waits in receives, the gradient sync and the optimizer, in secon
 step's start (a barrier, so the ranks' timelines line up).
 
 The host reads from the device once a step, when the step is over: this rank's share of the loss
-(summed on the device over the micro-batches) and, when asked, the largest weight, finite only
-if every weight is. Until then it only queues work, so an accelerator never waits on the host
-between micro-batches; the timeline's device events are read after it too.
+(summed on the device over the micro-batches), the global gradient norm where it is tracked or
+clipped (runtime.grad_norm) and, when asked, the largest weight, finite only if every weight is.
+Until then it only queues work, so an accelerator never waits on the host between micro-batches;
+the timeline's device events are read after it too.
+
+The recipe: the rate of each step is the caller's (runtime.lr_schedule), AdamW's weight decay
+spares norms and biases (runtime.optimizer), and the gradients are clipped by their global norm
+after the sync and before the step. The constructor's defaults are a constant rate, no decay and
+no clipping; `hethub train`'s are its RunSettings'.
+
+``evaluate`` runs windows forward only through the same pipeline, for a validation loss.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from hethub.comm import Communicator
+from hethub.errors import HethubError
 from hethub.report.timeline import TimelineEvent
 from hethub.runtime.compiled import compile_layers
+from hethub.runtime.grad_norm import GlobalGradNorm, clip_, counted_spans
 from hethub.runtime.grad_sync import Bucket, GradientSync, sync_buckets
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
@@ -60,14 +70,19 @@ class Engine:
         seed: int,
         lr: float = DEFAULT_SETTINGS.lr,
         weight_decay: float = 0.0,
+        clip_grad: float = 0.0,
+        track_grad_norm: bool = False,
         device: torch.device | None = None,
         speed: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         """``groups``: this rank's groups of the job (process_groups.create_job_groups);
-        ``device``: where this rank runs (default: the CPU); ``speed``: this rank's emulated
-        speed relative to the machine (None: as fast as it runs); ``bucket_bytes``: the
-        gradient sync's bucket cap (spec.buckets)."""
+        ``lr``: the rate of every step that is given none; ``weight_decay``: AdamW's, on every
+        parameter but norms and biases; ``clip_grad``: the global gradient norm is clipped to
+        it (0: not clipped); ``track_grad_norm``: the norm is computed (``grad_norm``) even
+        unclipped; ``device``: where this rank runs (default: the CPU); ``speed``: this rank's
+        emulated speed relative to the machine (None: as fast as it runs); ``bucket_bytes``:
+        the gradient sync's bucket cap (spec.buckets)."""
         self.plan, self.topology, self.spec, self.comm = plan, topology, spec, comm
         self.groups = groups
         self.rank = comm.rank
@@ -141,6 +156,18 @@ class Engine:
             device=self.device,
             speed=speed,
         )
+        self.clip_grad = clip_grad
+        self.grad_norm_of: GlobalGradNorm | None = None
+        """Where the norm is tracked or clipped: this rank's counted gradients."""
+        if clip_grad > 0 or track_grad_norm:
+            shard = self.optimizer.index if sharded else None
+            spans = counted_spans(topology, spec, self.rank, self.weights.layout, shard)
+            counted = [self.weights.main_grads[start:stop] for start, stop in spans]
+            self.grad_norm_of = GlobalGradNorm(counted, self.device, comm, groups.world)
+        self._norm: torch.Tensor | None = None  # the last sync's global norm, on the device
+        self.grad_norm: float | None = None
+        """The global gradient norm of the last step, before clipping (None where neither
+        tracked nor clipped)."""
         self.own_loss = 0.0
         """This rank's share of the last step's loss (0 off the last stage's leaders): which
         rank's went non-finite is what a run stopped on a NaN reports."""
@@ -193,20 +220,25 @@ class Engine:
         through the stage leaders: its part inside the vendor)."""
         return self.sync.overlapped_buckets
 
-    def step(self, tokens: torch.Tensor, *, check_weights: bool = False) -> float:
-        """One optimizer step on the global batch ``tokens`` (sequences, seq_len + 1); the mean
-        loss. With ``check_weights``, also whether the updated weights are all finite
-        (``weights_finite``), read with the loss."""
+    def step(
+        self, tokens: torch.Tensor, *, lr: float | None = None, check_weights: bool = False
+    ) -> float:
+        """One optimizer step at rate ``lr`` (None: the last one) on the global batch ``tokens``
+        (sequences, seq_len + 1); the mean loss. With ``check_weights``, also whether the
+        updated weights are all finite (``weights_finite``), read with the loss."""
         loss = self._forward_backward(tokens)
         with self._timeline.timed("optimizer"):
-            self.update()
+            self.update(lr)
         return self._end_step(loss, check_weights)
 
-    def update(self) -> None:
-        """The optimizer step on the synced gradients (``gradients``); the stage then computes
+    def update(self, lr: float | None = None) -> None:
+        """The optimizer step at rate ``lr`` (None: the last one) on the synced gradients
+        (``gradients``), clipped by their global norm where asked; the stage then computes
         with the new weights (with an overlapped param gather, each module once its gather is
         done, waited for just before its first forward)."""
-        self.optimizer.step()
+        if self.clip_grad > 0:
+            clip_(self.optimizer.stepped_grads, self._norm, self.clip_grad)
+        self.optimizer.step(lr)
         if self.param_waits is not None:
             self.param_waits.arm()
 
@@ -225,6 +257,23 @@ class Engine:
         sharded optimizer holds its slice); the mean loss."""
         return self._end_step(self._forward_backward(tokens), check_weights=False)
 
+    def evaluate(self, tokens: torch.Tensor) -> float:
+        """Collective, forward only: the mean next-token loss of the windows ``tokens``
+        (n, seq_len + 1), each window's first seq_len tokens the input and its last seq_len the
+        targets, under this engine's plan (runtime.pipeline.Pipeline.evaluate); the same on
+        every rank. Its messages are not counted as the training step's traffic."""
+        windows, width = tokens.shape
+        if windows == 0 or width != self.spec.seq_len + 1:
+            raise HethubError(
+                f"evaluation windows of shape {tuple(tokens.shape)}: want at least one window "
+                f"of seq_len + 1 = {self.spec.seq_len + 1} tokens"
+            )
+        self.finish_param_gather()
+        with self.comm.not_counted():
+            own = self.pipeline.evaluate(tokens).to("cpu", copy=True).double().reshape(1)
+            self.comm.all_reduce(own, self.groups.world)
+        return own.item() / (windows * self.spec.seq_len)
+
     def weights_are_finite(self) -> bool:
         """Whether every weight of this rank is finite now: a read of its own, outside a step."""
         self.finish_param_gather()
@@ -241,20 +290,28 @@ class Engine:
             self.param_waits.disarm()
         with self._timeline.timed("grad_sync"):
             self.sync.run()
+            if self.grad_norm_of is not None:
+                self._norm = self.grad_norm_of.compute()
         return loss
 
     def _end_step(self, loss: torch.Tensor, check_weights: bool) -> float:
-        """The step's one read of the device (``loss``, this rank's share, and when asked the
-        largest weight), then the mean loss, summed over the ranks on the host."""
+        """The step's one read of the device (``loss``, this rank's share, the global gradient
+        norm where there is one, and when asked the largest weight), then the mean loss, summed
+        over the ranks on the host."""
         if check_weights:
             self.finish_param_gather()
-        values = [loss, self._largest_weight()] if check_weights else [loss]
+        values = [loss]
+        if self._norm is not None:
+            values.append(self._norm)
+        if check_weights:
+            values.append(self._largest_weight())
         # The host waits for the device here. A copy on the CPU too: there it costs nothing, and
         # a count of the dispatched operations sees the read as it would on an accelerator.
-        read = (torch.stack(values) if check_weights else loss.reshape(1)).to("cpu", copy=True)
-        own, *largest = read.tolist()
+        read = (torch.stack(values) if len(values) > 1 else loss.reshape(1)).to("cpu", copy=True)
+        own, *others = read.tolist()
         self.own_loss = own
-        self.weights_finite = math.isfinite(largest[0]) if largest else None
+        self.grad_norm = others.pop(0) if self._norm is not None else None
+        self.weights_finite = math.isfinite(others[0]) if check_weights else None
         reported = read[:1]
         with self.comm.not_counted():  # a report, not training traffic
             self.comm.all_reduce(reported, self.groups.world)

@@ -23,16 +23,24 @@ bytes; in fp32, 4 (weight) + 4 (grad) + 8 / d (moments).
 Both kinds read and write their state as full local tensors by full-model name (LocalState), so
 checkpoints hold the same keys whatever the sharding, and a sharded run resumes unsharded and
 the other way round.
+
+Weight decay (Megatron-LM's and torchtitan's rule, ``takes_weight_decay``): none on norms and
+biases. A flat buffer mixes both, so torch's AdamW runs with ``weight_decay=0`` and the decay is
+applied here, before its step, as torch's AdamW applies it (``param *= 1 - lr * weight_decay``),
+in one foreach multiply over the decayed spans of the buffer (adjacent ones merged), worked out
+once: no Python loop over the parameters in a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from hethub.comm import Communicator, Group, Pending
+from hethub.runtime.flat_layout import FlatLayout
 from hethub.runtime.precision import MasterWeights
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -49,14 +57,58 @@ class LocalState(NamedTuple):
     """AdamW's step counter (a 0-d tensor)."""
 
 
-def adamw(params: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over ``params`` (of one device), fused where torch has a fused kernel for their
-    device (CUDA, the CPU since torch 2.4, ...), else foreach: a few kernels over all of them
-    either way, never a Python loop over the tensors."""
+def adamw(params: list[torch.Tensor], lr: float) -> torch.optim.AdamW:
+    """AdamW over ``params`` (of one device), without weight decay (``WeightDecay`` applies it),
+    fused where torch has a fused kernel for their device (CUDA, the CPU since torch 2.4, ...),
+    else foreach: a few kernels over all of them either way, never a Python loop over the
+    tensors."""
     fused = params[0].device.type in _get_fused_kernels_supported_devices()
-    return torch.optim.AdamW(
-        params, lr=lr, weight_decay=weight_decay, fused=fused, foreach=not fused
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused, foreach=not fused)
+
+
+def takes_weight_decay(name: str, shape: Sequence[int]) -> bool:
+    """Whether parameter ``name`` (full-model name) of ``shape`` decays: not a bias, nor a
+    vector (the norms' weights), Megatron-LM's and torchtitan's rule. TP splits a tensor into
+    shards of as many dimensions, so a shard's shape answers as the full one's."""
+    return not name.endswith(".bias") and len(shape) > 1
+
+
+def decayed_spans(layout: FlatLayout) -> list[tuple[int, int]]:
+    """The (start, stop) spans of the flat buffers whose parameters decay, in buffer order,
+    adjacent ones merged."""
+    spans = sorted(
+        layout.spans[name]
+        for name, shape in layout.shapes.items()
+        if takes_weight_decay(name, shape)
     )
+    merged: list[tuple[int, int]] = []
+    for start, stop in spans:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+class WeightDecay:
+    """Decoupled weight decay on the views of what an AdamW steps that decay."""
+
+    def __init__(self, decayed: list[torch.Tensor], weight_decay: float) -> None:
+        self.decayed, self.weight_decay = decayed, weight_decay
+
+    def apply(self, lr: float) -> None:
+        """Before AdamW's step at rate ``lr``: what torch's AdamW does first, one multiply."""
+        if self.weight_decay and self.decayed:
+            with torch.no_grad():
+                torch._foreach_mul_(self.decayed, 1.0 - lr * self.weight_decay)
+
+
+def _set_lr(adamw: torch.optim.AdamW, lr: float | None) -> float:
+    """The rate of the next step: ``lr`` set in AdamW's groups, or theirs when None."""
+    if lr is not None:
+        for group in adamw.param_groups:
+            group["lr"] = lr
+    return adamw.param_groups[0]["lr"]
 
 
 def _moments_bytes(adamw: torch.optim.AdamW) -> int:
@@ -70,10 +122,20 @@ class PlainAdamW:
         self.weights = weights
         self.flat = weights.fp32_flat
         self.flat.grad = weights.main_grads
-        self.adamw = adamw([self.flat], lr, weight_decay)
+        self.adamw = adamw([self.flat], lr)
+        self.decay = WeightDecay(
+            [self.flat[start:stop] for start, stop in decayed_spans(weights.layout)], weight_decay
+        )
 
-    def step(self) -> None:
-        """Step on the synced gradients; the stage then computes with the new weights."""
+    @property
+    def stepped_grads(self) -> list[torch.Tensor]:
+        """The gradients the step reads (a clipping scales them): the main gradients, flat."""
+        return [self.flat.grad]
+
+    def step(self, lr: float | None = None) -> None:
+        """Step on the synced gradients at rate ``lr`` (None: the last one); the stage then
+        computes with the new weights."""
+        self.decay.apply(_set_lr(self.adamw, lr))
         self.adamw.step()
         self.weights.copy_to_model()
 
@@ -159,7 +221,8 @@ class ShardedAdamW:
             piece.grad = weights.main_grads[start:stop]
             self.slices.append(piece)
         weights.release_masters()  # bf16: the fp32 masters now live in the slices alone
-        self.adamw = adamw(self.slices, lr, weight_decay)
+        self.adamw = adamw(self.slices, lr)
+        self.decay = WeightDecay(self._decayed_views(), weight_decay)
 
     @property
     def keeps_masters(self) -> bool:
@@ -171,10 +234,28 @@ class ShardedAdamW:
         main gradients)."""
         return self.slices[bucket].grad
 
-    def step(self) -> None:
-        """Step the shards, all-gather them among the peers into the stage's weights (with an
-        overlapped gather: start the all-gathers, bucket by bucket)."""
+    @property
+    def stepped_grads(self) -> list[torch.Tensor]:
+        """The gradients the step reads (a clipping scales them): this rank's shard of each
+        bucket's."""
+        return [piece.grad for piece in self.slices]
+
+    def _decayed_views(self) -> list[torch.Tensor]:
+        """The parts of this rank's shards whose parameters decay (views of the slices)."""
+        layout, views = self.weights.layout, []
+        shards = [layout.shard(b, self.index) for b in range(len(layout.buckets))]
+        for start, stop in decayed_spans(layout):
+            for b, (low, high) in enumerate(shards):
+                if start < high and low < stop:
+                    views.append(self.slices[b][max(start, low) - low : min(stop, high) - low])
+        return views
+
+    def step(self, lr: float | None = None) -> None:
+        """Step the shards at rate ``lr`` (None: the last one), all-gather them among the peers
+        into the stage's weights (with an overlapped gather: start the all-gathers, bucket by
+        bucket)."""
         self.finish_gathers()
+        self.decay.apply(_set_lr(self.adamw, lr))
         self.adamw.step()
         with torch.no_grad():
             if self.keeps_masters:

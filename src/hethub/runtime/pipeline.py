@@ -12,6 +12,13 @@ when the step is over.
 
 A group with an emulated ``speed`` (a fraction of this machine's speed, for local runs) has every
 forward and backward stretched by sleeping (1 / speed - 1) times its measured duration.
+
+Evaluation (``evaluate``) is forward only, whatever the training schedule (1F1B, interleaved,
+ZBV): each replica takes a contiguous share of the windows' micro-batches (in proportion to its
+share of a training step's), and each stage runs them one after another, each through its chunks
+in the model's order, receiving, computing and sending as it goes. Every rank follows the same
+(micro-batch, model chunk) order, and every message is awaited only after those before it, so
+the stages never wait on each other in a circle.
 """
 
 from __future__ import annotations
@@ -195,6 +202,55 @@ class Pipeline:
             else:
                 step.sends += self.links.send(x.grad, forward=False, returning=returning)
         del step.inputs[key], step.outputs[key]
+
+    def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward only, under torch.no_grad, of this replica's share of the windows ``tokens``
+        (n, seq_len + 1) in micro-batches of the plan's size (the last may be smaller); this
+        rank's sum of the token losses (0 off the last stage's leaders), a 0-d fp32 tensor on
+        the device, not read."""
+        b, t = self.plan.micro_batch, self.spec.seq_len
+        start, stop = self._eval_share(tokens.shape[0])
+        mine = to_device(tokens[start:stop], self.device)  # (sequences, T + 1)
+        chunks = sorted(range(len(self.me.chunks)), key=lambda c: self.me.chunks[c].index)
+        total = torch.zeros((), device=self.device)
+        sends: list = []  # the last micro-batch's, awaited once the next one is done
+        turning: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for j, micro in enumerate(mine.split(b)):
+                shape = (micro.shape[0], t, self.spec.hidden)  # (B, T, h)
+                earlier, sends = sends, []
+                for c in chunks:
+                    chunk = self.me.chunks[c]
+                    if chunk.is_first:
+                        x = micro[:, :-1]
+                    elif self._turns(c):
+                        x = turning.pop(j)
+                    else:
+                        x = self.links.receive(shape, True, self._returning(c))
+                    out = self.stage.chunks[c](x)
+                    if chunk.is_last:  # every TP rank (the loss is a TP collective)
+                        loss = self.stage.chunks[c].loss(out, micro[:, 1:])
+                        if self.links.leads:  # the mean over its tokens, as a sum
+                            total += loss.float() * micro[:, 1:].numel()
+                    elif self._hands_over(c):
+                        turning[j] = out
+                    else:
+                        sends += self.links.send(out, forward=True, returning=self._returning(c))
+                self.links.wait(earlier)  # holds one micro-batch's activations in flight, not all
+        self.links.wait(sends)
+        return total
+
+    def _eval_share(self, sequences: int) -> tuple[int, int]:
+        """The windows [start, stop) of ``sequences`` this replica evaluates: a contiguous share
+        of whole micro-batches, in proportion to its micro-batches of a training step."""
+        b = self.plan.micro_batch
+        micro_batches = -(-sequences // b)
+        weights = {r.replica: r.micro_batches for r in self.topology.ranks}
+        before = sum(weights[r] for r in range(self.me.replica))
+        whole = sum(weights.values())
+        first = micro_batches * before // whole
+        last = micro_batches * (before + weights[self.me.replica]) // whole
+        return min(first * b, sequences), min(last * b, sequences)
 
     def _returning(self, c: int) -> bool:
         """Whether chunk c flows back along the V (ZBV's chunk 1: from stage s + 1 to s)."""

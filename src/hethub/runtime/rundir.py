@@ -1,7 +1,8 @@
 """A run's directory: everything one training run writes, and what a resume reads back.
 
 runs/<name>/
-  run.json         the run's settings (seed, learning rate, data, steps, checkpoint period)
+  run.json         the run's settings (seed, the recipe, data, steps, checkpoint period,
+                   evaluation)
   cluster.yaml     the cluster it ran on, plan.yaml the plan (the current one after a resume
                    under another plan; the earlier ones kept as plan.before-step-N.yaml)
   prediction.json  the predictor's figures and timeline for the plan, made before the run
@@ -35,6 +36,29 @@ class RunSettings:
     timeout_s: float
     keep_checkpoints: int = 3
     """Complete checkpoints kept (the latest ones); a run.json older than the field keeps 3."""
+    # The recipe. A run.json older than these fields trained with a constant rate, no weight
+    # decay and no clipping: their defaults here, so that such a run resumes as it trained.
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on every parameter but norms and biases."""
+    warmup_steps: int | None = 0
+    """Steps of linear warm-up (None: runtime.lr_schedule.default_warmup_steps)."""
+    lr_schedule: str = "constant"
+    """runtime.lr_schedule.LrSchedule after the warm-up: cosine, linear or constant."""
+    min_lr: float | None = None
+    """The rate a decay reaches at the last step (None: runtime.lr_schedule.default_min_lr)."""
+    clip_grad: float = 0.0
+    """The gradients' global norm is clipped to this (0: not clipped)."""
+    init_from: str | None = None
+    """A HuggingFace folder whose weights the run starts from (resolved to an absolute path;
+    None: the seeded initialisation)."""
+    seq_len: int | None = None
+    """The sequence length, in place of the model's (None: the model's)."""
+    eval_data: str | None = None
+    """Held-out data the run evaluates on (None: no evaluation)."""
+    eval_every: int | None = None
+    """Evaluate every this many steps and at the last (None: at every checkpoint)."""
+    eval_sequences: int | None = None
+    """Windows evaluated, consecutive from the start of eval_data (None: the global batch)."""
 
 
 DEFAULT_SETTINGS = RunSettings(
@@ -45,8 +69,14 @@ DEFAULT_SETTINGS = RunSettings(
     checkpoint_every=20,
     timeout_s=120.0,
     keep_checkpoints=3,
+    weight_decay=0.1,
+    warmup_steps=None,  # 5% of the run's steps
+    lr_schedule="cosine",
+    min_lr=None,  # a tenth of lr
+    clip_grad=1.0,
 )
-"""A new run's settings where no flag is given."""
+"""A new run's settings where no flag is given (Megatron-LM's and torchtitan's usual recipe:
+warm-up, cosine decay, weight decay 0.1, gradients clipped at norm 1)."""
 
 
 class RunDir:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm import BRIDGE, NATIVE, local_device, peak_memory_bytes
+from hethub.corpus import Corpus, open_corpus
 from hethub.errors import HethubError
 from hethub.report.plot import loss_plot
 from hethub.report.prediction_check import PredictionCheck
@@ -36,8 +37,8 @@ from hethub.runtime.checkpoint_folders import (
     latest_intact_checkpoint,
     remove_debris,
 )
-from hethub.runtime.data import builtin_corpus, global_batch, load_tokens
 from hethub.runtime.engine import Engine
+from hethub.runtime.lr_schedule import lr_at
 from hethub.runtime.rundir import RunDir, RunSettings
 from hethub.runtime.supervision import (
     LAUNCHED_BY_HETHUB,
@@ -63,7 +64,7 @@ def train(
     plan: Plan,
     model: ModelSpec,
     topology: Topology,
-    corpus: torch.Tensor,
+    corpus: Corpus,
     *,
     resume: bool,
     as_json: bool,
@@ -100,6 +101,10 @@ def train(
             dist.destroy_process_group()
 
 
+DATA_POSITION = "data_position"
+"""A checkpoint's meta.json field: the sequences of the data the run had consumed (Corpus.batch's
+``first`` of the next step)."""
+
 HEARTBEAT_S = 0.5
 """How often a rank says it is alive (hethub.runtime.supervision.Heartbeat): a silent rank is
 named within a few beats of --timeout."""
@@ -119,6 +124,9 @@ def _train_steps(
         cluster,
         seed=settings.seed,
         lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        clip_grad=settings.clip_grad,
+        track_grad_norm=True,
         device=device,
         timeout=datetime.timedelta(seconds=settings.timeout_s),
         speed=cluster.group(topology.ranks[rank].group).speed,
@@ -129,7 +137,17 @@ def _train_steps(
     # under the user's torchrun, nobody has.
     verified = LAUNCHED_BY_HETHUB in os.environ and not restarted
     checkpoint = _checkpoint_to_resume(run, verified) if (resume or restarted) else None
-    start = load_checkpoint(engine, checkpoint)["step"] if checkpoint else 0
+    resumed = load_checkpoint(engine, checkpoint) if checkpoint else {"step": 0}
+    start = resumed["step"]
+    # Where the run is in its data: the sequences it has consumed. Kept in each checkpoint, so a
+    # resume under another plan, or another global batch, goes on with the very next window;
+    # a checkpoint from before it was kept had consumed a global batch a step.
+    position = resumed.get(DATA_POSITION, start * plan.global_batch)
+    if checkpoint is None and settings.init_from:
+        from hethub.runtime.hf_checkpoint import load_hf_weights  # transformers' formats
+
+        load_hf_weights(engine, Path(settings.init_from))
+    evaluation = _Evaluation(settings, model, plan.global_batch)
     log = _StepLog(run, plan, model, cluster, topology, as_json) if rank == 0 else None
     if log and (resume or restarted):
         run.keep_metrics_until(start)  # the steps after the checkpoint run again
@@ -142,10 +160,14 @@ def _train_steps(
         # A checkpoint is never written of non-finite weights: on a step that writes one, the
         # engine reads whether they are finite with the step's loss, in its one read a step.
         due = (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps
+        lr = lr_at(step, settings)
         loss = engine.step(
-            global_batch(corpus, step, plan.global_batch, model.seq_len, settings.seed),
+            corpus.batch(position, plan.global_batch, model.seq_len, settings.seed),
+            lr=lr,
             check_weights=due,
         )
+        position += plan.global_batch
+        eval_loss = evaluation.after(step + 1, engine)
         # One all-reduce a step (of host values: the step has read the device already) carries
         # what every rank must agree on: the bytes moved, whether a signal asked to stop (so
         # that all stop after the same step), which ranks saw a non-finite loss of their own,
@@ -168,7 +190,17 @@ def _train_steps(
             log.optimizer_state_bytes = [state for *_, state in gathered]
             peaks = [peak for _, peak, _ in gathered if peak is not None]
             peak = max(peaks) if peaks else None
-            log.step(step + 1, settings.steps, loss, timelines, moved - moved_before, peak)
+            log.step(
+                step + 1,
+                settings.steps,
+                loss,
+                timelines,
+                moved - moved_before,
+                peak,
+                lr=lr,
+                grad_norm=engine.grad_norm,
+                eval_loss=eval_loss,
+            )
         moved_before = moved
         if non_finite or not math.isfinite(loss):
             return _stopped_non_finite(run, topology, step + 1, loss, non_finite, saved, log)
@@ -181,7 +213,7 @@ def _train_steps(
                 engine,
                 run.checkpoints,
                 step + 1,
-                {"plan": plan.to_dict()},
+                {"plan": plan.to_dict(), DATA_POSITION: position},
                 keep=settings.keep_checkpoints,
             )
             saved = step + 1
@@ -198,6 +230,29 @@ def _train_steps(
     if log:
         log.finish(timelines, world)
     return 0
+
+
+class _Evaluation:
+    """The run's validation: --eval-data's first windows, in document order, evaluated under
+    the run's own plan (Engine.evaluate) every --eval-every steps and after the last."""
+
+    def __init__(self, settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
+        self.every = settings.eval_every or settings.checkpoint_every
+        self.steps = settings.steps
+        self.tokens: torch.Tensor | None = None  # (n, seq_len + 1), read once
+        if settings.eval_data is not None:
+            from hethub.corpus import open_corpus  # the corpus API: torch and numpy
+
+            corpus = open_corpus(settings.eval_data, what="--eval-data")
+            count = settings.eval_sequences or global_batch
+            self.tokens = corpus.consecutive(0, count, model.seq_len)
+
+    def after(self, step: int, engine: Engine) -> float | None:
+        """Collective: the validation loss after step ``step`` (1-based) where one is due, else
+        None."""
+        if self.tokens is None or not (step % self.every == 0 or step == self.steps):
+            return None
+        return engine.evaluate(self.tokens)
 
 
 def _checkpoint_to_resume(run: RunDir, verified: bool) -> Path | None:
@@ -305,12 +360,21 @@ class _StepLog:
         timelines: list[list[TimelineEvent]],
         moved: torch.Tensor,
         peak_memory: int | None,
+        *,
+        lr: float | None = None,
+        grad_norm: float | None = None,
+        eval_loss: float | None = None,
     ) -> None:
+        """``lr``: the step's rate; ``grad_norm``: its gradients' global norm, before clipping;
+        ``eval_loss``: the validation loss after it, where one was computed."""
         elapsed = max(e.end_s for events in timelines for e in events)
         predicted = self.prediction["iteration_time_s"] if self.prediction else None
         record = {
             "step": step,
             "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            **({"eval_loss": eval_loss} if eval_loss is not None else {}),
             "precision": self.plan.precision.value,
             "iteration_time_s": elapsed,
             "tokens_per_s": self.plan.global_batch * self.model.seq_len / elapsed,
@@ -340,13 +404,25 @@ class _StepLog:
         }
         self.run.append_metrics(record)
         if self.board:
-            for name in ("loss", "tokens_per_s", "iteration_time_s", "model_tflops_per_device"):
-                if record[name] is not None:
+            for name in (
+                "loss",
+                "eval_loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "iteration_time_s",
+                "model_tflops_per_device",
+            ):
+                if record.get(name) is not None:
                     self.board.add_scalar(name, record[name], step)
         if self.as_json:
             print(json.dumps(record), flush=True)
         detail = (
-            f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tokens/s | step {elapsed:.2f} s"
+            f"loss {loss:.4f}"
+            + (f" | eval {eval_loss:.4f}" if eval_loss is not None else "")
+            + (f" | lr {lr:.3g}" if lr is not None else "")
+            + (f" | grad norm {grad_norm:.3g}" if grad_norm is not None else "")
+            + f" | {record['tokens_per_s']:,.0f} tokens/s | step {elapsed:.2f} s"
             + (f" (predicted {predicted:.2f} s)" if predicted else "")
             + (" | emulated speeds" if self.emulated else "")
         )
@@ -379,11 +455,14 @@ class _StepLog:
             f"hethub {self.run.path.name}: predicted and measured step{label}",
         )
         records = self.run.read_metrics()
+        evaluated = [r for r in records if r.get("eval_loss") is not None]
         loss_plot(
             self.run.loss_plot,
             [r["step"] for r in records],
             [r["loss"] for r in records],
             f"{self.run.path.name}: {self.model.name}, {plural(world, 'rank')}{label}",
+            eval_steps=[r["step"] for r in evaluated],
+            eval_losses=[r["eval_loss"] for r in evaluated],
         )
         summary = {
             "run_dir": str(self.run.path),
@@ -431,7 +510,7 @@ def run_job(
     as_json: bool,
 ) -> int:
     """This process's part of the job: its corpus and topology, then train()."""
-    corpus = load_tokens(settings.data) if settings.data else builtin_corpus()
+    corpus = open_corpus(settings.data)
     topology = build_topology(plan, cluster)
     return train(
         run, settings, cluster, plan, model, topology, corpus, resume=resume, as_json=as_json
@@ -451,10 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_supported_torch()
         plan = load_plan(run.plan)
-        model = load_model(plan.model, relative_to=run.path, source=str(run.plan))
+        settings = run.read_settings()
+        model = load_model(
+            plan.model, relative_to=run.path, source=str(run.plan), seq_len=settings.seq_len
+        )
         code = run_job(
             run,
-            run.read_settings(),
+            settings,
             load_cluster(run.cluster),
             plan,
             model,
