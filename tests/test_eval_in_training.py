@@ -113,7 +113,6 @@ def test_evaluate_is_the_reference_loss_under_every_schedule_on_every_rank():
 
 @pytest.mark.slow
 def test_train_with_eval_data_logs_eval_loss_lr_and_grad_norm(tmp_path):
-    pytest.importorskip("hethub.corpus")  # the corpus API reads --eval-data
     from test_train_cli import CLUSTER as CLUSTER_YAML
     from test_train_cli import PLAN, hethub, records
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hethub.cli.args import non_negative_int
 from hethub.errors import HethubError
+from hethub.report.text import plural
 from hethub.runtime.checkpoint_folders import (
     latest_intact_checkpoint,
     read_meta,
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     step = read_meta(checkpoint)["step"]
     said = f"; tokenizer: {', '.join(copied)}" if copied else ""
     print(
-        f"exported step {step} of {args.run_dir} to {out}: {len(written)} file(s) of weights "
-        f"({args.dtype}){said}"
+        f"exported step {step} of {args.run_dir} to {out}: "
+        f"{plural(len(written), 'file')} of weights ({args.dtype}){said}"
     )
     return 0
