@@ -12,14 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_train_cli import hethub, records
+from test_train_cli import CLUSTER, hethub, records
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf" / "llama3-tiny"
-CLUSTER = """groups:
-  - {name: nv, accelerator: a100-80gb, nodes: 1, devices_per_node: 2}
-  - {name: amd, accelerator: mi250x, nodes: 1, devices_per_node: 2}
-"""
 PLAN = """model: {model}
 global_batch: 4
 micro_batch: 1
