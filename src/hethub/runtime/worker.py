@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -154,7 +155,7 @@ def _train_steps(
         if restarted and LAUNCHED_BY_HETHUB not in os.environ:  # hethub train says it otherwise
             _say(f"workers restarted: resuming from step {start}")
     moved_before = torch.zeros(2, dtype=torch.float64)
-    timelines: list = []
+    leader_slots = {r.rank: i for i, r in enumerate(trace_leaders(topology))}
     saved = start
     for step in range(start, settings.steps):
         # A checkpoint is never written of non-finite weights: on a step that writes one, the
@@ -168,47 +169,27 @@ def _train_steps(
         )
         position += plan.global_batch
         eval_loss = evaluation.after(step + 1, engine)
-        # One all-reduce a step (of host values: the step has read the device already) carries
-        # what every rank must agree on: the bytes moved, whether a signal asked to stop (so
-        # that all stop after the same step), which ranks saw a non-finite loss of their own,
-        # and how many found non-finite weights. Per-rank slots, so that one SUM serves them all.
-        shared = torch.zeros(3 + 2 * world, dtype=torch.float64)
-        shared[0], shared[1] = engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]
-        shared[2 + rank] = stop.signal or 0
-        shared[2 + world + rank] = not math.isfinite(engine.own_loss)
-        shared[2 + 2 * world] = engine.weights_finite is False
-        dist.all_reduce(shared)
-        moved, stop_signal = shared[:2], int(shared[2 : 2 + world].max().item())
-        if step + 1 == settings.steps:
-            stop_signal = 0  # the run is done: it ends as any finished run does
-        non_finite = [r for r in range(world) if shared[2 + world + r] > 0]
-        gathered = [None] * world if rank == 0 else None
-        mine = (engine.timeline, peak_memory_bytes(device), engine.optimizer.state_bytes())
-        dist.gather_object(mine, gathered, dst=0)
+        agreed = _agree_on_step(engine, stop, device, leader_slots)
+        stop_signal = 0 if step + 1 == settings.steps else agreed.stop_signal  # done: it ends
         if log:
-            timelines = [timeline for timeline, *_ in gathered]
-            log.optimizer_state_bytes = [state for *_, state in gathered]
-            peaks = [peak for _, peak, _ in gathered if peak is not None]
-            peak = max(peaks) if peaks else None
             log.step(
                 step + 1,
                 settings.steps,
                 loss,
-                timelines,
-                moved - moved_before,
-                peak,
+                agreed,
+                agreed.moved - moved_before,
                 lr=lr,
                 grad_norm=engine.grad_norm,
                 eval_loss=eval_loss,
             )
-        moved_before = moved
-        if non_finite or not math.isfinite(loss):
-            return _stopped_non_finite(run, topology, step + 1, loss, non_finite, saved, log)
+        moved_before = agreed.moved
+        if agreed.non_finite or not math.isfinite(loss):
+            return _stopped_non_finite(run, topology, step + 1, loss, agreed, saved, log)
         if due or stop_signal:
             # A stop between checkpoints did not check the weights with its step: it does now.
-            finite = shared[2 + 2 * world].item() == 0 if due else _weights_finite(engine)
+            finite = not agreed.weights_non_finite if due else _weights_finite(engine)
             if not finite:
-                return _stopped_non_finite(run, topology, step + 1, loss, [], saved, log)
+                return _stopped_non_finite(run, topology, step + 1, loss, None, saved, log)
             save_checkpoint(
                 engine,
                 run.checkpoints,
@@ -227,8 +208,13 @@ def _train_steps(
                     f"resume with: hethub train --resume {run.path}"
                 )
             return 128 + stop_signal
+    # The trace's timelines and each rank's optimizer state, gathered once, at the end: a
+    # gather of every rank's objects each step would grow with the job.
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object((engine.timeline, engine.optimizer.state_bytes()), gathered, dst=0)
     if log:
-        log.finish(timelines, world)
+        log.optimizer_state_bytes = [state for _, state in gathered]
+        log.finish([timeline for timeline, _ in gathered], world)
     return 0
 
 
@@ -253,6 +239,81 @@ class _Evaluation:
         if self.tokens is None or not (step % self.every == 0 or step == self.steps):
             return None
         return engine.evaluate(self.tokens)
+
+
+def trace_leaders(topology: Topology) -> list:
+    """The stage leaders of each layout's first replica: the rows of the trace and of each
+    step's per-stage times (a stage's count, not the rank count)."""
+    first: dict[int, int] = {}
+    for r in topology.ranks:
+        first.setdefault(r.pipeline, r.replica)
+    return [r for r in topology.ranks if r.tp_rank == 0 and first[r.pipeline] == r.replica]
+
+
+class _Agreed(NamedTuple):
+    """What every rank agrees on after a step (_agree_on_step)."""
+
+    moved: torch.Tensor
+    """Bytes moved since the start, over every rank: (native, bridge)."""
+    stop_signal: int
+    """The signal some rank was asked to stop by (0: none)."""
+    non_finite: int
+    """How many ranks saw a non-finite loss of their own."""
+    first_non_finite: int
+    """The lowest of those ranks (meaningless where there are none)."""
+    weights_non_finite: bool
+    """Some rank found a non-finite weight (where the step checked)."""
+    elapsed: float
+    """The step's time: the latest end of any rank's timeline."""
+    peak_memory: int | None
+    """The largest device memory any rank held at its peak (None on CPUs)."""
+    stage_seconds: torch.Tensor
+    """Per trace leader (trace_leaders' order): its compute, communication and optimizer
+    seconds."""
+
+
+def _agree_on_step(engine: Engine, stop, device, leader_slots: dict[int, int]) -> _Agreed:
+    """Collective, after a step: two all-reduces of a few numbers (of host values: the step has
+    read the device already), a SUM and a MAX, whose size depends on the plan's stages, never
+    on the rank count: the bytes moved, the non-finite losses and weights, the signal to stop
+    (so that all stop after the same step), the step's time and peak memory, and the trace
+    leaders' per-stage times."""
+    rank, world = engine.rank, engine.comm.world_size
+    own_non_finite = not math.isfinite(engine.own_loss)
+    sums = torch.zeros(4 + 3 * len(leader_slots), dtype=torch.float64)
+    sums[0], sums[1] = engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE]
+    sums[2], sums[3] = own_non_finite, engine.weights_finite is False
+    events = engine.timeline
+    elapsed = max((e.end_s for e in events), default=0.0)
+    slot = leader_slots.get(rank)
+    if slot is not None:
+        times = stage_times(events, elapsed)
+        sums[4 + 3 * slot : 7 + 3 * slot] = torch.tensor(
+            [times["compute_s"], times["comm_s"], times["optimizer_s"]], dtype=torch.float64
+        )
+    peak = peak_memory_bytes(device)
+    # A MAX of the negated rank finds the lowest rank with a non-finite loss.
+    maxes = torch.tensor(
+        [
+            stop.signal or 0,
+            elapsed,
+            -1 if peak is None else peak,
+            -(rank if own_non_finite else world),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    return _Agreed(
+        moved=sums[:2].clone(),
+        stop_signal=int(maxes[0]),
+        non_finite=int(sums[2]),
+        first_non_finite=int(-maxes[3]),
+        weights_non_finite=sums[3].item() > 0,
+        elapsed=maxes[1].item(),
+        peak_memory=None if maxes[2] < 0 else int(maxes[2]),
+        stage_seconds=sums[4:].reshape(-1, 3),
+    )
 
 
 def _checkpoint_to_resume(run: RunDir, verified: bool) -> Path | None:
@@ -280,12 +341,17 @@ def _weights_finite(engine: Engine) -> bool:
     return bool(finite.item())
 
 
-def _stopped_non_finite(run, topology, step, loss, ranks, saved, log) -> int:
+def _stopped_non_finite(run, topology, step, loss, agreed: _Agreed | None, saved, log) -> int:
     """A loss (or, at a checkpoint, a weight) went non-finite: training on would write NaN
-    checkpoints. Every rank stops here; the run keeps its last finite checkpoint."""
+    checkpoints. Every rank stops here; the run keeps its last finite checkpoint. ``agreed``:
+    the step's figures, where a loss went non-finite on some ranks (None: the weights)."""
     if log:
         log.close()
-        where = ", ".join(topology.ranks[r].describe() for r in ranks) or "its weights"
+        where = "its weights"
+        if agreed is not None and agreed.non_finite:
+            where = topology.ranks[agreed.first_non_finite].describe()
+            if agreed.non_finite > 1:
+                where += f" and {plural(agreed.non_finite - 1, 'other rank')}"
         kept = f"its last checkpoint, step {saved}, is finite" if saved else "no checkpoint"
         _say(
             f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
@@ -344,22 +410,15 @@ class _StepLog:
         self.bar = progress_bar()
         self.board = _tensorboard(run)
         self.optimizer_state_bytes: list[int] = []  # per rank, as of the last step
-        # The stage leaders of each layout's first replica: the rows of the trace and the metrics.
-        first = {}
-        for r in topology.ranks:
-            first.setdefault(r.pipeline, r.replica)
-        self.leaders = [
-            r for r in topology.ranks if r.tp_rank == 0 and first[r.pipeline] == r.replica
-        ]
+        self.leaders = trace_leaders(topology)
 
     def step(
         self,
         step: int,
         steps: int,
         loss: float,
-        timelines: list[list[TimelineEvent]],
+        agreed: _Agreed,
         moved: torch.Tensor,
-        peak_memory: int | None,
         *,
         lr: float | None = None,
         grad_norm: float | None = None,
@@ -367,7 +426,7 @@ class _StepLog:
     ) -> None:
         """``lr``: the step's rate; ``grad_norm``: its gradients' global norm, before clipping;
         ``eval_loss``: the validation loss after it, where one was computed."""
-        elapsed = max(e.end_s for events in timelines for e in events)
+        elapsed, peak_memory = agreed.elapsed, agreed.peak_memory
         predicted = self.prediction["iteration_time_s"] if self.prediction else None
         record = {
             "step": step,
@@ -392,9 +451,9 @@ class _StepLog:
                     "replica": r.replica,
                     "stage": r.stage,
                     "group": r.group,
-                    **stage_times(timelines[r.rank], elapsed),
+                    **_with_idle(agreed.stage_seconds[i].tolist(), elapsed),
                 }
-                for r in self.leaders
+                for i, r in enumerate(self.leaders)
             ],
             "emulated": self.emulated,
             # The largest over the ranks of the device memory each held at its peak (None when
@@ -488,6 +547,18 @@ class _StepLog:
         }
         if self.as_json:
             print(json.dumps(summary), flush=True)
+
+
+def _with_idle(seconds: list[float], elapsed: float) -> dict[str, float]:
+    """A stage's compute, communication and optimizer seconds as stage_times gives them, with
+    its idle time against the step's ``elapsed``."""
+    compute, comm, optimizer = seconds
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "optimizer_s": optimizer,
+        "idle_s": max(0.0, elapsed - compute - comm - optimizer),
+    }
 
 
 def _tensorboard(run: RunDir):
