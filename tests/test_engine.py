@@ -280,14 +280,14 @@ def test_layout_matches_the_single_process_reference(name):
 
 
 @pytest.mark.slow
-def test_a_sync_across_vendors_crosses_the_bridge_once_per_vendor_not_once_per_rank():
+def test_a_sync_across_vendors_is_sliced_over_every_holder_on_the_bridge():
     # Exact like every layout; and each step the bridge carries what one exchange between the
-    # two vendors needs: their two first ranks each send the gradients once (2 G in all), where a
-    # flat ring over the four ranks would send 2 * 3 / 4 G out of each (6 G).
+    # two vendors needs (2 G in all), sliced over the holders: each of the four ranks sends its
+    # half of the gradients once (G / 2), where the funnel sent G out of each vendor's first
+    # rank, and a flat ring over the four ranks would send 2 * 3 / 4 G out of each (6 G).
     results = check_against_reference("4 replicas, 2 per vendor", BUCKET_BYTES)
     gradient_bytes = 4 * parameter_count(load_model("tiny-llama"))  # G: fp32 gradients
-    bridged = sum(moved[BRIDGE] for *_, moved in results)
-    assert bridged == STEPS * 2 * gradient_bytes
+    assert [moved[BRIDGE] for *_, moved in results] == [STEPS * gradient_bytes // 2] * 4
 
 
 BF16_LAYOUTS = [

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hethub.comm import Group
+from hethub.comm import Group, SlicedBridge
 from hethub.runtime.process_groups import (
     BRIDGE_BACKEND,
     Role,
@@ -112,7 +112,7 @@ def four_replicas():
     return build_topology(plan, CLUSTER)
 
 
-def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
+def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge_per_slice():
     topo = four_replicas()
     vendors = topo.vendors(CLUSTER)
     assert vendor_parts((0, 1, 2, 3), vendors) == ((0, 1), (2, 3))
@@ -121,7 +121,8 @@ def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge():
     assert sync == [
         (Role.SYNC_LOCAL, (0, 1), "nccl"),
         (Role.SYNC_LOCAL, (2, 3), "nccl"),
-        (Role.SYNC_BRIDGE, (0, 2), BRIDGE_BACKEND),
+        (Role.SYNC_BRIDGE, (0, 2), BRIDGE_BACKEND),  # each holder's half of the sum
+        (Role.SYNC_BRIDGE, (1, 3), BRIDGE_BACKEND),
     ]
 
 
@@ -135,14 +136,15 @@ def test_each_rank_holds_its_groups_by_what_they_are_for():
     assert (mine[0].pipeline_prev, mine[0].pipeline_next) == (None, Group((0, 4)))
     # layers 0-4 are held by leaders 0 (nv) and 2 (amd): each alone in its vendor's part, and
     # both on the bridge
-    assert mine[0].grad_sync == {(0, 2): SyncGroups(Group((0,)), Group((0, 2)))}
+    one_slice = SlicedBridge(((0,), (2,)), (Group((0, 2)),))
+    assert mine[0].grad_sync == {(0, 2): SyncGroups(Group((0,)), one_slice)}
     assert mine[0].vendor == Group((0, 1))
     assert mine[1].tp == Group((0, 1)) and mine[1].leader == 0
     assert (mine[1].pipeline_prev, mine[1].pipeline_next, mine[1].grad_sync) == (None, None, {})
     # rank 2 leads replica 1 (amd TP 2, the whole model): both sets, no pipeline neighbour
     assert (mine[2].pipeline_prev, mine[2].pipeline_next) == (None, None)
     assert mine[2].grad_sync == {
-        (0, 2): SyncGroups(Group((2,)), Group((0, 2))),
+        (0, 2): SyncGroups(Group((2,)), one_slice),
         (2, 4): SyncGroups(Group((2, 4))),
     }
     # rank 4 is replica 0's amd TP-1 stage 1: a TP group of itself, fed by rank 0
@@ -165,7 +167,9 @@ def held(groups):
         Role.VENDOR: [groups.vendor],
         Role.GRAD_SYNC: [s.local for s in groups.grad_sync.values() if s.bridge is None],
         Role.SYNC_LOCAL: [s.local for s in groups.grad_sync.values() if s.bridge is not None],
-        Role.SYNC_BRIDGE: [s.bridge for s in groups.grad_sync.values()],
+        Role.SYNC_BRIDGE: [
+            g for s in groups.grad_sync.values() if s.bridge for g in s.bridge.groups
+        ],
     }
     return {
         (role, group.ranks)
@@ -220,8 +224,8 @@ def test_every_rank_of_the_job_holds_typed_handles_of_the_groups_it_is_in():
     # nv ranks 0 and 1 and amd ranks 2 and 3: each vendor's replicas are data-parallel peers
     assert [g["data"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["local"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    # only each part's first rank holds the bridge
-    assert [g["bridge"] for g in got] == [[0, 2], None, [0, 2], None]
+    # every holder crosses the bridge with its own slice, paired with its peer on the other vendor
+    assert [g["bridge"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [g["tp"] for g in got] == [None] * 4  # TP 1: a group of one, no handle
     assert [g["world"] for g in got] == [[0, 1, 2, 3]] * 4
 
@@ -238,7 +242,7 @@ def _typed(rank, world):
         "tp": groups.tp,
         "data": groups.data,
         "local": sync.local,
-        "bridge": sync.bridge,
+        "bridge": next(g for g in sync.bridge.groups if rank in g.ranks),
     }
     out = {}
     for name, group in fields.items():

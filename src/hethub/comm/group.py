@@ -22,3 +22,19 @@ class Group:
     def size(self) -> int:
         """How many ranks it spans."""
         return len(self.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class SlicedBridge:
+    """The groups a tensor summed across vendors crosses the bridge in, one per slice
+    (comm.slices.bridge_slices of ``parts``)."""
+
+    parts: tuple[tuple[int, ...], ...]
+    """Each vendor's holders of the tensor, in the order their reduce-scatter cuts it."""
+    groups: tuple[Group, ...]
+    """One per slice, in the tensor's order: the slice's owner on each vendor. A group's handle
+    is only on its own ranks."""
+
+    def part_of(self, rank: int) -> tuple[int, ...]:
+        """The holders of ``rank``'s vendor."""
+        return next(part for part in self.parts if rank in part)

@@ -9,17 +9,19 @@ the rank's flat main gradients (runtime.flat_layout), summed in one of two ways:
   collective on the slice, in place: a reduce-scatter to its shard of it for a sharded
   optimizer, else an all-reduce. With an overlapped sync it starts during the backwards, as soon
   as the bucket's gradients are final.
-- through the stage leaders: all-reduced among the holders' leaders (hierarchically when they
-  span vendors), in place on the slice; with TP, each full gradient is first gathered in the TP
-  group into one flat buffer, which is broadcast back to the TP group after the sum, and each
-  rank keeps its shards. A sharded optimizer then steps its shard of the slice. With an
-  overlapped sync, the part inside this rank's vendor starts during the backwards too, once the
-  bucket's gradients are final: the TP gather, then the sum among the vendor's leaders (the
-  reduce to its first leader where the holders span vendors, else the whole all-reduce),
-  asynchronously. Only the exchange across the bridge and what follows it (the broadcast back
-  inside the vendor and the TP group) wait for the last backward. These buckets start in the
-  rank's bucket order (each once it and those before it are final), which every holder shares
-  for the buckets it holds (spec.buckets), whatever order its own backwards finish them in; the
+- through the stage leaders: all-reduced among the holders' leaders (when they span vendors,
+  sliced over every leader: comm.Communicator.sliced_all_reduce), in place on the slice; with
+  TP, each full gradient is first gathered in the TP group into one flat buffer, which is
+  broadcast back to the TP group after the sum, and each rank keeps its shards. A sharded
+  optimizer then steps its shard of the slice. With an overlapped sync, the part inside this
+  rank's vendor starts during the backwards too, once the bucket's gradients are final: the TP
+  gather, then the sum among the vendor's leaders (the reduce-scatter inside the vendor where
+  the holders span vendors, else the whole all-reduce), asynchronously. Only the exchange
+  across the bridge and what follows it (the all-gather back inside the vendor, the broadcast
+  in the TP group) wait for the last backward. (The TP gather to the stage leader stays: a TP
+  rank does not yet sum its own shard across vendors.) These buckets start in the rank's
+  bucket order (each once it and those before it are final), which every holder shares for
+  the buckets it holds (spec.buckets), whatever order its own backwards finish them in; the
   sums are the same collectives as without overlap, so they are the same.
 """
 
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hethub.comm import Communicator, Pending
+from hethub.comm import Communicator, Pending, SlicedSum
 from hethub.runtime.model import StageChunks, shard
 from hethub.runtime.optimizer import ShardedAdamW
 from hethub.runtime.precision import MasterWeights
@@ -74,9 +76,9 @@ class _Started(NamedTuple):
     gradients."""
     fulls: list[torch.Tensor] | None
     """With TP: the full gradients ``flat`` concatenates (None without TP)."""
-    local: Pending | None
-    """The leaders' sum inside the vendor, under way (None off the leader, or where this
-    leader is its vendor's only one)."""
+    local: Pending | SlicedSum | None
+    """The leaders' sum inside the vendor, under way: across vendors, the sliced sum's
+    reduce-scatter (None off the leader, or where the set is this leader alone)."""
 
 
 class GradientSync:
@@ -169,8 +171,8 @@ class GradientSync:
         """Start one bucket's sum through the stage leaders, as far as it stays inside this
         rank's vendor: with TP, gather the full gradients in the TP group into one buffer; then,
         ``overlapped``, on the leader start the sum among its vendor's leaders of the holders
-        (all of it where they are of one vendor; where they span vendors, the reduce to the
-        vendor's first), asynchronously as a direct bucket's sum."""
+        (all of it where they are of one vendor; where they span vendors, the reduce-scatter
+        of the sliced sum), asynchronously as a direct bucket's sum."""
         if self.groups.tp.size == 1:
             flat, fulls = self.weights.bucket_grads(index), None
         else:
@@ -181,24 +183,23 @@ class GradientSync:
         if overlapped and self.leads:  # the other TP ranks only gather and receive
             sync = self.groups.grad_sync[bucket.holders]
             if sync.bridge is not None:
-                local = self.comm.start_hierarchical_all_reduce(flat, sync.local)
+                local = self.comm.start_sliced_all_reduce(flat, sync.local, sync.bridge)
             elif sync.local.size > 1:
                 local = self.comm.start_all_reduce(flat, sync.local)
         return _Started(flat, fulls, local)
 
     def _finish_through_leaders(self, bucket: Bucket, started: _Started) -> None:
         """The rest of one bucket's sum through the stage leaders (on a leader whose vendor's
-        part was not started, all of it): the exchange across vendors and the broadcast back
+        part was not started, all of it): the exchange across vendors and the all-gather back
         inside the vendor; with TP, the broadcast of the sum in the TP group, each rank keeping
         its shards."""
         flat = started.flat
         if self.leads and started.local is None:
             self._leaders_sum(flat, bucket.holders)
+        elif isinstance(started.local, SlicedSum):
+            self.comm.finish_sliced_all_reduce(started.local)
         elif self.leads:
             started.local.wait()
-            sync = self.groups.grad_sync[bucket.holders]
-            if sync.bridge is not None:
-                self.comm.finish_hierarchical_all_reduce(flat, sync.local, sync.bridge)
         if started.fulls is None:
             return
         self.comm.broadcast(flat, self.groups.leader, self.groups.tp)
@@ -209,10 +210,15 @@ class GradientSync:
             grad.copy_(shard(self.table[name], piece.view_as(full), self.tp_rank, tp))
 
     def _leaders_sum(self, flat: torch.Tensor, holders: tuple[int, ...]) -> None:
-        """Sum ``flat`` in place among the leaders of the stages ``holders``."""
+        """Sum ``flat`` in place among the leaders of the stages ``holders``. Across vendors,
+        an overlapped sync sums as its started buckets do (start_sliced_all_reduce), whose
+        collectives every holder then runs whichever of its buckets it started."""
         sync = self.groups.grad_sync[holders]
-        if sync.bridge is not None:
-            self.comm.hierarchical_all_reduce(flat, sync.local, sync.bridge)
+        if sync.bridge is not None and self._ready:
+            started = self.comm.start_sliced_all_reduce(flat, sync.local, sync.bridge)
+            self.comm.finish_sliced_all_reduce(started)
+        elif sync.bridge is not None:
+            self.comm.sliced_all_reduce(flat, sync.local, sync.bridge)
         else:
             self.comm.all_reduce(flat, sync.local)
 

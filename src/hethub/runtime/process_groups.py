@@ -25,7 +25,8 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
-from hethub.comm import Group, device_backend
+from hethub.comm import Group, SlicedBridge, device_backend
+from hethub.comm.slices import bridge_slices
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.topology import Topology, parameter_holders
@@ -41,7 +42,7 @@ class Role(StrEnum):
     PIPELINE = "pipeline"  # the leaders of two neighbouring stages: activations and gradients
     GRAD_SYNC = "grad_sync"  # the leaders of every stage holding the same parameters (one vendor)
     SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync set that spans vendors
-    SYNC_BRIDGE = "sync_bridge"  # the first rank of each vendor's part of such a set
+    SYNC_BRIDGE = "sync_bridge"  # a slice's owner on each vendor's part of such a set
     VENDOR = "vendor"  # every rank of one vendor, when the job spans several
     DATA = "data"  # a rank's data-parallel peers (Topology.data_parallel_peers), when used
     MEASURE = "measure"  # ranks the profiler times a collective among
@@ -76,11 +77,13 @@ def job_groups(
     sync). Groups of one rank are left out: they never communicate."""
     world = tuple(range(topology.world_size))
     specs = [GroupSpec(Role.WORLD, world, BRIDGE_BACKEND)]
+    listed = set(specs)  # a set beside the list: thousands of groups at scale
 
     def add(role: Role, ranks: tuple[int, ...]) -> None:
         spec = GroupSpec(role, ranks, shared_backend(ranks, vendors, backends))
-        if len(ranks) > 1 and spec not in specs:  # two sync sets may share a vendor's part
+        if len(ranks) > 1 and spec not in listed:  # sync sets may share a part or a slice
             specs.append(spec)
+            listed.add(spec)
 
     for ranks in topology.tp_groups:
         add(Role.TENSOR, ranks)
@@ -97,8 +100,9 @@ def job_groups(
             len(topology.ranks[leaders[0]].chunks) > 1 and not v_shaped
         ):  # interleaved: the last stage feeds the first
             add(Role.PIPELINE, (leaders[-1], leaders[0]))
-    # A sync set inside one vendor all-reduces natively; one that spans vendors reduces inside
-    # each vendor natively and only the parts' first ranks cross the bridge (hierarchical).
+    # A sync set inside one vendor all-reduces natively; one that spans vendors reduce-scatters
+    # inside each vendor natively and each slice crosses the bridge among its owners, one per
+    # vendor (comm.slices): as many bridge groups as slices, made once for the job.
     for leaders in sorted(set(parameter_holders(topology, model).values())):
         parts = vendor_parts(leaders, vendors)
         if len(parts) == 1:
@@ -106,7 +110,8 @@ def job_groups(
             continue
         for part in parts:
             add(Role.SYNC_LOCAL, part)
-        add(Role.SYNC_BRIDGE, tuple(part[0] for part in parts))
+        for cut in bridge_slices(parts):
+            add(Role.SYNC_BRIDGE, cut.ranks)
     if data_parallel:
         for rank in world:
             add(Role.DATA, topology.data_parallel_peers(rank))
@@ -145,10 +150,10 @@ class SyncGroups:
 
     local: Group
     """The set's leaders of this rank's vendor: the whole set when it has one vendor."""
-    bridge: Group | None = None
-    """The first leader of each vendor's part, when the set spans vendors (None when it has
-    one): the sum crosses between vendors among them alone. Its handle is on those first
-    leaders only."""
+    bridge: SlicedBridge | None = None
+    """When the set spans vendors (None when it has one): each vendor's part and the groups
+    its slices cross the bridge in (comm.Communicator.sliced_all_reduce), each group's handle
+    on its own ranks only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,15 +263,16 @@ def _sync_groups(
     group: Callable[..., Group],
 ) -> SyncGroups:
     """How leader ``rank`` sums gradients with the other ``holders``: one all-reduce among them
-    when they share a vendor, else hierarchically (comm.Communicator.hierarchical_all_reduce)."""
+    when they share a vendor, else sliced over every holder
+    (comm.Communicator.sliced_all_reduce)."""
     parts = vendor_parts(holders, vendors)
     if len(parts) == 1:
         return SyncGroups(group(Role.GRAD_SYNC, holders))
     local = next(part for part in parts if rank in part)
-    bridge = tuple(part[0] for part in parts)
-    return SyncGroups(
-        group(Role.SYNC_LOCAL, local), group(Role.SYNC_BRIDGE, bridge, member=rank == local[0])
+    slices = tuple(
+        group(Role.SYNC_BRIDGE, cut.ranks, member=rank in cut.ranks) for cut in bridge_slices(parts)
     )
+    return SyncGroups(group(Role.SYNC_LOCAL, local), SlicedBridge(parts, slices))
 
 
 def create_groups(specs: Sequence[GroupSpec]) -> dict[tuple[Role, tuple[int, ...]], Group]:

@@ -1,0 +1,53 @@
+"""How a tensor summed across vendors is cut so that every holder carries its share over the
+bridge: a pure function of the holders (no torch), the same on every rank, which the process
+groups (one bridge group per slice) and the Communicator's sliced all-reduce both read.
+
+Inside each vendor the k holders reduce-scatter the tensor natively into k equal pieces, so
+holder i of a vendor owns piece i. Vendors with different holder counts cut at different
+places; the slices are the pieces cut at every vendor's boundaries at once. Each slice then
+lies inside exactly one piece of every vendor, so it crosses the bridge among those owners (one
+rank per vendor), and no rank carries more than its own piece: with k holders a vendor, 1/k of
+the tensor, where the funnel sent it all out of one rank. The tensor is padded to a multiple of
+the lowest common multiple of the holder counts, so that every boundary falls on an element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import NamedTuple
+
+
+class BridgeSlice(NamedTuple):
+    """One slice of a tensor summed across vendors, in units of 1 / ``slice_units`` of it."""
+
+    start: int
+    stop: int
+    ranks: tuple[int, ...]
+    """The rank owning it on each vendor, in the vendors' order: its bridge group."""
+
+
+def slice_units(parts: Sequence[Sequence[int]]) -> int:
+    """In how many equal units the slices of a tensor held by ``parts`` (each vendor's
+    holders) are measured: the lowest common multiple of the holder counts."""
+    return math.lcm(*(len(part) for part in parts))
+
+
+def bridge_slices(parts: Sequence[Sequence[int]]) -> tuple[BridgeSlice, ...]:
+    """The slices of a tensor held by ``parts`` (each vendor's holders, in their order), in
+    the tensor's order: at most the total holder count, less one per vendor after the first.
+    Vendors of 2 and 3 holders give 4 slices, of 1/3, 1/6, 1/6 and 1/3."""
+    units = slice_units(parts)
+    cuts = sorted({i * units // len(part) for part in parts for i in range(len(part))} | {units})
+    return tuple(
+        BridgeSlice(start, stop, tuple(part[start * len(part) // units] for part in parts))
+        for start, stop in pairwise(cuts)
+    )
+
+
+def padded_length(numel: int, parts: Sequence[Sequence[int]]) -> int:
+    """How many elements a tensor of ``numel`` is summed as: rounded up to a multiple of
+    slice_units (the padding moves as zeros)."""
+    units = slice_units(parts)
+    return -(-numel // units) * units
