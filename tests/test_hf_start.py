@@ -76,6 +76,9 @@ def test_a_hf_model_trains_from_its_weights_and_resumes_over_a_prepared_corpus(t
     assert whole.returncode == 0, whole.stderr
     steps, _ = records(whole)
     losses = [r["loss"] for r in steps]
+    for record in steps:  # one rank's bytes are at most the sum, at least an even share of it
+        for path, busiest in record["comm_bytes_busiest_rank"].items():
+            assert record["comm_bytes"][path] / 3 <= busiest <= record["comm_bytes"][path]
     # The first step computes with the HF weights: transformers' own loss of that batch.
     assert losses[0] == pytest.approx(transformers_loss(tmp_path / "corpus"), rel=1e-5)
     assert losses[-1] < losses[0]

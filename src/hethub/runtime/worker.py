@@ -156,6 +156,7 @@ def _train_steps(
             _say(f"workers restarted: resuming from step {start}")
     moved_before = torch.zeros(2, dtype=torch.float64)
     leader_slots = {r.rank: i for i, r in enumerate(trace_leaders(topology))}
+    own_before = (engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE])  # this rank's, so far
     saved = start
     for step in range(start, settings.steps):
         # A checkpoint is never written of non-finite weights: on a step that writes one, the
@@ -169,7 +170,8 @@ def _train_steps(
         )
         position += plan.global_batch
         eval_loss = evaluation.after(step + 1, engine)
-        agreed = _agree_on_step(engine, stop, device, leader_slots)
+        agreed = _agree_on_step(engine, stop, device, leader_slots, own_before)
+        own_before = (engine.comm.bytes[NATIVE], engine.comm.bytes[BRIDGE])
         stop_signal = 0 if step + 1 == settings.steps else agreed.stop_signal  # done: it ends
         if log:
             log.step(
@@ -270,14 +272,19 @@ class _Agreed(NamedTuple):
     stage_seconds: torch.Tensor
     """Per trace leader (trace_leaders' order): its compute, communication and optimizer
     seconds."""
+    busiest: tuple[int, int]
+    """The most bytes any one rank sent in the step: (native, bridge)."""
 
 
-def _agree_on_step(engine: Engine, stop, device, leader_slots: dict[int, int]) -> _Agreed:
+def _agree_on_step(
+    engine: Engine, stop, device, leader_slots: dict[int, int], own_before: tuple[int, int]
+) -> _Agreed:
     """Collective, after a step: two all-reduces of a few numbers (of host values: the step has
     read the device already), a SUM and a MAX, whose size depends on the plan's stages, never
     on the rank count: the bytes moved, the non-finite losses and weights, the signal to stop
     (so that all stop after the same step), the step's time and peak memory, and the trace
-    leaders' per-stage times."""
+    leaders' per-stage times, and the busiest rank's bytes (``own_before``: this rank's bytes
+    per path before the step)."""
     rank, world = engine.rank, engine.comm.world_size
     own_non_finite = not math.isfinite(engine.own_loss)
     sums = torch.zeros(4 + 3 * len(leader_slots), dtype=torch.float64)
@@ -293,12 +300,14 @@ def _agree_on_step(engine: Engine, stop, device, leader_slots: dict[int, int]) -
         )
     peak = peak_memory_bytes(device)
     # A MAX of the negated rank finds the lowest rank with a non-finite loss.
+    own = [engine.comm.bytes[NATIVE] - own_before[0], engine.comm.bytes[BRIDGE] - own_before[1]]
     maxes = torch.tensor(
         [
             stop.signal or 0,
             elapsed,
             -1 if peak is None else peak,
             -(rank if own_non_finite else world),
+            *own,
         ],
         dtype=torch.float64,
     )
@@ -313,6 +322,7 @@ def _agree_on_step(engine: Engine, stop, device, leader_slots: dict[int, int]) -
         elapsed=maxes[1].item(),
         peak_memory=None if maxes[2] < 0 else int(maxes[2]),
         stage_seconds=sums[4:].reshape(-1, 3),
+        busiest=(int(maxes[4]), int(maxes[5])),
     )
 
 
@@ -445,6 +455,8 @@ class _StepLog:
                 else None
             ),
             "comm_bytes": {NATIVE: int(moved[0]), BRIDGE: int(moved[1])},
+            # the most that any one rank sent on each path: a funnel shows here, not in the sum
+            "comm_bytes_busiest_rank": dict(zip((NATIVE, BRIDGE), agreed.busiest, strict=True)),
             "stages": [
                 {
                     "pipeline": r.pipeline,
