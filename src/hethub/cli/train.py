@@ -51,10 +51,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"latest checkpoint (default {DEFAULT_MAX_RESTARTS}; under your own torchrun, give "
         "torchrun --max-restarts)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build every rank of --plan on --cluster in this one process (fake process groups, "
+        "meta tensors: no data moved, no memory allocated), check its sends and receives and "
+        "its memory against the prediction, print one line per stage and train nothing",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _dry_run(args)
     if (
         "LOCAL_RANK" in os.environ
     ):  # started by the user's torchrun: every rank prepares, rank 0 writes
@@ -96,6 +105,43 @@ def run(args: argparse.Namespace) -> int:
     if code == 0:
         _closing(job, args)
     return code
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: runtime.dry_run over the plan, against the predictor's memory."""
+    import json
+    from pathlib import Path
+
+    from hethub.predictor.iteration import predict
+    from hethub.runtime.dry_run import dry_run  # torch
+    from hethub.spec import check_plan, load_cluster, load_model, load_plan
+    from hethub.spec.topology import build_topology
+
+    if not (args.cluster and args.plan):
+        raise HethubError("--dry-run needs --cluster and --plan: it builds that plan's ranks")
+    cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan)
+    model = load_model(
+        plan.model, relative_to=Path(args.plan).parent, source=args.plan, seq_len=args.seq_len
+    )
+    check_plan(plan, cluster, model, args.plan)
+    topology = build_topology(plan, cluster)
+    predicted = predict(plan, cluster, model).stages
+    result = dry_run(plan, topology, model, cluster, predicted)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    for s in result.stages:
+        print(
+            f"pipeline {s.pipeline} stage {s.stage:>2} {s.group}: {plural(len(s.ranks), 'rank')} "
+            f"({s.ranks[0]}..{s.ranks[-1]}), {s.memory_gb:.2f} GB, "
+            f"predicted {s.predicted_memory_gb:.2f} GB, {s.verdict}"
+        )
+    print(
+        f"dry run: {plural(result.ranks, 'rank')} built, "
+        f"{plural(result.messages, 'message')} a step matched"
+    )
+    return 0
 
 
 def _say(message: str) -> None:

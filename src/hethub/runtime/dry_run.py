@@ -1,0 +1,362 @@
+"""A dry run of a whole job in one process: every rank of a plan built, rank after rank, with no
+data moved and no memory allocated (`hethub train --dry-run`).
+
+Each rank joins a world of the plan's size on torch's ``fake`` process-group backend
+(torch.testing._internal.distributed.fake_pg: a private corner of torch, checked on torch
+2.13; its collectives return at once and move nothing), creates the job's groups in the order
+every real rank creates them (runtime.process_groups), builds its stage on the meta device
+(runtime.model.Stage: shapes without storage), lays out its flat buffers (runtime.precision)
+and optimizer (runtime.optimizer) by its gradient buckets (spec.buckets), then leaves the world
+and drops everything before the next rank: the run's memory is one rank's metadata.
+
+Why the real run's ``create_job_groups`` cannot be called as it is: ``create_groups`` passes each
+group's own backend (gloo for a bridge, the device's library otherwise) to ``dist.new_group``,
+and under a fake world a gloo group still builds a real ``ProcessGroupGloo`` on the world's
+store. FakeStore is a Python ``dist.Store`` that implements none of the store's methods, so
+gloo's first call into it fails c10d's "Not implemented" assertion. The dry run hands
+``create_groups`` the same list (job_groups, same order, same ranks) with each backend
+replaced by ``fake``; which backend the real group would have is still in the list.
+
+Each stage's memory is the runtime's own state (meta tensors have sizes: the weights, fp32 main
+gradients, bf16's masters and the Adam moments AdamW makes at its first step) plus the
+predictor's schedule peak (activations and buffers), which only a step would measure;
+the state is compared with the predictor's, stage by stage.
+
+The schedule is checked as sends and receives: each stage's order (spec.schedules) gives the
+messages it posts, sends never blocking and receives blocking, as the runtime's isend and recv.
+``walk_messages`` runs every stage's posts until none can proceed: a receive whose peer's next
+send is another message is a mismatch, one that can never be served a deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hethub.comm import Communicator
+from hethub.errors import HethubError
+from hethub.runtime.model import Stage, StageChunks
+from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
+from hethub.runtime.precision import MasterWeights
+from hethub.runtime.process_groups import RankGroups, create_groups, job_groups, rank_groups
+from hethub.spec.buckets import rank_buckets
+from hethub.spec.cluster import ClusterSpec
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Plan
+from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence, stage_model_chunks
+from hethub.spec.topology import Topology
+
+GB = 1e9
+FAKE_BACKEND = "fake"
+STATE_TOLERANCE = 0.05
+"""How far a stage's state may stand from the prediction's before its verdict says so."""
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """One message a stage posts, in its order: a send to or a receive from ``peer`` (a stage of
+    the same pipeline) of ``message`` (what it carries: kind, model chunk, micro-batch), over
+    ``link``: the ordered pair of stages whose process group carries it (a boundary's
+    activations and their gradients share one; ZBV's way back has its own, as
+    process_groups.rank_groups gives it)."""
+
+    sends: bool
+    peer: int
+    message: tuple[str, int, int]
+    link: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """What one rank's runtime holds across steps, in bytes, as its own tensors say."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass(slots=True)
+class StageReport:
+    """One stage of one pipeline layout over all its replicas: its ranks and the largest state
+    among them, against the prediction."""
+
+    pipeline: int
+    stage: int
+    group: str
+    ranks: list[int]
+    device_gb: float
+    predicted_state_gb: float
+    predicted_schedule_gb: float
+    state_gb: float = 0.0
+
+    @property
+    def memory_gb(self) -> float:
+        """The runtime's state and the predicted schedule peak above it."""
+        return self.state_gb + self.predicted_schedule_gb
+
+    @property
+    def predicted_memory_gb(self) -> float:
+        return self.predicted_state_gb + self.predicted_schedule_gb
+
+    @property
+    def verdict(self) -> str:
+        off = abs(self.state_gb - self.predicted_state_gb) / max(self.predicted_state_gb, 1e-12)
+        return "ok" if off <= STATE_TOLERANCE else f"state {100 * off:.1f}% off the prediction"
+
+
+@dataclass(frozen=True, slots=True)
+class DryRun:
+    """What a dry run found: every stage, and the point-to-point messages of one step."""
+
+    ranks: int
+    stages: list[StageReport]
+    messages: int
+
+    def to_json(self) -> dict:
+        """The object ``hethub train --dry-run --json`` prints."""
+        return {
+            "ranks": self.ranks,
+            "stages": [
+                {
+                    "pipeline": s.pipeline,
+                    "stage": s.stage,
+                    "group": s.group,
+                    "ranks": s.ranks,
+                    "memory_gb": s.memory_gb,
+                    "predicted_memory_gb": s.predicted_memory_gb,
+                    "state_gb": s.state_gb,
+                    "predicted_state_gb": s.predicted_state_gb,
+                    "verdict": s.verdict,
+                }
+                for s in self.stages
+            ],
+            "messages": self.messages,
+        }
+
+
+def stage_posts(orders: Sequence[Sequence[tuple[int, int, int]]], model_chunks) -> list[list[Post]]:
+    """The sends and receives of each stage of a pipeline, in the order it posts them, from its
+    (kind, chunk, micro-batch) order: a forward of model chunk g receives g - 1's activation and
+    sends its own on to g + 1's stage; a backward receives g + 1's gradient and sends its own
+    back to g - 1's. A neighbour chunk on the same stage (ZBV's turn) sends nothing."""
+    holder = {g: s for s, chunks in enumerate(model_chunks) for g in chunks}
+    last = len(holder) - 1
+    posts: list[list[Post]] = []
+    for s, order in enumerate(orders):
+        mine: list[Post] = []
+        for kind, chunk, j in order:
+            g = model_chunks[s][chunk]
+            if kind == FORWARD:
+                steps = ((g - 1, False, g - 1), (g + 1, True, g))
+                label = "activation"
+            elif kind == BACKWARD:
+                steps = ((g + 1, False, g + 1), (g - 1, True, g))
+                label = "gradient"
+            else:
+                continue
+            for neighbour, sends, source in steps:
+                if 0 <= neighbour <= last and holder[neighbour] != s:
+                    low = min(g, neighbour)  # the boundary between model chunks low and low + 1
+                    link = (holder[low], holder[low + 1])
+                    mine.append(Post(sends, holder[neighbour], (label, source, j), link))
+        posts.append(mine)
+    return posts
+
+
+def walk_messages(posts: Sequence[Sequence[Post]], name=str) -> int:
+    """Run every stage's posts as the pipeline would: a send delivers at once (the runtime's
+    isend), a receive waits for its peer's send, and messages from one stage to another over
+    one link match in the order posted. Returns the messages sent; raises HethubError naming
+    the stage (``name(s)``) and the rule on a mismatch, a receive never served (a deadlock) or
+    a send never received."""
+    queues: dict[tuple[int, int, tuple[int, int]], deque] = {}
+    at = [0] * len(posts)
+    sent = 0
+    progress = True
+    while progress:
+        progress = False
+        for s, mine in enumerate(posts):
+            while at[s] < len(mine):
+                post = mine[at[s]]
+                if post.sends:
+                    queues.setdefault((s, post.peer, post.link), deque()).append(post.message)
+                    sent += 1
+                else:
+                    queue = queues.get((post.peer, s, post.link))
+                    if not queue:
+                        break
+                    if queue[0] != post.message:
+                        raise HethubError(
+                            f"{name(s)} receives {_said(post.message)} from {name(post.peer)}, "
+                            f"whose next send to it is {_said(queue[0])}: sends and receives "
+                            "between two stages must match in order"
+                        )
+                    queue.popleft()
+                at[s] += 1
+                progress = True
+    for s, mine in enumerate(posts):
+        if at[s] < len(mine):
+            post = mine[at[s]]
+            raise HethubError(
+                f"{name(s)} waits forever to receive {_said(post.message)} from "
+                f"{name(post.peer)} (deadlock): every receive needs a send its peer reaches"
+            )
+    for (s, peer, _), queue in queues.items():
+        if queue:
+            raise HethubError(
+                f"{name(s)} sends {_said(queue[0])} to {name(peer)}, which never receives it: "
+                "every send needs its receive"
+            )
+    return sent
+
+
+def _said(message: tuple[str, int, int]) -> str:
+    label, chunk, micro_batch = message
+    return f"the {label} of chunk {chunk}, micro-batch {micro_batch}"
+
+
+def check_schedules(plan: Plan, topology: Topology) -> int:
+    """Walk every pipeline layout's sends and receives (walk_messages); the step's messages over
+    every replica."""
+    total = 0
+    for index, layout in enumerate(plan.pipelines):
+        stages, chunks = len(layout.stages), layout.virtual_stages
+        if stages == 1:
+            continue
+        orders = [
+            chunk_sequence(layout.schedule, s, stages, chunks, layout.micro_batches)
+            for s in range(stages)
+        ]
+        posts = stage_posts(orders, stage_model_chunks(layout.schedule, stages, chunks))
+        replica = next(r.replica for r in topology.ranks if r.pipeline == index)
+
+        def name(stage: int, replica: int = replica, index: int = index) -> str:
+            leader = topology.stage_ranks(replica, stage)[0]
+            return f"rank {leader} (pipeline {index}, stage {stage})"
+
+        total += layout.count * walk_messages(posts, name)
+    return total
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a fake world of ``world_size``: collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_rank_groups(
+    topology: Topology, model: ModelSpec, vendors: Sequence[str], data_parallel: bool
+) -> RankGroups:
+    """In a fake world: this rank's groups, created as create_job_groups creates them (every
+    group of job_groups, in its order) but each on the fake backend (the module's docstring
+    says why). Every rank of a vendor has its vendor's library, so the vendors stand for it."""
+    specs = job_groups(topology, model, vendors, vendors, data_parallel)
+    created = create_groups([dataclasses.replace(s, backend=FAKE_BACKEND) for s in specs])
+    return rank_groups(
+        topology, model, vendors, dist.get_rank(), data_parallel=data_parallel, created=created
+    )
+
+
+def rank_state(
+    plan: Plan, topology: Topology, model: ModelSpec, groups: RankGroups, comm: Communicator
+) -> RankState:
+    """In a fake world: this rank's stage on the meta device, its flat buffers and optimizer as
+    the Engine lays them out, and their bytes. The stage is made by its constructor under the
+    meta device, as Stage.build begins; build's filling of the weights would draw each full
+    tensor on the CPU, which a dry run must not."""
+    me = topology.ranks[comm.rank]
+    with torch.device("meta"):
+        stage = StageChunks(
+            [
+                Stage(
+                    model,
+                    chunk.first_layer,
+                    chunk.layers,
+                    groups.tp.handle,
+                    is_first=chunk.is_first,
+                    is_last=chunk.is_last,
+                    sequence_parallel=plan.sequence_parallel,
+                )
+                for chunk in me.chunks
+            ]
+        )
+    held = rank_buckets(topology, model, comm.rank, peers_have_a_group=groups.data is not None)
+    sharded = plan.shard_optimizer and groups.data is not None
+    shards = groups.data.size if sharded else 1
+    weights = MasterWeights(stage, plan.precision, [b.names for b in held], shards)
+    if sharded:
+        optimizer = ShardedAdamW(weights, groups.data, 0.0, 0.0, comm)
+    else:
+        optimizer = PlainAdamW(weights, 0.0, 0.0)
+    optimizer.adamw.step()  # AdamW makes its moments at its first step: on meta, sizes only
+    return RankState(
+        weights=weights.flat.nbytes,
+        grads=weights.main_grads.nbytes,
+        optimizer=optimizer.state_bytes(),
+    )
+
+
+def dry_run(
+    plan: Plan,
+    topology: Topology,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    predicted: Sequence,
+    progress=None,
+) -> DryRun:
+    """Every rank of ``plan`` built in this process, one after another, its memory against
+    ``predicted`` (predictor.predict's stages, StagePrediction); then the schedule's messages
+    checked. ``progress(rank)``, if given, is called before each rank. Raises HethubError
+    naming the rank and the rule on a rank over its device's memory, a mismatched send or a
+    deadlock."""
+    messages = check_schedules(plan, topology)
+    vendors = topology.vendors(cluster)
+    data_parallel = plan.shard_optimizer or plan.overlap_grad_sync
+    by_stage = {(p.pipeline, p.position): p for p in predicted}
+    reports: dict[tuple[int, int], StageReport] = {}
+    for info in topology.ranks:
+        if progress is not None:
+            progress(info.rank)
+        key = (info.pipeline, info.stage)
+        if key not in reports:
+            expected = by_stage[key].memory
+            reports[key] = StageReport(
+                pipeline=info.pipeline,
+                stage=info.stage,
+                group=info.group,
+                ranks=[],
+                device_gb=cluster.group(info.group).accelerator.memory_gb,
+                predicted_state_gb=expected.state_gb,
+                predicted_schedule_gb=expected.schedule_gb,
+            )
+        report = reports[key]
+        with fake_world(info.rank, topology.world_size):
+            groups = fake_rank_groups(topology, model, vendors, data_parallel)
+            state = rank_state(plan, topology, model, groups, Communicator(vendors))
+        report.ranks.append(info.rank)
+        report.state_gb = max(report.state_gb, state.total / GB)
+        if state.total / GB + report.predicted_schedule_gb > report.device_gb:
+            raise HethubError(
+                f"rank {info.rank} (pipeline {info.pipeline}, stage {info.stage}, group "
+                f"{info.group}) needs {state.total / GB + report.predicted_schedule_gb:.1f} GB "
+                f"({state.total / GB:.1f} GB of state, "
+                f"{report.predicted_schedule_gb:.1f} GB predicted above it) on a device of "
+                f"{report.device_gb:g} GB: a rank must fit its device's memory"
+            )
+    return DryRun(topology.world_size, list(reports.values()), messages)

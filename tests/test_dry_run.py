@@ -1,0 +1,142 @@
+"""`hethub train --dry-run`: every rank of a plan built in one process on torch's fake backend
+and the meta device, its memory against the prediction, its sends matched to its receives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hethub.cli import main
+from hethub.errors import HethubError
+from hethub.runtime.dry_run import Post, stage_posts, walk_messages
+from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
+
+# Two vendors, so the plan's gradient sync spans the bridge (SYNC_LOCAL and SYNC_BRIDGE groups).
+CLUSTER = """
+groups:
+  - {name: nv, accelerator: a100-80gb, nodes: 1, devices_per_node: 4}
+  - {name: amd, accelerator: mi250x, nodes: 1, devices_per_node: 2}
+cross_group_gbps: 100
+"""
+MODEL = "{arch: llama, hidden: 64, layers: 4, heads: 4, vocab: 256, seq_len: 32}"
+PLAN = """
+model: {model}
+global_batch: 8
+micro_batch: 1
+schedule: {schedule}
+pipelines:
+- count: 1
+  micro_batches: 4
+  stages:
+  - {{group: nv, tp: 2, layers: 2}}
+  - {{group: nv, tp: 2, layers: 2}}
+- count: 1
+  micro_batches: 4
+  stages:
+  - {{group: amd, tp: 1, layers: 2}}
+  - {{group: amd, tp: 1, layers: 2}}
+"""
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "tiny.yaml").write_text(MODEL)
+
+    def plan(schedule: str = "1f1b") -> tuple[str, str]:
+        path = tmp_path / f"plan-{schedule}.yaml"
+        path.write_text(PLAN.format(model="tiny.yaml", schedule=schedule))
+        return str(tmp_path / "cluster.yaml"), str(path)
+
+    return plan
+
+
+def test_a_small_plan_dry_runs_and_reports_every_stage(files, capsys):
+    cluster, plan = files()
+    assert main(["train", "--cluster", cluster, "--plan", plan, "--dry-run", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ranks"] == 6
+    stages = {(s["pipeline"], s["stage"]): s for s in report["stages"]}
+    assert sorted(stages) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert stages[(0, 0)]["ranks"] == [0, 1] and stages[(1, 1)]["group"] == "amd"
+    for stage in report["stages"]:
+        # The runtime's own state is the predictor's, within the dry run's tolerance.
+        assert stage["state_gb"] == pytest.approx(stage["predicted_state_gb"], rel=0.05)
+        assert stage["memory_gb"] == pytest.approx(stage["predicted_memory_gb"], rel=0.05)
+    # Two pipelines of 2 stages, 4 micro-batches: one activation and one gradient each.
+    assert report["messages"] == 2 * 2 * 4
+
+
+def test_the_text_report_has_a_line_per_stage(files, capsys):
+    cluster, plan = files()
+    assert main(["train", "--cluster", cluster, "--plan", plan, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and all(line.endswith(", ok") for line in lines[:4])
+    assert lines[-1] == "dry run: 6 ranks built, 16 messages a step matched"
+
+
+def test_a_dry_run_needs_a_plan(files, capsys):
+    cluster, _ = files()
+    assert main(["train", "--cluster", cluster, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--dry-run needs --cluster and --plan" in err
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "chunks"),
+    [
+        (Schedule.ONE_F_ONE_B, 4, 1),
+        (Schedule.GPIPE, 3, 1),
+        (Schedule.INTERLEAVED_1F1B, 4, 2),
+        (Schedule.ZB_H1, 4, 1),
+        (Schedule.ZBV, 4, 2),
+    ],
+)
+def test_every_schedule_sends_what_its_peers_receive(schedule, stages, chunks):
+    micro_batches = 8
+    orders = [chunk_sequence(schedule, s, stages, chunks, micro_batches) for s in range(stages)]
+    posts = stage_posts(orders, stage_model_chunks(schedule, stages, chunks))
+    # Each model chunk boundary between two stages carries one activation and one gradient
+    # per micro-batch (ZBV's turn stays on its stage).
+    boundaries = stages * chunks - 1 - (1 if schedule == Schedule.ZBV else 0)
+    assert walk_messages(posts) == 2 * boundaries * micro_batches
+
+
+def test_two_stages_that_both_receive_first_deadlock():
+    activation = ("activation", 0, 0)
+    gradient = ("gradient", 1, 0)
+    posts = [
+        [Post(False, 1, gradient), Post(True, 1, activation)],
+        [Post(False, 0, activation), Post(True, 0, gradient)],
+    ]
+    with pytest.raises(HethubError, match=r"stage 0 waits forever .* \(deadlock\)"):
+        walk_messages(posts, lambda s: f"stage {s}")
+
+
+def test_sends_out_of_the_receivers_order_are_a_mismatch():
+    orders = [chunk_sequence(Schedule.ONE_F_ONE_B, s, 2, 1, 4) for s in range(2)]
+    orders[0][0], orders[0][1] = orders[0][1], orders[0][0]  # stage 0 sends micro-batch 1 first
+    posts = stage_posts(orders, stage_model_chunks(Schedule.ONE_F_ONE_B, 2, 1))
+    with pytest.raises(HethubError, match="must match in order") as refused:
+        walk_messages(posts)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_send_nobody_receives_is_refused():
+    posts = [[Post(True, 1, ("activation", 0, 0))], []]
+    with pytest.raises(HethubError, match="never receives it"):
+        walk_messages(posts)
+
+
+def test_a_rank_over_its_devices_memory_exits_2(files, tmp_path, capsys):
+    _, plan = files()
+    small = CLUSTER.replace(
+        "accelerator: mi250x",
+        "accelerator: {name: tiny-mem, vendor: amd, bf16_tflops: 100, memory_gb: 0.000001}",
+    )
+    (tmp_path / "small.yaml").write_text(small)
+    code = main(["train", "--cluster", str(tmp_path / "small.yaml"), "--plan", plan, "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert "memory" in err
