@@ -16,6 +16,7 @@ import yaml
 from hethub.cli import main
 from hethub.launchers.jobset import device_plugins
 from hethub.spec.plan import parse_plan
+from tests.test_launch import real
 
 KUBERNETES = "1.30"
 """The Kubernetes release whose schemas the manifest is checked against (JobSet needs 1.27+)."""
@@ -58,7 +59,7 @@ pipelines:
 
 def launch(folder: Path, *flags: str, cluster: str = CLUSTER, plan: str | None = PLAN) -> int:
     (folder / "cluster.yaml").write_text(cluster)
-    files = ["--cluster", str(folder / "cluster.yaml")]
+    files = ["--cluster", str(folder / "cluster.yaml"), *real(folder)]  # the data, the steps
     if plan is not None:
         (folder / "plan.yaml").write_text(plan)
         files += ["--plan", str(folder / "plan.yaml")]
@@ -151,6 +152,24 @@ def test_each_pod_runs_the_agent_of_its_node_from_its_completion_index(tmp_path)
     assert "processes=(2 1)" in amd
     assert '--nproc-per-node="${processes[$JOB_COMPLETION_INDEX]}"' in amd
     assert '--this-node=AMD_mi300x:"$JOB_COMPLETION_INDEX"' in amd
+
+
+def test_each_pod_starts_its_groups_python_with_its_vendors_environment(tmp_path):
+    """The container's device plugin picks the devices: the pod keeps what it set, else every
+    device of the node; what only the site knows is a comment in the pod's script."""
+    cluster = CLUSTER.replace(
+        "    devices_per_node: 2\n    kubernetes:",
+        "    devices_per_node: 2\n    launch: {python: /venv/cuda/bin/python}\n    kubernetes:",
+    ).replace(
+        "  - name: AMD_mi300x\n", "  - name: AMD_mi300x\n    launch: {env: {NCCL_DEBUG: TRACE}}\n"
+    )
+    assert launch(tmp_path, *FLAGS, cluster=cluster) == 0
+    _, jobset = manifest(tmp_path)
+    nv, amd = container_script(jobset, 0), container_script(jobset, 1)
+    assert 'export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}"; ' in nv
+    assert "exec /venv/cuda/bin/python -m hethub.launchers.node_agent " in nv
+    assert "export NCCL_DEBUG=TRACE; " in amd and "exec python3 -m hethub" in amd
+    assert "\n# export GLOO_SOCKET_IFNAME=...  # the network interface between" in amd
 
 
 def test_a_model_that_is_no_preset_travels_in_the_configmap(tmp_path):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
 import yaml
@@ -23,6 +25,7 @@ from hethub.errors import SpecError
 from hethub.runtime.spawn import rendezvous_store
 from hethub.spec import parse_cluster
 from hethub.spec.cluster import slurm_time_seconds
+from hethub.spec.plan import parse_plan
 from tests.test_nodes import PLAN, TIMEOUT_S, WIDE_CLUSTER, WIDE_PLAN, environment
 
 # local-hetero's two groups as two kinds of node, each with its slurm: section
@@ -68,6 +71,14 @@ def launch(folder: Path, form: str, cluster: str, plan: str, *flags: str) -> int
             *("--run-dir", str(folder / "runs" / "r"), "--out", str(folder / "out"), *flags),
         ]
     )
+
+
+def real(folder: Path) -> tuple[str, ...]:
+    """The flags a launch on real accelerators needs beside the plan (it trains no default corpus
+    or length): a corpus of the standard library's pydoc texts, written as a text file."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(topics.values()))
+    return ("--data", str(corpus), "--steps", "10")
 
 
 def components(script: str) -> list[dict[str, str]]:
@@ -116,11 +127,12 @@ def test_the_job_of_two_node_kinds_has_a_component_per_group(tmp_path):
 
 def test_gpu_groups_ask_for_their_devices_and_a_host_script_per_node(tmp_path):
     cluster = GPU_KINDS.replace("HOST", "gpu-host-0")
-    assert launch(tmp_path, "slurm", cluster, PLAN, "--time", "30", "--partition", "gpu") == 0
+    flags = ("--time", "30", "--partition", "gpu", *real(tmp_path))
+    assert launch(tmp_path, "slurm", cluster, PLAN, *flags) == 0
     a, b = components((tmp_path / "out" / "job.sbatch").read_text())
     assert (a["gpus-per-node"], a["cpus-per-task"], a["nodelist"]) == ("2", "2", "gpu-host-0")
     assert (b["gpus-per-node"], b["partition"], b["time"]) == ("1", "gpu", "30")
-    assert launch(tmp_path, "hosts", cluster, PLAN) == 0
+    assert launch(tmp_path, "hosts", cluster, PLAN, *real(tmp_path)) == 0
     scripts = sorted((tmp_path / "out").glob("*.sh"))
     assert [s.name for s in scripts] == ["a-0.sh", "b-0.sh"]
     for script, (node, processes) in zip(scripts, (("a:0", 2), ("b:0", 1))):
@@ -137,7 +149,7 @@ def test_a_group_whose_nodes_run_unlike_counts_gets_each_its_own(tmp_path):
     cluster = yaml.safe_dump(
         {"groups": [g | {"slurm": {"time": "60"}} for g in WIDE_CLUSTER["groups"]]}
     )
-    assert launch(tmp_path, "slurm", cluster, yaml.safe_dump(WIDE_PLAN)) == 0
+    assert launch(tmp_path, "slurm", cluster, yaml.safe_dump(WIDE_PLAN), *real(tmp_path)) == 0
     script = (tmp_path / "out" / "job.sbatch").read_text()
     assert [c["nodes"] for c in components(script)] == ["2", "1"]
     a, b = [line for line in script.splitlines() if line.startswith("srun")]
@@ -145,7 +157,8 @@ def test_a_group_whose_nodes_run_unlike_counts_gets_each_its_own(tmp_path):
     assert "--nproc-per-node=2 " in b and "processes=" not in b
     assert a.count("--nnodes=3 ") == 1  # three agents in all
     bash_n(tmp_path / "out" / "job.sbatch")
-    assert launch(tmp_path, "hosts", cluster, yaml.safe_dump(WIDE_PLAN), "--rendezvous", "h") == 0
+    flags = ("--rendezvous", "h", *real(tmp_path))
+    assert launch(tmp_path, "hosts", cluster, yaml.safe_dump(WIDE_PLAN), *flags) == 0
     counts = {
         p.name: re.findall(r"--nproc-per-node=(\d+)", p.read_text())
         for p in (tmp_path / "out").glob("*.sh")
@@ -213,6 +226,144 @@ def test_what_cannot_be_launched_is_one_line_and_exit_2(
     assert not (tmp_path / "out").exists()
 
 
+# test_nodes' GPU kinds, each group with its own launch: section
+OWN_ENVIRONMENTS = """groups:
+  - name: a
+    accelerator: a100-80gb
+    devices_per_node: 2
+    hosts: [gpu-host-0]
+    launch:
+      python: /opt/cuda env/bin/python
+      env: {NCCL_DEBUG: INFO, NCCL_SOCKET_IFNAME: ib0, NCCL_IB_TIMEOUT: 22}
+  - name: b
+    accelerator: mi250x
+    devices_per_node: 1
+    hosts: [amd-host-0]
+    launch: {env: {NCCL_DEBUG: null, GLOO_SOCKET_IFNAME: "ib1"}}
+"""
+
+
+def exported(exports: str, **scheduled: str) -> dict[str, str]:
+    """What a node's shell holds after a script's exports, where the scheduler set
+    ``scheduled``: bash runs them."""
+    shown = subprocess.run(
+        ["bash", "-c", f"{exports}env -0"],
+        env={"PATH": os.environ["PATH"], **scheduled},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(line.split("=", 1) for line in shown.stdout.split("\0") if line)
+
+
+def test_each_group_starts_its_own_python_with_its_vendors_environment(tmp_path):
+    assert launch(tmp_path, "slurm", OWN_ENVIRONMENTS, PLAN, "--time", "60", *real(tmp_path)) == 0
+    script = (tmp_path / "out" / "job.sbatch").read_text()
+    a, b = [shlex.split(line)[5] for line in script.splitlines() if line.startswith("srun")]
+    exports_a, agent_a = a.split("exec ")
+    exports_b, agent_b = b.split("exec ")
+    assert agent_a.startswith("'/opt/cuda env/bin/python' -m hethub.launchers.node_agent ")
+    assert agent_b.startswith("python3 -m hethub.launchers.node_agent ")  # --python's default
+    # a: the vendor's NCCL_DEBUG replaced, its own variables added, every device of the node
+    # unless Slurm chose them; b: the vendor's NCCL_DEBUG dropped, ROCm's visibility variable
+    on_a = exported(exports_a)
+    assert {k: on_a[k] for k in ("NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_TIMEOUT")} == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "NCCL_IB_TIMEOUT": "22",
+    }
+    assert on_a["CUDA_VISIBLE_DEVICES"] == "0,1" and "HIP_VISIBLE_DEVICES" not in on_a
+    assert exported(exports_a, CUDA_VISIBLE_DEVICES="3,5")["CUDA_VISIBLE_DEVICES"] == "3,5"
+    on_b = exported(exports_b)
+    assert on_b["HIP_VISIBLE_DEVICES"] == "0" and on_b["GLOO_SOCKET_IFNAME"] == "ib1"
+    assert "NCCL_DEBUG" not in on_b and "CUDA_VISIBLE_DEVICES" not in on_b
+    # what only the site knows is a comment for the admin, where the group leaves it unset
+    asked = [line.split("=")[0] for line in script.splitlines() if line.startswith("# export ")]
+    assert asked == ["# export GLOO_SOCKET_IFNAME", "# export NCCL_IB_HCA"] + [
+        "# export NCCL_SOCKET_IFNAME",
+        "# export NCCL_IB_HCA",
+    ]
+    bash_n(tmp_path / "out" / "job.sbatch")
+    # the per-host scripts: the same python and variables, as lines
+    assert launch(tmp_path, "hosts", OWN_ENVIRONMENTS, PLAN, *real(tmp_path)) == 0
+    host_a = (tmp_path / "out" / "a-0.sh").read_text()
+    host_b = (tmp_path / "out" / "b-0.sh").read_text()
+    assert "export NCCL_DEBUG=INFO\n" in host_a and "exec '/opt/cuda env/bin/python' -m " in host_a
+    assert 'export HIP_VISIBLE_DEVICES="${HIP_VISIBLE_DEVICES:-0}"' in host_b
+    assert "NCCL_DEBUG" not in host_b and "exec python3 -m " in host_b
+
+
+def test_the_job_reads_its_own_copies_of_the_files_on_shared_storage(tmp_path, capsys):
+    """The cluster and plan files where `launch` read them (often /tmp) are no place for a job:
+    it reads the copies beside its script, by absolute path."""
+    assert launch(tmp_path, "slurm", LOCAL_KINDS, LOCAL_PLAN) == 0
+    out = tmp_path / "out"
+    script = (out / "job.sbatch").read_text()
+    assert f"--cluster {out / 'cluster.yaml'} --plan {out / 'plan.yaml'} " in script
+    assert "This folder must be on storage every node sees" in script
+    assert (out / "cluster.yaml").read_text() == LOCAL_KINDS  # as the user wrote it
+    assert parse_plan(yaml.safe_load((out / "plan.yaml").read_text())) == parse_plan(
+        yaml.safe_load(LOCAL_PLAN)
+    )
+    # a CPU cluster keeps the default length, written out in the script rather than implied
+    assert "--steps 90 " in script and f"{tmp_path}/plan.yaml" not in script
+    assert launch(tmp_path, "hosts", LOCAL_KINDS, LOCAL_PLAN, "--rendezvous", "h") == 0
+    for name in ("fast-0.sh", "slow-0.sh"):
+        text = (out / name).read_text()
+        assert f"--cluster {out / 'cluster.yaml'} --plan {out / 'plan.yaml'} " in text
+        assert "must be on storage every node sees (shared storage)" in text
+
+
+@pytest.mark.parametrize(
+    "plan, flags, missing",
+    [
+        (None, (), "needs --model (or --plan), --data, --steps: "),
+        (PLAN, ("--steps", "5"), "needs --data: "),
+        (None, ("--model", "tiny-llama", "--data", "x.txt"), "needs --steps: "),
+    ],
+    ids=["nothing", "plan-no-data", "model-no-steps"],
+)
+def test_a_cluster_of_real_accelerators_trains_no_default(tmp_path, capsys, plan, flags, missing):
+    """The 3.6M-parameter local model on the pydoc texts for 90 steps is a demo: on GPUs a
+    launch names the model (or a plan), the data and the steps, or is refused in one line."""
+    (tmp_path / "cluster.yaml").write_text(GPU_KINDS.replace("HOST", "h0"))
+    files = ["--cluster", str(tmp_path / "cluster.yaml")]
+    if plan is not None:
+        (tmp_path / "plan.yaml").write_text(plan)
+        files += ["--plan", str(tmp_path / "plan.yaml")]
+    out = ["--run-dir", "/shared/runs/x", "--out", str(tmp_path / "out"), "--time", "60"]
+    assert main(["launch", "slurm", *files, *out, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hethub launch: error: cluster.yaml: a cluster of real accelerators ")
+    assert missing in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "launch"  # a folder under a file: no one can make it
+    assert launch(tmp_path, "slurm", LOCAL_KINDS, LOCAL_PLAN, "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hethub launch: error: --out = '{out}': cannot write ")
+    assert "give a folder you can write" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "launch_section, said",
+    [
+        ("{pyhton: /x}", "groups[0].launch.pyhton"),
+        ("{python: ' '}", "groups[0].launch.python = ' ': must be a non-empty string"),
+        ("{env: [A, B]}", "groups[0].launch.env = ['A', 'B']: must be a mapping"),
+        ("{env: {1X: a}}", "groups[0].launch.env = '1X': a variable's name is letters"),
+        ("{env: {X: true}}", "groups[0].launch.env.X = True: must be a string or a whole number"),
+    ],
+)
+def test_what_is_no_launch_section_is_refused_in_one_line(launch_section, said):
+    group = {"name": "g", "accelerator": "h100", "devices_per_node": 8}
+    with pytest.raises(SpecError, match=re.escape(said)):
+        parse_cluster({"groups": [group | {"launch": yaml.safe_load(launch_section)}]})
+
+
 @pytest.mark.parametrize(
     "text, seconds",
     [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("2-12", 216000), ("1-00:00:30", 86430)],
@@ -267,14 +418,17 @@ def test_the_per_host_scripts_stopped_and_started_again_train_the_single_node_lo
     of an unbroken run, bit for bit."""
     (tmp_path / "cluster.yaml").write_text(GPU_KINDS.replace("HOST", "elsewhere.invalid"))
     (tmp_path / "plan.yaml").write_text(PLAN)
+    real(tmp_path)  # the corpus both runs train on
     one = subprocess.run(
         [sys.executable, "-m", "hethub", "train", "--cluster", "cluster.yaml", "--plan",
-         "plan.yaml", "--run-dir", "runs/one", "--steps", "4", "--timeout", "60"],
+         "plan.yaml", "--run-dir", "runs/one", "--steps", "4", "--timeout", "60",
+         "--data", str(tmp_path / "corpus.txt")],
         cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=TIMEOUT_S,
         check=False,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
-    flags = ["--steps", "4", "--checkpoint-every", "1", "--timeout", "60"]
+    # the GPU kinds need the data and the steps; the agents' own --steps comes after real's 10
+    flags = [*real(tmp_path), "--steps", "4", "--checkpoint-every", "1", "--timeout", "60"]
     checkpoints = tmp_path / "runs" / "r" / "checkpoints"
     store = rendezvous_store(TIMEOUT_S)  # held by the test, as in test_nodes.run_agents
     started = agents(tmp_path, store.port, flags)

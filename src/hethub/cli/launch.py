@@ -12,12 +12,14 @@ from hethub.cli.agent import DEFAULT_MAX_RESTARTS
 from hethub.cli.args import add_job_arguments, non_negative_int, positive_int
 from hethub.errors import HethubError
 from hethub.jobs import prepare
-from hethub.jobs.prepare import builtin_cluster, plan_files, write_plan
+from hethub.jobs.prepare import builtin_cluster, plan_files
 from hethub.launchers import Launch, agent_nodes, host_scripts, jobset_manifest, slurm_script
+from hethub.launchers.environment import group_environment
 from hethub.launchers.jobset import FILES_MOUNT, JobSetJob
 from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
-from hethub.runtime.rundir import RunDir
-from hethub.spec.cluster import ClusterSpec, SlurmSettings
+from hethub.profiles.store import all_cpu
+from hethub.runtime.rundir import DEFAULT_SETTINGS
+from hethub.spec.cluster import ClusterSpec, SlurmSettings, load_cluster
 from hethub.spec.topology import build_topology
 
 DEFAULT_PORT = 29500
@@ -61,7 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "its host in the cluster file's hosts)",
     )
     parser.add_argument(
-        "--python", default="python3", help="Python with hethub and torch on every node"
+        "--python",
+        default="python3",
+        help="Python with hethub and torch on the nodes of the groups whose launch: section "
+        "names none (default python3)",
     )
     for field, what in (
         ("partition", "Slurm partition"),
@@ -99,19 +104,24 @@ def run(args: argparse.Namespace) -> int:
         raise HethubError("--run-dir is needed: the run folder, on storage every node sees")
     if args.form == "jobset":
         _check_jobset_flags(args)
-    job = prepare(args, measure=False, write=False, local_launch=False)
     cluster_file = Path(args.cluster).resolve() if args.cluster else builtin_cluster()
-    plan_file = Path(args.plan or Path(args.out) / "plan.yaml").resolve()
-    # A JobSet's pods read both files from its ConfigMap, and the run folder where the claim is
-    # mounted; the other forms name the paths every node shares.
+    _check_real_accelerators(args, cluster_file)
+    job = prepare(args, measure=False, write=False, local_launch=False)
+    out = Path(args.out).resolve()
+    # Every form carries its own copies of the files: the plan as parsed, with its model's file
+    # where it is no preset (as a run folder's), and the cluster file as written. A JobSet's pods
+    # read them from its ConfigMap, and the run folder where the claim is mounted; the other
+    # forms read the copies beside the script, on storage every node shares.
+    carried = {"cluster.yaml": _read(cluster_file), **plan_files(job.plan, job.model)}
     in_pods = args.form == "jobset"
+    folder = FILES_MOUNT if in_pods else str(out)
     launch = Launch(
         name=f"hethub-{Path(args.run_dir).name}",
-        cluster_file=f"{FILES_MOUNT}/cluster.yaml" if in_pods else str(cluster_file),
-        plan_file=f"{FILES_MOUNT}/plan.yaml" if in_pods else str(plan_file),
+        cluster_file=f"{folder}/cluster.yaml",
+        plan_file=f"{folder}/plan.yaml",
         run_dir=args.run_dir if in_pods else str(Path(args.run_dir).resolve()),
         train_flags=_train_flags(args),
-        python=args.python,
+        environments={g.name: group_environment(g, args.python) for g in job.cluster.groups},
         port=args.port,
         max_restarts=args.max_restarts,
         nodes=agent_nodes(build_topology(job.plan, job.cluster), job.cluster),
@@ -119,18 +129,10 @@ def run(args: argparse.Namespace) -> int:
     if args.form == "slurm":
         files = {"job.sbatch": _slurm(args, launch, job.cluster)}
     elif args.form == "jobset":
-        # the plan as parsed, with its model's file where it is no preset (as a run folder's)
-        carried = {"cluster.yaml": cluster_file.read_text(), **plan_files(job.plan, job.model)}
         files = {"jobset.yaml": _jobset(args, launch, job.cluster, carried)}
     else:
         files = host_scripts(launch, f"{_rendezvous_host(args, job.cluster, launch)}:{args.port}")
-    out = Path(args.out)  # written once every check has passed
-    out.mkdir(parents=True, exist_ok=True)
-    if not args.plan:  # every node trains the plan made here, not one each plans for itself
-        write_plan(RunDir(out), job.plan, job.model)
-    for name, text in files.items():
-        (out / name).write_text(text)
-        (out / name).chmod(0o755)
+    _write(out, carried, files)  # once every check has passed
     written = ", ".join(str(out / name) for name in files)
     if args.form == "slurm":
         print(f"wrote {written}; submit it with: sbatch {out / 'job.sbatch'}")
@@ -139,6 +141,54 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {written}; run each on its node (bash FILE)")
     return 0
+
+
+def _check_real_accelerators(args: argparse.Namespace, cluster_file: Path) -> None:
+    """A cluster of real accelerators trains what the user means, never hethub's defaults (the
+    local demo model on the standard library's documentation for 90 steps): it needs the model
+    (--model, or the plan's), the data and the steps. A cluster of CPUs only (a local stand-in)
+    keeps the defaults."""
+    if all_cpu(load_cluster(cluster_file)):
+        return
+    missing = [
+        flag
+        for flag, given in (
+            ("--model (or --plan)", args.model or args.plan),
+            ("--data", args.data),
+            ("--steps", args.steps),
+        )
+        if not given
+    ]
+    if missing:
+        raise HethubError(
+            f"{cluster_file.name}: a cluster of real accelerators needs {', '.join(missing)}: "
+            "a launch there trains no default model, corpus or length"
+        )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise HethubError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def _write(out: Path, carried: dict[str, str], scripts: dict[str, str]) -> None:
+    """The launch's folder: the files every node reads (cluster.yaml, plan.yaml, model.yaml),
+    then the scripts, executable. A place that cannot be written is one line."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in carried.items():
+            (out / name).write_text(text)
+        for name, text in scripts.items():
+            (out / name).write_text(text)
+            (out / name).chmod(0o755)
+    except OSError as error:
+        where = error.filename or out
+        raise HethubError(
+            f"--out = {str(out)!r}: cannot write {where}: {error.strerror or error}; give a "
+            "folder you can write, on storage every node sees"
+        ) from None
 
 
 def _slurm(args: argparse.Namespace, launch: Launch, cluster: ClusterSpec) -> str:
@@ -189,6 +239,8 @@ def _rendezvous_host(args: argparse.Namespace, cluster: ClusterSpec, launch: Lau
 
 def _train_flags(args: argparse.Namespace) -> tuple[str, ...]:
     flags: list[str] = []
+    if args.steps is None:  # said, not left to the workers' default: the script shows its length
+        flags += ["--steps", str(DEFAULT_SETTINGS.steps)]
     for name in TRAIN_FLAGS:
         value = getattr(args, name)
         if value is not None:

@@ -7,6 +7,7 @@ import shlex
 from dataclasses import dataclass
 
 from hethub.errors import HethubError
+from hethub.launchers.environment import GroupEnvironment
 from hethub.runtime.nodes import node_ranks
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.topology import Topology
@@ -29,7 +30,8 @@ class Launch:
     name: str
     """The job's name (Slurm's --job-name, the rendezvous id)."""
     cluster_file: str
-    """Absolute path of the cluster file, the same on every node."""
+    """Absolute path of the cluster file, the same on every node (the copy in the launch's
+    folder, or in the JobSet's ConfigMap)."""
     plan_file: str
     """Absolute path of the plan file, the same on every node."""
     run_dir: str
@@ -37,13 +39,16 @@ class Launch:
     train_flags: tuple[str, ...]
     """`hethub train`'s flags for a new run (steps, seed, data, ...); a resumed run keeps its
     own."""
-    python: str
-    """The Python with hethub and torch on every node."""
+    environments: dict[str, GroupEnvironment]
+    """Each group's Python (with hethub and its vendor's torch) and environment variables."""
     port: int
     """The rendezvous port on the first node."""
     max_restarts: int
     nodes: tuple[AgentNode, ...]
     """In the cluster's group order, then node order."""
+
+    def environment(self, group: str) -> GroupEnvironment:
+        return self.environments[group]
 
     def group_nodes(self, group: str) -> tuple[AgentNode, ...]:
         return tuple(n for n in self.nodes if n.group == group)
@@ -91,15 +96,22 @@ def start_lines(launch: Launch) -> str:
 
 
 def agent_command(
-    launch: Launch, *, processes: str, this_node: str, endpoint: str, rdzv_id: str, start: str
+    launch: Launch,
+    group: str,
+    *,
+    processes: str,
+    this_node: str,
+    endpoint: str,
+    rdzv_id: str,
+    start: str,
 ) -> str:
-    """The agent's command line: torchrun's launcher, through node_agent (which says a stop
-    by a signal or a failure in one line), with `hethub train` as its workers.
+    """The agent's command line, in ``group``'s Python: torchrun's launcher, through node_agent
+    (which says a stop by a signal or a failure in one line), with `hethub train` as its workers.
     ``processes`` (the node's plan ranks), ``this_node``, ``endpoint``, ``rdzv_id`` and ``start``
     (`hethub train`'s start flags) are shell words, expanded where the agent starts."""
     return " ".join(
         [
-            shlex.quote(launch.python),
+            shlex.quote(launch.environment(group).python),
             "-m hethub.launchers.node_agent",
             f"--nnodes={len(launch.nodes)}",
             f"--nproc-per-node={processes}",
@@ -117,18 +129,20 @@ def agent_command(
 def indexed_agent_command(launch: Launch, group: str, node_index: str, start: str) -> str:
     """What each node of ``group`` runs where its scheduler gives the node's index in the shell
     variable ``node_index`` (Slurm's SLURM_NODEID, an Indexed Job's JOB_COMPLETION_INDEX): its
-    agent, exec'd, after the array of the nodes' process counts where the plan fills the group's
-    nodes unevenly, from which each node reads its own."""
+    agent, exec'd, after the group's exports (set on the node itself, where the scheduler's own
+    device visibility is) and the array of the nodes' process counts where the plan fills the
+    group's nodes unevenly, from which each node reads its own."""
     counts = [node.processes for node in launch.group_nodes(group)]
-    prefix, processes = "", str(counts[0])
+    prefix, processes = launch.environment(group).exports(), str(counts[0])
     if len(set(counts)) > 1:
-        prefix = f"processes=({' '.join(map(str, counts))}); "
+        prefix += f"processes=({' '.join(map(str, counts))}); "
         processes = f'"${{processes[${node_index}]}}"'
     return (
         prefix
         + "exec "
         + agent_command(
             launch,
+            group,
             processes=processes,
             this_node=shlex.quote(f"{group}:") + f'"${node_index}"',
             endpoint='"$RDZV_ENDPOINT"',

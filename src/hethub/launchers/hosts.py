@@ -16,6 +16,7 @@ def host_scripts(launch: Launch, endpoint: str) -> dict[str, str]:
         name = f"{node.group}:{node.node}"
         command = agent_command(
             launch,
+            node.group,
             processes=str(node.processes),
             this_node=shlex.quote(name),
             endpoint=shlex.quote(endpoint),
@@ -27,8 +28,11 @@ def host_scripts(launch: Launch, endpoint: str) -> dict[str, str]:
                 "#!/bin/bash",
                 f"# Node {name}, one of {len(launch.nodes)}: run this on that node, each",
                 f"# other node's script on its own; the agents meet at {endpoint}. Written by",
-                "# `hethub launch`; the run folder must be on storage every node sees.",
+                "# `hethub launch`. This folder (the cluster and plan files beside it) and the",
+                "# run folder must be on storage every node sees (shared storage).",
                 "set -euo pipefail",
+                f"# group {node.group}'s environment (vendor_env.yaml, then its launch: env)",
+                *launch.environment(node.group).lines(),
                 start_lines(launch),
                 f"exec {command}",
                 "",

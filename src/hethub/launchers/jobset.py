@@ -129,7 +129,8 @@ def _replicated_job(
         )
     run_name = PurePosixPath(launch.run_dir).name
     command = indexed_agent_command(launch, group.name, "JOB_COMPLETION_INDEX", '"${START[@]}"')
-    script = f"set -euo pipefail\n{start_lines(launch)}\n{command}\n"
+    asked = [line for line in launch.environment(group.name).lines() if line.startswith("#")]
+    script = "\n".join(["set -euo pipefail", *asked, start_lines(launch), command, ""])
     container = {
         "name": "agent",
         "image": image,

@@ -75,15 +75,17 @@ def slurm_script(launch: Launch, cluster: ClusterSpec, job: SlurmJob) -> str:
         if index:
             headers.append("#SBATCH hetjob")
         headers += _component(launch, group, len(nodes), settings, job.signal_s, index)
-        sruns.append(_srun(launch, index, group_name))
+        sruns += _srun(launch, index, group_name)
     return "\n".join(
         [
             "#!/bin/bash",
             "# A Slurm heterogeneous job written by `hethub launch`: one component per group, one",
-            "# hethub agent (torchrun, with `hethub train` as its workers) per node, from",
+            "# hethub agent (torchrun, with `hethub train` as its workers) per node, from the",
+            "# cluster and plan files copied beside this script:",
             f"#   cluster {launch.cluster_file}",
             f"#   plan    {launch.plan_file}",
-            "# Submit it with sbatch; every node must see these files at these paths.",
+            "# Submit it with sbatch. This folder must be on storage every node sees (shared",
+            "# storage): every node reads the files here, at these paths.",
             *headers,
             "",
             "set -euo pipefail",
@@ -137,10 +139,15 @@ def _component(
     return lines
 
 
-def _srun(launch: Launch, index: int, group: str) -> str:
-    """One component's agents: one task per node, which knows its node from SLURM_NODEID."""
+def _srun(launch: Launch, index: int, group: str) -> list[str]:
+    """One component's agents: one task per node, which knows its node from SLURM_NODEID and
+    exports the group's variables on that node (the comments: those left to the admin)."""
     command = indexed_agent_command(launch, group, "SLURM_NODEID", start='"$@"')
-    return (
-        f"srun --het-group={index} --ntasks-per-node=1 bash -c {shlex.quote(command)} "
-        f'agent "${{START[@]}}" &\nagents+=($!)'
-    )
+    environment = launch.environment(group)
+    return [
+        f"# component {index}: group {group}, in {environment.python}",
+        *(line for line in environment.lines() if line.startswith("#")),
+        f"srun --het-group={index} --ntasks-per-node=1 bash -c {shlex.quote(command)} agent "
+        + '"${START[@]}" &',
+        "agents+=($!)",
+    ]

@@ -43,6 +43,21 @@ class KubernetesSettings:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchSettings:
+    """A group's ``launch:`` section: how its nodes start in what `hethub launch` writes (the
+    Slurm job, the per-host scripts, the JobSet's pods). Each vendor's torch build lives in its
+    own environment, so each group names its own interpreter and variables."""
+
+    python: str | None = None
+    """The Python of this group's nodes, with hethub and this vendor's torch build (None: the
+    --python flag)."""
+    env: tuple[tuple[str, str | None], ...] = ()
+    """Environment variables of the group's agents and workers, in the file's order; each
+    replaces the vendor's default of that name (hethub/data/vendor_env.yaml), and a None drops
+    that default."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 @hashed_once()
 class DeviceGroup:
     """Identical nodes of one accelerator kind."""
@@ -69,6 +84,9 @@ class DeviceGroup:
     kubernetes: KubernetesSettings | None = None
     """The group's pods on Kubernetes (None: no ``kubernetes:`` section; `hethub launch jobset`
     then takes its flags)."""
+    launch: LaunchSettings | None = None
+    """The interpreter and environment of the group's nodes in every form `hethub launch`
+    writes (None: no ``launch:`` section; the --python flag and the vendor's defaults)."""
 
     @property
     def link_gb_s(self) -> float:
@@ -135,9 +153,13 @@ _GROUP_FIELDS = (
     "hosts",
     "slurm",
     "kubernetes",
+    "launch",
 )
 _KUBERNETES_FIELDS = ("image", "node_selector", "device_resource")
 _SLURM_FIELDS = ("partition", "constraint", "account", "time", "cpus_per_node")
+_LAUNCH_FIELDS = ("python", "env")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""A name the shell can export (POSIX: letters, digits, '_', not a digit first)."""
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 """Slurm's time limit forms; slurm_time_seconds reads them."""
 
@@ -170,6 +192,9 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                     _kubernetes(f.raw("kubernetes"), source, f.path("kubernetes"))
                     if f.has("kubernetes")
                     else None
+                ),
+                launch=(
+                    _launch(f.raw("launch"), source, f.path("launch")) if f.has("launch") else None
                 ),
             )
         )
@@ -256,6 +281,34 @@ def _kubernetes(raw: Any, source: str, prefix: str) -> KubernetesSettings:
             )
         selector = tuple(labels.items())
     return KubernetesSettings(**texts, node_selector=selector)
+
+
+def _launch(raw: Any, source: str, prefix: str) -> LaunchSettings:
+    """A group's ``launch:`` section: an interpreter, and variables the shell can export, each a
+    string or a whole number (quoted by hethub, as written), or null to drop a vendor default."""
+    f = Fields(raw, source, prefix, allowed=_LAUNCH_FIELDS)
+    python = f.string("python") if f.has("python") else None  # non-empty
+    env: list[tuple[str, str | None]] = []
+    if f.has("env"):
+        variables = f.raw("env")
+        if not isinstance(variables, dict):
+            raise f.error("env", variables, "must be a mapping of variable name to value")
+        for name, value in variables.items():
+            if not isinstance(name, str) or not ENV_NAME.match(name):
+                raise f.error(
+                    "env",
+                    name,
+                    "a variable's name is letters, digits and '_', not a digit first",
+                )
+            if isinstance(value, bool) or not isinstance(value, (str, int, type(None))):
+                raise f.error(
+                    f"env.{name}",
+                    value,
+                    'must be a string or a whole number (quote it: "1", "true"), or null to '
+                    "drop the vendor's default",
+                )
+            env.append((name, None if value is None else str(value)))
+    return LaunchSettings(python=python, env=tuple(env))
 
 
 SLURM_TIME_RULE = (
