@@ -8,7 +8,10 @@ uses; which device runs which stage is hethub.spec.placement's answer, the one t
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -102,26 +105,30 @@ class Topology:
         return [cluster.group(r.group).accelerator.vendor for r in self.ranks]
 
 
-def parameter_holders(topology: Topology, model: ModelSpec) -> dict[str, tuple[int, ...]]:
+@functools.lru_cache(maxsize=4)
+def parameter_holders(topology: Topology, model: ModelSpec) -> Mapping[str, tuple[int, ...]]:
     """For every full-model parameter: the leaders (first TP rank) of the stages holding a copy,
     sorted. Their gradients are summed over exactly these (every replica, and the GPT head's
-    copy of the embedding)."""
+    copy of the embedding). Read-only, made once per topology: a rank's groups, buckets, norm
+    and checkpoint all ask, and at 768 ranks of 140B it walks every stage's parameter list."""
     holders: dict[str, set[int]] = {}
-    for replica in sorted({r.replica for r in topology.ranks}):
-        stages = topology.replica_stages(replica)
-        for s in range(stages):
-            leader = topology.ranks[topology.stage_ranks(replica, s)[0]]
-            for chunk in leader.chunks:
-                names = stage_parameters(
+    names_of: dict[tuple, list[str]] = {}  # replicas of one layout hold the same chunks
+    for r in topology.ranks:
+        if r.tp_rank != 0:
+            continue  # a stage's leader stands for its TP ranks
+        for chunk in r.chunks:
+            key = (chunk.first_layer, chunk.layers, chunk.is_first, chunk.is_last)
+            if key not in names_of:
+                names_of[key] = stage_parameters(
                     model,
                     chunk.first_layer,
                     chunk.layers,
                     is_first=chunk.is_first,
                     is_last=chunk.is_last,
                 )
-                for name in names:
-                    holders.setdefault(name, set()).add(leader.rank)
-    return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
+            for name in names_of[key]:
+                holders.setdefault(name, set()).add(r.rank)
+    return MappingProxyType({name: tuple(sorted(ranks)) for name, ranks in holders.items()})
 
 
 def layout_classes(plan: Plan) -> tuple[int, ...]:
