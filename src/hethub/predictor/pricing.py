@@ -162,15 +162,11 @@ class AnalyticPricing(Pricing):
         return _at_speed(group, _analytic_work(group, self.calibration, shape, self.kernels))
 
     def send(self, boundary: Boundary) -> SendTimes:
-        # As runtime.p2p sends it: each TP rank its share, the receiving stage all-gathering it.
-        b, cal = boundary, self.calibration
+        # The gradient takes as long as the activation; each TP rank sends its share.
+        b = boundary
         nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * b.precision.element_bytes
-        cut_sender, cut_receiver = shard_degrees(b)
-        message = _send_time(nbytes / min(cut_sender, cut_receiver), b, cal)
-        return SendTimes(
-            message + comm.group_all_gather_time(nbytes, cut_receiver, b.receiver, cal),
-            message + comm.group_all_gather_time(nbytes, cut_sender, b.sender, cal),
-        )
+        one_way = _send_time(nbytes / b.tp_sender, b, self.calibration)
+        return SendTimes(one_way, one_way)
 
     def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
         """The gradients' all-reduce among the peers (a reduce-scatter and an all-gather with a
@@ -496,20 +492,6 @@ def _analytic_optimizer_s(
     )
 
 
-def shard_degrees(boundary: Boundary) -> tuple[int, int]:
-    """How many slices the sending and the receiving stage cut a message's sequence into, as
-    runtime.p2p.slices does: its TP degree where the sequence divides among its ranks, else one
-    (the whole message from TP rank 0, or to every TP rank). The busiest rank of a boundary
-    moves the message over the fewer of the two, and the receiving stage all-gathers it from
-    its own."""
-    seq_len = boundary.model.seq_len
-
-    def cut(tp: int) -> int:
-        return tp if seq_len % tp == 0 else 1
-
-    return cut(boundary.tp_sender), cut(boundary.tp_receiver)
-
-
 def _send_time(nbytes: float, boundary: Boundary, cal: Calibration) -> float:
     """``nbytes`` from a device of the sender to one of the receiver."""
     a, b = boundary.sender, boundary.receiver
@@ -521,13 +503,13 @@ def _send_time(nbytes: float, boundary: Boundary, cal: Calibration) -> float:
 
 
 def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
-    """Measured times over a stage boundary, or None: between two nodes, the TP ranks' shards
+    """Measured times over a stage boundary, or None: between two nodes, the leaders' message
     over the measured link between their kinds (hethub profile --cluster; through the bridge
-    where the vendors differ) and the receiving TP group's all-gather from its own kind's link
-    profile; else on one kind of accelerator, its link profile (one machine's processes)."""
+    where the vendors differ) and each TP group's broadcast from its own kind's link profile;
+    else on one kind of accelerator, its link profile (one machine's processes)."""
     b = boundary
+    # whole, leader to leader
     nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * profiles.bytes_per_element
-    cut_sender, cut_receiver = shard_degrees(b)
     kind_a, kind_b = b.sender.accelerator.name, b.receiver.accelerator.name
     between = profiles.link_between(kind_a, kind_b) if b.across_nodes else None
     if between is not None:
@@ -536,15 +518,15 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
             profiles.link_for(kind_a),
             profiles.link_for(kind_b),
             nbytes,
-            cut_sender,
-            cut_receiver,
+            b.tp_sender,
+            b.tp_receiver,
         )
     if kind_a != kind_b:
         return None
     link = profiles.link_for(kind_a)
     if link is None:
         return None
-    return profiled.send_times(link, nbytes, cut_sender, cut_receiver)
+    return profiled.send_times(link, nbytes, b.tp_sender, b.tp_receiver)
 
 
 def _plan_link(profiles: Profiles, plan: Plan, cluster: ClusterSpec) -> LinkProfile | None:

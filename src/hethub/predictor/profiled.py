@@ -8,12 +8,11 @@ with selective recomputation, which profiles do not measure, a layer's backward 
 one plus its measured forward's share that the analytic model gives the rerun attention.
 TP collectives are inside the measured times. Where a local run has more ranks than the machine
 has cores, core_sharing() says how the ranks share them (predictor.sharing).
-Communication, as the runtime (hethub.runtime.engine) does it: each TP rank sends its slice of
-an activation (and of its gradient) to the ranks of the neighbouring stage whose slices overlap
-it, and the receiving TP group all-gathers them (runtime.p2p); the gradient sync goes in
-buckets of the tensors with the same holders (spec.buckets): the TP group gathers each full
-gradient, the leaders of every stage holding the bucket all-reduce it, the leader broadcasts it
-back. Memory: weights, gradients and both AdamW
+Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
+whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
+group; the gradient sync goes in buckets of the tensors with the same holders (spec.buckets):
+the TP group gathers each full gradient, the leaders of every stage holding the bucket
+all-reduce it, the leader broadcasts it back. Memory: weights, gradients and both AdamW
 moments in the profile's dtype, and the measured activations of the micro-batches in flight.
 """
 
@@ -90,12 +89,16 @@ def profiled_work(
 def send_times(
     link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int
 ) -> SendTimes | None:
-    """(activation forward, its gradient backward) of ``nbytes`` over one stage boundary, as
-    runtime.p2p sends it: each of the ``tp_sender`` ranks its slice to the ``tp_receiver``
-    ranks whose slices overlap it (the busiest rank moves nbytes over the fewer of the two),
-    then an all-gather inside the receiving TP group (the sender's, for the gradient); None
-    where an all-gather is needed and not measured."""
-    return cross_send_times(link, link, link, nbytes, tp_sender, tp_receiver)
+    """(activation forward, its gradient backward) over one stage boundary: leader to leader,
+    then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
+    message = link.p2p_time(nbytes)
+    forward, backward = (
+        link.broadcast_time(nbytes, tp_receiver),
+        link.broadcast_time(nbytes, tp_sender),
+    )
+    if forward is None or backward is None:
+        return None
+    return SendTimes(message + forward, message + backward)
 
 
 def cross_send_times(
@@ -106,23 +109,22 @@ def cross_send_times(
     tp_sender: int,
     tp_receiver: int,
 ) -> SendTimes | None:
-    """(activation forward, its gradient backward) over a boundary between two nodes: the TP
-    ranks' slices over the measured link between them (as ``send_times``), then the all-gather
-    in the receiving TP group, priced by that group's own link profile (nothing for a TP group
-    of one); None where an all-gather is needed and not measured."""
-    message = between.p2p_time(nbytes / min(tp_sender, tp_receiver))
-    forward = _all_gather(link_b, nbytes, tp_receiver)
-    backward = _all_gather(link_a, nbytes, tp_sender)
+    """(activation forward, its gradient backward) over a boundary between two nodes: the
+    leaders' message over the measured link between them, then a broadcast in the receiving TP
+    group, priced by that group's own link profile (nothing for a TP group of one); None where
+    a broadcast is needed and not measured."""
+    message = between.p2p_time(nbytes)
+    forward = _broadcast(link_b, nbytes, tp_receiver)
+    backward = _broadcast(link_a, nbytes, tp_sender)
     if forward is None or backward is None:
         return None
     return SendTimes(message + forward, message + backward)
 
 
-def _all_gather(link: LinkProfile | None, nbytes: float, tp: int) -> float | None:
-    """A TP group's all-gather of a whole ``nbytes`` message from its slices."""
+def _broadcast(link: LinkProfile | None, nbytes: float, tp: int) -> float | None:
     if tp <= 1:
         return 0.0
-    return None if link is None else link.allgather_time(nbytes, tp)
+    return None if link is None else link.broadcast_time(nbytes, tp)
 
 
 @functools.lru_cache(maxsize=64)
@@ -368,7 +370,6 @@ def missing_profiles(
         tps = {s.tp for p in plan.pipelines for s in p.stages if s.tp > 1}
         lacking = [f"all-reduce over {r} ranks" for r in sorted(needed) if r not in link.allreduce]
         lacking += [f"broadcast over {t} ranks" for t in sorted(tps) if t not in link.broadcast]
-        lacking += [f"all-gather over {t} ranks" for t in sorted(tps) if t not in link.allgather]
         if lacking:
             notes.append(
                 f"the link profile of {device} with {plural(profiles.concurrent_ranks, 'rank')} "

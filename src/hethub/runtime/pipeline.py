@@ -1,7 +1,6 @@
 """One rank's part of the pipeline schedule (Megatron-core's schedules): each forward and
 backward of its micro-batches through its model chunks, in the order spec.schedules gives
-(the order the predictor simulates), with the sends and receives between stages (runtime.p2p:
-each TP rank sends its share, and the receiving stage gathers it).
+(the order the predictor simulates), with the sends and receives between stages (runtime.p2p).
 
 Exactness by construction: every micro-batch's loss is scaled by 1 / (micro-batches in the global
 batch), so summing gradients over micro-batches and replicas gives the gradient of the mean
@@ -89,7 +88,6 @@ class Pipeline:
         self.layout = plan.pipelines[self.me.pipeline]
         self.recompute = self.layout.stages[self.me.stage].recompute
         self.stage, self.links, self.timeline = stage, links, timeline
-        links.connect(topology, rank)
         self.stretch = 1.0 / speed - 1.0 if speed else 0.0
         self.stages = topology.replica_stages(self.me.replica)
         self.v_shaped = self.layout.schedule == Schedule.ZBV
