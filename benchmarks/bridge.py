@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm import BRIDGE, BRIDGE_CHUNK_BYTES, NATIVE, Communicator, Group, SlicedBridge
-from hethub.comm.slices import bridge_slices
 from hethub.runtime.spawn import run_ranks
+from hethub.spec.slices import bridge_slices
 
 MB = 1 << 20
 WAYS = ("flat", "funnel", "sliced")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hethub.comm import StagingPool
-from hethub.comm.slices import BridgeSlice, bridge_slices, padded_length, slice_units
+from hethub.spec.slices import BridgeSlice, bridge_slices, padded_length, slice_units
 
 
 def test_equal_vendors_pair_each_holder_with_its_peer():
@@ -88,7 +88,7 @@ def _sliced(rank, world):
     import torch.distributed as dist
 
     from hethub.comm import Communicator, Group, SlicedBridge
-    from hethub.comm.slices import bridge_slices
+    from hethub.spec.slices import bridge_slices
 
     out = {}
     for name, parts in LAYOUTS.items():

@@ -140,12 +140,13 @@ def test_each_path_counts_exactly_the_bytes_it_moved():
     assert [s["all-gather native, along dim 1"] for s in seen] == [native(sent)] * 4
     # a broadcast: the tensor once on every rank
     assert [s["broadcast bridged"] for s in seen] == [{NATIVE: 0, BRIDGE: sent}] * 4
-    # across vendors: half out to the part's first rank and half back, natively; only the two
-    # first ranks cross the bridge, each with 2 (2 - 1) / 2 of it
+    # the funnel across vendors: a reduce to the part's first rank ((2 - 1) / 2 of it) and a
+    # broadcast back (all of it, as any broadcast), natively; only the two first ranks cross
+    # the bridge, each with 2 (2 - 1) / 2 of it
     assert [s["hierarchical all-reduce"] for s in seen] == [
-        {NATIVE: sent, BRIDGE: sent},
-        native(sent),
-        {NATIVE: sent, BRIDGE: sent},
-        native(sent),
+        {NATIVE: 3 * sent // 2, BRIDGE: sent},
+        native(3 * sent // 2),
+        {NATIVE: 3 * sent // 2, BRIDGE: sent},
+        native(3 * sent // 2),
     ]
     assert [s["not counted"] for s in seen] == [nothing] * 4

@@ -9,7 +9,7 @@ import pytest
 
 from hethub.cli import main
 from hethub.errors import HethubError
-from hethub.runtime.dry_run import Post, stage_posts, walk_messages
+from hethub.spec.collectives import Post, stage_posts, walk_messages
 from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
 
 # Two vendors, so the plan's gradient sync spans the bridge (SYNC_LOCAL and SYNC_BRIDGE groups).

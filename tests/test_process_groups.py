@@ -17,10 +17,10 @@ from hethub.runtime.process_groups import (
     create_job_groups,
     job_groups,
     rank_groups,
-    vendor_parts,
 )
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
+from hethub.spec.slices import vendor_parts
 from hethub.spec.topology import build_topology, parameter_holders
 
 CLUSTER = parse_cluster(

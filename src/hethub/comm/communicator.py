@@ -7,13 +7,14 @@ bytes count as the bridge's. Traffic between ranks of one vendor counts as nativ
 and collective goes through the group (comm.Group) the caller gives it; a tensor on an
 accelerator is staged through host memory when that group runs on gloo.
 
-A method both runs its collective and counts what it moves out of this rank, so the ring
-factors live here and nowhere else: an all-reduce moves 2 (n - 1) / n of its tensor, a
-reduce-scatter (n - 1) / n of its input, an all-gather (n - 1) / n of its output, a broadcast
-the tensor once on every rank. Bookkeeping outside the training traffic (the step's loss
+A method both runs its collective and counts what it moves out of this rank, by the ring
+factors of spec.collectives.moved_bytes, which the predictor's plan of a step's traffic counts
+by too: an all-reduce moves 2 (n - 1) / n of its tensor, a reduce-scatter (n - 1) / n of its
+input, an all-gather n - 1 times its piece, a broadcast the tensor once on every rank, a
+message its bytes at each end. Bookkeeping outside the training traffic (the step's loss
 report, a checkpoint's gathers) runs under ``not_counted``.
 
-A sum across vendors is sliced over every holder (``sliced_all_reduce``, comm.slices): each
+A sum across vendors is sliced over every holder (``sliced_all_reduce``, spec.slices): each
 crosses the bridge with its own piece, all at once, so the busiest rank's bridge bytes are 1/k
 of what the first rank of a vendor sent when it carried the whole tensor
 (``hierarchical_all_reduce``, the funnel, kept for comparison). Host staging borrows its buffers
@@ -32,10 +33,9 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm.group import Group, SlicedBridge
-from hethub.comm.slices import bridge_slices, padded_length, slice_units
 from hethub.comm.staging import StagingPool
-
-NATIVE, BRIDGE = "native", "bridge"
+from hethub.spec.collectives import BRIDGE, NATIVE, Kind, moved_bytes, path_of
+from hethub.spec.slices import bridge_slices, padded_length, slice_units
 
 BRIDGE_CHUNK_BYTES = 8 << 20
 """How much of a bridged piece is staged and sent as one gloo collective. Measured with
@@ -102,7 +102,7 @@ class Communicator:
 
     def path(self, *ranks: int) -> str:
         """NATIVE when every rank is of one vendor, else BRIDGE."""
-        return NATIVE if len({self.vendor[r] for r in ranks}) == 1 else BRIDGE
+        return path_of(ranks, self.vendor)
 
     @contextmanager
     def not_counted(self) -> Iterator[None]:
@@ -122,7 +122,7 @@ class Communicator:
         """Start sending ``tensor`` to global rank ``peer`` through ``group`` (None: the world
         group), matched by ``tag`` at the receiver; ``wait`` for the work before the tensor
         changes."""
-        self._count((self.rank, peer), tensor)
+        self._count(Kind.SEND, (self.rank, peer), tensor)
         handle = _handle(group)
         if not _needs_staging(tensor, handle):
             return dist.isend(tensor, peer, group=handle, tag=tag)
@@ -144,7 +144,7 @@ class Communicator:
             host = self.staging.take(buffer.numel(), buffer.dtype).view(buffer.shape)
             self.wait(dist.irecv(host, peer, group=handle, tag=tag))
             self.staging.give_back(host, _copied_back(buffer, host))
-        self._count((self.rank, peer), buffer)
+        self._count(Kind.RECV, (self.rank, peer), buffer)
         return buffer
 
     def wait(self, work: Work) -> None:
@@ -165,7 +165,7 @@ class Communicator:
         """Sum ``tensor`` in place over ``group`` (this rank among its ranks)."""
         if group.size == 1:
             return tensor
-        self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)  # a ring
+        self._count(Kind.ALL_REDUCE, group.ranks, tensor)
         self._collective(dist.all_reduce, tensor, group.handle)
         return tensor
 
@@ -179,12 +179,12 @@ class Communicator:
         part. One rank and one link carry each vendor's whole tensor."""
         first = local.ranks[0]
         if local.size > 1:
-            self._count(local.ranks, tensor, local.size - 1, local.size)
+            self._count(Kind.REDUCE, local.ranks, tensor)
             self._collective(dist.reduce, tensor, local.handle, dst=first)
         if self.rank == first:
             self.all_reduce(tensor, bridge)
         if local.size > 1:
-            self._count(local.ranks, tensor, local.size - 1, local.size)
+            self._count(Kind.BROADCAST, local.ranks, tensor)
             self._collective(dist.broadcast, tensor, local.handle, src=first)
         return tensor
 
@@ -192,7 +192,7 @@ class Communicator:
         self, tensor: torch.Tensor, local: Group, bridge: SlicedBridge
     ) -> torch.Tensor:
         """Sum ``tensor`` in place over the holders of several vendors (``bridge.parts``), every
-        holder carrying its share over the bridge (comm.slices): reduce-scatter inside this
+        holder carrying its share over the bridge (spec.slices): reduce-scatter inside this
         rank's vendor (``local``, natively), all-reduce each of this rank's slices with its
         owners on the other vendors (host-staged, every slice of every rank at once), and
         all-gather the sum back inside the vendor. Each rank sends 1/k of what a funnel's
@@ -207,10 +207,10 @@ class Communicator:
                 self.start_sliced_all_reduce(tensor, local, bridge)
             )
         flat, piece = self._sliced_flat(tensor, local, bridge)
-        self._count(local.ranks, flat, local.size - 1, local.size)
+        self._count(Kind.REDUCE_SCATTER, local.ranks, flat)
         self._ring_reduce_scatter(flat, local)
         self._bridge_slices(flat, bridge)
-        self._count(local.ranks, piece, local.size - 1)
+        self._count(Kind.ALL_GATHER, local.ranks, piece)
         self._ring_all_gather(flat, local)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.view(-1).copy_(flat[: tensor.numel()])
@@ -225,7 +225,7 @@ class Communicator:
         flat, piece = self._sliced_flat(tensor, local, bridge)
         work = None
         if local.size > 1:
-            self._count(local.ranks, flat, local.size - 1, local.size)
+            self._count(Kind.REDUCE_SCATTER, local.ranks, flat)
             work = dist.reduce_scatter_single(piece, flat, group=local.handle, async_op=True)
         return SlicedSum(tensor, flat, piece, local, bridge, work)
 
@@ -238,7 +238,7 @@ class Communicator:
             started.work.wait()
         self._bridge_slices(flat, started.bridge)
         if local.size > 1:
-            self._count(local.ranks, piece, local.size - 1)
+            self._count(Kind.ALL_GATHER, local.ranks, piece)
             dist.all_gather_single(flat, piece, group=local.handle)
         if flat.data_ptr() != started.tensor.data_ptr():
             started.tensor.view(-1).copy_(flat[: started.tensor.numel()])
@@ -249,7 +249,7 @@ class Communicator:
         counts it once (the source sends it, the others receive it)."""
         if group.size == 1:
             return tensor
-        self._count(group.ranks, tensor)
+        self._count(Kind.BROADCAST, group.ranks, tensor)
         self._collective(dist.broadcast, tensor, group.handle, src=src)
         return tensor
 
@@ -258,7 +258,7 @@ class Communicator:
         rank order: a new tensor. The ring brings the n - 1 other pieces in."""
         if group.size == 1:
             return tensor.clone()
-        self._count(group.ranks, tensor, group.size - 1)
+        self._count(Kind.ALL_GATHER, group.ranks, tensor)
         piece = tensor.contiguous()
         if dim == 0:  # straight into one buffer, no concatenation
             whole = piece.new_empty((group.size * piece.shape[0], *piece.shape[1:]))
@@ -281,14 +281,14 @@ class Communicator:
             if piece.data_ptr() != whole.data_ptr():
                 whole.copy_(piece)
             return
-        self._count(group.ranks, piece, group.size - 1)
+        self._count(Kind.ALL_GATHER, group.ranks, piece)
         dist.all_gather_single(whole, piece, group=group.handle)
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Pending:
         """Start summing ``tensor`` in place over ``group``, asynchronously: its result is the
         tensor. (Asynchronous collectives run among ranks of one vendor and device kind, whose
         native backend reads the tensors where they are.)"""
-        self._count(group.ranks, tensor, 2 * (group.size - 1), group.size)
+        self._count(Kind.ALL_REDUCE, group.ranks, tensor)
         return Pending(dist.all_reduce(tensor, group=group.handle, async_op=True), tensor)
 
     def start_all_gather_into(
@@ -301,7 +301,7 @@ class Communicator:
                 f"an all-gather of {piece.numel()} elements over {group.size} ranks fills "
                 f"{group.size * piece.numel()}, not {whole.numel()}"
             )
-        self._count(group.ranks, piece, group.size - 1)
+        self._count(Kind.ALL_GATHER, group.ranks, piece)
         work = dist.all_gather_single(whole, piece, group=group.handle, async_op=True)
         return Pending(work, whole)
 
@@ -318,19 +318,18 @@ class Communicator:
                 f"elements, not {flat.numel()}"
             )
         mine = flat.new_empty(flat.numel() // group.size) if out is None else out
-        self._count(group.ranks, flat, group.size - 1, group.size)
+        self._count(Kind.REDUCE_SCATTER, group.ranks, flat)
         work = dist.reduce_scatter_single(mine, flat, group=group.handle, async_op=True)
         return Pending(work, mine)
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _count(
-        self, ranks: Sequence[int], tensor: torch.Tensor, parts: int = 1, of: int = 1
-    ) -> None:
-        """Count ``parts`` / ``of`` of ``tensor``'s bytes as moved by this rank on the ranks'
-        path (whole bytes, rounded down)."""
+    def _count(self, kind: Kind, ranks: Sequence[int], tensor: torch.Tensor) -> None:
+        """Count what this rank moves in a ``kind`` of transfer of ``tensor`` among ``ranks``
+        (spec.collectives.moved_bytes: the ring factors) on the ranks' path."""
         if self._counting:
-            self.bytes[self.path(*ranks)] += parts * tensor.numel() * tensor.element_size() // of
+            nbytes = tensor.numel() * tensor.element_size()
+            self.bytes[self.path(*ranks)] += moved_bytes(kind, nbytes, len(ranks))
 
     def _sliced_flat(
         self, tensor: torch.Tensor, local: Group, bridge: SlicedBridge
@@ -356,7 +355,7 @@ class Communicator:
         for group, cut in zip(bridge.groups, bridge_slices(bridge.parts), strict=True):
             if self.rank in cut.ranks:
                 part = flat[cut.start * unit : cut.stop * unit]
-                self._count(group.ranks, part, 2 * (group.size - 1), group.size)
+                self._count(Kind.ALL_REDUCE, group.ranks, part)
                 under_way.append(self._start_bridged_all_reduce(part, group.handle))
         for finish in under_way:
             finish()

@@ -27,7 +27,7 @@ class Group:
 @dataclass(frozen=True, slots=True)
 class SlicedBridge:
     """The groups a tensor summed across vendors crosses the bridge in, one per slice
-    (comm.slices.bridge_slices of ``parts``)."""
+    (spec.slices.bridge_slices of ``parts``)."""
 
     parts: tuple[tuple[int, ...], ...]
     """Each vendor's holders of the tensor, in the order their reduce-scatter cuts it."""

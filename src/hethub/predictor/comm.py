@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hethub.predictor.calibration import Calibration
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.collectives import Kind, ring_steps
 
 
 def intra_node_bw(group: DeviceGroup, cal: Calibration) -> float:
@@ -43,10 +44,11 @@ def is_bridged(a: DeviceGroup, b: DeviceGroup) -> bool:
 
 
 def ring_allreduce_time(nbytes: float, ranks: int, bandwidth: float, cal: Calibration) -> float:
-    """Ring all-reduce: reduce-scatter then all-gather, 2(n-1) steps of nbytes/n each."""
+    """Ring all-reduce: reduce-scatter then all-gather, 2(n-1) steps of nbytes/n each
+    (spec.collectives.ring_steps, the runtime's count)."""
     if ranks <= 1:
         return 0.0
-    steps = 2 * (ranks - 1)
+    steps = ring_steps(Kind.ALL_REDUCE, ranks)
     return steps * (nbytes / ranks / bandwidth + cal.collective_latency_us * 1e-6)
 
 

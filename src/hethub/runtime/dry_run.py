@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -47,29 +46,16 @@ from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import RankGroups, create_groups, job_groups, rank_groups
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
+from hethub.spec.collectives import stage_posts, walk_messages
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
-from hethub.spec.schedules import BACKWARD, FORWARD, chunk_sequence, stage_model_chunks
+from hethub.spec.schedules import chunk_sequence, stage_model_chunks
 from hethub.spec.topology import Topology
 
 GB = 1e9
 FAKE_BACKEND = "fake"
 STATE_TOLERANCE = 0.05
 """How far a stage's state may stand from the prediction's before its verdict says so."""
-
-
-@dataclass(frozen=True, slots=True)
-class Post:
-    """One message a stage posts, in its order: a send to or a receive from ``peer`` (a stage of
-    the same pipeline) of ``message`` (what it carries: kind, model chunk, micro-batch), over
-    ``link``: the ordered pair of stages whose process group carries it (a boundary's
-    activations and their gradients share one; ZBV's way back has its own, as
-    process_groups.rank_groups gives it)."""
-
-    sends: bool
-    peer: int
-    message: tuple[str, int, int]
-    link: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,87 +128,6 @@ class DryRun:
             ],
             "messages": self.messages,
         }
-
-
-def stage_posts(orders: Sequence[Sequence[tuple[int, int, int]]], model_chunks) -> list[list[Post]]:
-    """The sends and receives of each stage of a pipeline, in the order it posts them, from its
-    (kind, chunk, micro-batch) order: a forward of model chunk g receives g - 1's activation and
-    sends its own on to g + 1's stage; a backward receives g + 1's gradient and sends its own
-    back to g - 1's. A neighbour chunk on the same stage (ZBV's turn) sends nothing."""
-    holder = {g: s for s, chunks in enumerate(model_chunks) for g in chunks}
-    last = len(holder) - 1
-    posts: list[list[Post]] = []
-    for s, order in enumerate(orders):
-        mine: list[Post] = []
-        for kind, chunk, j in order:
-            g = model_chunks[s][chunk]
-            if kind == FORWARD:
-                steps = ((g - 1, False, g - 1), (g + 1, True, g))
-                label = "activation"
-            elif kind == BACKWARD:
-                steps = ((g + 1, False, g + 1), (g - 1, True, g))
-                label = "gradient"
-            else:
-                continue
-            for neighbour, sends, source in steps:
-                if 0 <= neighbour <= last and holder[neighbour] != s:
-                    low = min(g, neighbour)  # the boundary between model chunks low and low + 1
-                    link = (holder[low], holder[low + 1])
-                    mine.append(Post(sends, holder[neighbour], (label, source, j), link))
-        posts.append(mine)
-    return posts
-
-
-def walk_messages(posts: Sequence[Sequence[Post]], name=str) -> int:
-    """Run every stage's posts as the pipeline would: a send delivers at once (the runtime's
-    isend), a receive waits for its peer's send, and messages from one stage to another over
-    one link match in the order posted. Returns the messages sent; raises HethubError naming
-    the stage (``name(s)``) and the rule on a mismatch, a receive never served (a deadlock) or
-    a send never received."""
-    queues: dict[tuple[int, int, tuple[int, int]], deque] = {}
-    at = [0] * len(posts)
-    sent = 0
-    progress = True
-    while progress:
-        progress = False
-        for s, mine in enumerate(posts):
-            while at[s] < len(mine):
-                post = mine[at[s]]
-                if post.sends:
-                    queues.setdefault((s, post.peer, post.link), deque()).append(post.message)
-                    sent += 1
-                else:
-                    queue = queues.get((post.peer, s, post.link))
-                    if not queue:
-                        break
-                    if queue[0] != post.message:
-                        raise HethubError(
-                            f"{name(s)} receives {_said(post.message)} from {name(post.peer)}, "
-                            f"whose next send to it is {_said(queue[0])}: sends and receives "
-                            "between two stages must match in order"
-                        )
-                    queue.popleft()
-                at[s] += 1
-                progress = True
-    for s, mine in enumerate(posts):
-        if at[s] < len(mine):
-            post = mine[at[s]]
-            raise HethubError(
-                f"{name(s)} waits forever to receive {_said(post.message)} from "
-                f"{name(post.peer)} (deadlock): every receive needs a send its peer reaches"
-            )
-    for (s, peer, _), queue in queues.items():
-        if queue:
-            raise HethubError(
-                f"{name(s)} sends {_said(queue[0])} to {name(peer)}, which never receives it: "
-                "every send needs its receive"
-            )
-    return sent
-
-
-def _said(message: tuple[str, int, int]) -> str:
-    label, chunk, micro_batch = message
-    return f"the {label} of chunk {chunk}, micro-batch {micro_batch}"
 
 
 def check_schedules(plan: Plan, topology: Topology) -> int:

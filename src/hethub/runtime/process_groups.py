@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from hethub.comm import Group, SlicedBridge, device_backend
-from hethub.comm.slices import bridge_slices
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
+from hethub.spec.slices import bridge_slices, vendor_parts
 from hethub.spec.topology import Topology, parameter_holders
 
 BRIDGE_BACKEND = "gloo"  # every machine has it; it moves host memory between any two ranks
@@ -102,7 +102,7 @@ def job_groups(
             add(Role.PIPELINE, (leaders[-1], leaders[0]))
     # A sync set inside one vendor all-reduces natively; one that spans vendors reduce-scatters
     # inside each vendor natively and each slice crosses the bridge among its owners, one per
-    # vendor (comm.slices): as many bridge groups as slices, made once for the job.
+    # vendor (spec.slices): as many bridge groups as slices, made once for the job.
     for leaders in sorted(set(parameter_holders(topology, model).values())):
         parts = vendor_parts(leaders, vendors)
         if len(parts) == 1:
@@ -127,14 +127,6 @@ def runs_a_v(topology: Topology, replica: int) -> bool:
     so a V is told apart from the chunks alone, the same on every rank."""
     first = topology.ranks[topology.stage_ranks(replica, 0)[0]]
     return topology.replica_stages(replica) > 1 and first.chunks[-1].is_last
-
-
-def vendor_parts(ranks: Sequence[int], vendors: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """``ranks`` split by vendor, each part sorted, the parts in the order of their first rank."""
-    parts: dict[str, list[int]] = {}
-    for rank in sorted(ranks):
-        parts.setdefault(vendors[rank], []).append(rank)
-    return tuple(tuple(part) for part in parts.values())
 
 
 def blocks(world: int, size: int) -> list[tuple[int, ...]]:

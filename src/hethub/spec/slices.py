@@ -51,3 +51,11 @@ def padded_length(numel: int, parts: Sequence[Sequence[int]]) -> int:
     slice_units (the padding moves as zeros)."""
     units = slice_units(parts)
     return -(-numel // units) * units
+
+
+def vendor_parts(ranks: Sequence[int], vendors: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """``ranks`` split by vendor, each part sorted, the parts in the order of their first rank."""
+    parts: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        parts.setdefault(vendors[rank], []).append(rank)
+    return tuple(tuple(part) for part in parts.values())
