@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from hethub.comm import BRIDGE
+from hethub.comm import BRIDGE, NATIVE
 from hethub.errors import HethubError
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, shard
@@ -18,6 +18,7 @@ from hethub.runtime.precision import MasterWeights
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
+from hethub.spec.collectives import comm_bytes, rank_transfers
 from hethub.spec.parameters import parameter_count, parameter_table
 from hethub.spec.schedules import in_flight_micro_batches
 from hethub.spec.topology import build_topology
@@ -92,7 +93,8 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
     for tokens in batches(spec, plan.global_batch):
         losses.append(engine.gradients(tokens))
         if grads is None:
-            grads = {name: g.clone() for name, g in engine.optimizer.gradients().items()}
+            with engine.comm.not_counted():  # the test's look, not the step's traffic
+                grads = {name: g.clone() for name, g in engine.optimizer.gradients().items()}
         engine.update()
     me = topology.ranks[rank]
     computed_in = {param.dtype for param in engine.weights.stage.parameters()}
@@ -337,6 +339,9 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
     bridged = sum(moved[BRIDGE] for *_, moved in results)
     # Only a plan whose stages or replicas span vendors moves anything over the bridge.
     assert (bridged > 0) == (len(vendors) > 1)
+    assert_moved_as_planned(
+        plan, load_model(preset), [moved for *_, moved in results], bucket_bytes
+    )
     table = parameter_table(load_model(preset))
     if precision == "bf16":
         # That the losses differ from fp32's proves nothing: on a small model bf16 can land
@@ -366,6 +371,19 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
                 grad, shard(table[full_name], ref_grads[full_name], tp_rank, tp), msg=full_name
             )
     return results
+
+
+def assert_moved_as_planned(plan, spec, moved, bucket_bytes):
+    """Each rank moved, on each path, exactly the bytes of its transfers in the plan of a step's
+    traffic (spec.collectives.rank_transfers, which the predictor reports), STEPS times."""
+    topology = build_topology(plan, CLUSTER)
+    vendors = topology.vendors(CLUSTER)
+    for rank, counted in enumerate(moved):
+        transfers = rank_transfers(
+            plan, topology, spec, vendors, rank, grad_norm=False, cap=bucket_bytes
+        )
+        planned = {path: STEPS * moved for path, moved in comm_bytes(transfers).items()}
+        assert {NATIVE: counted[NATIVE], BRIDGE: counted[BRIDGE]} == planned, f"rank {rank}"
 
 
 BF16_ERRORS = 3

@@ -152,6 +152,12 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     assert all(
         r["comm_bytes"]["bridge"] > 0 for r in steps
     )  # the stage boundary crosses vendors, every step
+    # every step moves, rank by rank and path by path, what the prediction's plan of transfers
+    # says (spec.collectives), and the busiest rank what it says of one rank
+    predicted = json.loads((folder / "runs" / "whole" / "prediction.json").read_text())
+    for record in steps:
+        assert record["comm_bytes"] == predicted["comm_bytes"]
+        assert record["comm_bytes_busiest_rank"] == predicted["comm_bytes_busiest_rank"]
     assert {r["precision"] for r in steps} == {"fp32"}
     assert final["world_size"] == 2 and "loss" not in final
     assert [r["group"] for r in final["ranks"]] == ["nv", "amd"]

@@ -11,6 +11,7 @@ from hethub.cli.args import positive_int
 from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.predictor import predict
+from hethub.predictor.traffic import predicted_traffic
 from hethub.report.text import plural
 from hethub.report.trace import write_trace
 from hethub.spec import (
@@ -102,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {**prediction.to_json(), **({"profiles": profiles.source} if profiles else {})},
+                {
+                    **prediction.to_json(),
+                    **predicted_traffic(plan, cluster, model),
+                    **({"profiles": profiles.source} if profiles else {}),
+                },
                 indent=2,
             )
         )

@@ -25,6 +25,7 @@ import yaml
 from hethub.errors import HethubError
 from hethub.jobs import preflight
 from hethub.predictor import Prediction, predict
+from hethub.predictor.traffic import predicted_traffic
 from hethub.profiles.provenance import provenance
 from hethub.profiles.store import (
     Profiles,
@@ -143,7 +144,12 @@ def prepare(
         write_plan(run, plan, model)
         run.write_settings(settings)
         _write_prediction(
-            run, prediction, basis, cluster, provenance(plan, cluster, model, profiles)
+            run,
+            prediction,
+            predicted_traffic(plan, cluster, model),
+            basis,
+            cluster,
+            provenance(plan, cluster, model, profiles),
         )
     else:
         run = RunDir(args.run_dir or Path("runs") / name)
@@ -205,7 +211,12 @@ def _prepare_resume(
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
         _write_prediction(
-            run, prediction, basis, cluster, provenance(plan, cluster, model, profiles)
+            run,
+            prediction,
+            predicted_traffic(plan, cluster, model),
+            basis,
+            cluster,
+            provenance(plan, cluster, model, profiles),
         )
     return Job(
         run=run,
@@ -644,17 +655,20 @@ def plan_files(plan: Plan, model: ModelSpec) -> dict[str, str]:
 def _write_prediction(
     run: RunDir,
     prediction: Prediction,
+    traffic: dict,
     basis: str,
     cluster: ClusterSpec,
     profiles: dict | None,
 ) -> None:
-    """prediction.json: the prediction, what it rests on (``basis``, and ``profiles``: where and
-    when they were measured, hethub.profiles.provenance) and its timeline."""
+    """prediction.json: the prediction, a step's bytes on each path (``traffic``:
+    predictor.traffic), what it rests on (``basis``, and ``profiles``: where and when they were
+    measured, hethub.profiles.provenance) and its timeline."""
     emulated = cluster.emulated
     run.write_json(
         run.prediction,
         {
             **prediction.to_json(),
+            **traffic,
             "basis": basis,
             "emulated": emulated,
             "profiles": profiles,

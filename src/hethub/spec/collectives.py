@@ -16,12 +16,20 @@ n - 1 times its piece.
 from __future__ import annotations
 
 import enum
+import functools
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hethub.errors import HethubError
-from hethub.spec.schedules import BACKWARD, FORWARD
+from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
+from hethub.spec.model import ModelSpec
+from hethub.spec.parameters import parameter_table
+from hethub.spec.plan import FP32_BYTES, MAIN_GRAD_BYTES, Plan
+from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence, stage_model_chunks
+from hethub.spec.slices import bridge_slices, padded_length, slice_units, vendor_parts
+from hethub.spec.topology import Topology
 
 NATIVE, BRIDGE = "native", "bridge"
 
@@ -171,3 +179,184 @@ def walk_messages(posts: Sequence[Sequence[Post]], name=str) -> int:
 def _said(message: tuple[str, int, int]) -> str:
     label, chunk, micro_batch = message
     return f"the {label} of chunk {chunk}, micro-batch {micro_batch}"
+
+
+# --- a step's transfers ---------------------------------------------------------------------
+
+
+class Phase(enum.StrEnum):
+    """The operation a transfer follows."""
+
+    FORWARD = "forward"  # an activation to the next stage
+    BACKWARD = "backward"  # its gradient back
+    GRAD_SYNC = "grad-sync"  # a bucket's gradients summed over its holders
+    PARAM_GATHER = "param-gather"  # a sharded optimizer's updated weights gathered
+    GRAD_NORM = "grad-norm"  # the global gradient norm's sum
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One message end or collective a rank takes part in during a step."""
+
+    kind: Kind
+    ranks: tuple[int, ...]
+    """The collective's group (global ranks, in its order), or a message's (sender, receiver)."""
+    nbytes: int
+    """The tensor this rank passes (an all-gather's piece, a reduce-scatter's input)."""
+    path: str
+    phase: Phase
+
+    @property
+    def moved(self) -> int:
+        """What this rank moves in it (moved_bytes)."""
+        return moved_bytes(self.kind, self.nbytes, len(self.ranks))
+
+
+def activation_bytes(plan: Plan, model: ModelSpec) -> int:
+    """One micro-batch's activation between two stages, whole, in the compute dtype: what a
+    stage leader sends (B, T, h), and what its gradient back weighs."""
+    return plan.micro_batch * model.seq_len * model.hidden * plan.precision.element_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def layout_posts(
+    schedule: Schedule, stages: int, chunks: int, micro_batches: int
+) -> tuple[tuple[Post, ...], ...]:
+    """Every stage's posts (stage_posts) of a pipeline layout, made once per layout shape."""
+    orders = [chunk_sequence(schedule, s, stages, chunks, micro_batches) for s in range(stages)]
+    posts = stage_posts(orders, stage_model_chunks(schedule, stages, chunks))
+    return tuple(tuple(mine) for mine in posts)
+
+
+def rank_transfers(
+    plan: Plan,
+    topology: Topology,
+    model: ModelSpec,
+    vendors: Sequence[str],
+    rank: int,
+    *,
+    grad_norm: bool,
+    cap: int = BUCKET_BYTES,
+) -> list[Transfer]:
+    """Every transfer ``rank`` takes part in during one training step of ``plan`` (``vendors``:
+    each rank's; ``grad_norm``: the step sums the global gradient norm, as ``hethub train``'s
+    always do; ``cap``: the buckets' size), as the runtime runs them:
+
+    - the pipeline's messages, in the stage's schedule order (stage_posts): the stage leaders
+      exchange whole activations and gradients (runtime.p2p), and every TP rank of the
+      receiving stage takes part in the leader's broadcast of each;
+    - the gradient sync, bucket by bucket (spec.buckets, runtime.grad_sync): a direct bucket
+      summed among the data-parallel peers in one collective (a reduce-scatter of the padded
+      bucket for a sharded optimizer, else an all-reduce); any other gathered in the TP group
+      (each TP-split gradient's shard), summed by the holders' leaders (one all-reduce inside
+      a vendor; across vendors reduce-scattered inside each vendor, each slice all-reduced
+      among its owners over the bridge and all-gathered back, spec.slices), and broadcast
+      back in the TP group;
+    - a sharded optimizer's all-gather of each bucket's updated weights, in the compute dtype;
+    - the global gradient norm's all-reduce of one fp32 number over the world."""
+    me = topology.ranks[rank]
+    layout = plan.pipelines[me.pipeline]
+    tp = next(group for group in topology.tp_groups if rank in group)
+    leader = tp[0]
+    leads = rank == leader
+    done: list[Transfer] = []
+
+    def add(kind: Kind, ranks: Sequence[int], nbytes: int, phase: Phase) -> None:
+        if kind in (Kind.SEND, Kind.RECV) or len(ranks) > 1:
+            ranks = tuple(ranks)
+            done.append(Transfer(kind, ranks, nbytes, path_of(ranks, vendors), phase))
+
+    stages = len(layout.stages)
+    if stages > 1:
+        activation = activation_bytes(plan, model)
+        posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
+        for post in posts[me.stage]:
+            phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
+            peer = topology.stage_ranks(me.replica, post.peer)[0]
+            if leads:
+                pair = (leader, peer) if post.sends else (peer, leader)
+                add(Kind.SEND if post.sends else Kind.RECV, pair, activation, phase)
+            if not post.sends:
+                add(Kind.BROADCAST, tp, activation, phase)
+
+    peers = topology.data_parallel_peers(rank)
+    grouped = (plan.shard_optimizer or plan.overlap_grad_sync) and len(peers) > 1
+    sharded = plan.shard_optimizer and grouped
+    shards = len(peers) if sharded else 1
+    table = parameter_table(model)
+    grad = MAIN_GRAD_BYTES
+    buckets = rank_buckets(topology, model, rank, peers_have_a_group=grouped, cap=cap)
+    for bucket in buckets:
+        params = [table[name] for name in bucket.names]
+        local = sum(math.prod(param.shard_shape(me.tp)) for param in params)
+        padded = local + (-local % shards)
+        if bucket.direct:
+            if sharded:
+                add(Kind.REDUCE_SCATTER, peers, padded * grad, Phase.GRAD_SYNC)
+            else:
+                add(Kind.ALL_REDUCE, peers, local * grad, Phase.GRAD_SYNC)
+        else:
+            full = local
+            if me.tp > 1:
+                full = sum(math.prod(param.shape) for param in params)
+                for param in params:
+                    if param.tp_dim is not None:
+                        shard = math.prod(param.shard_shape(me.tp))
+                        add(Kind.ALL_GATHER, tp, shard * grad, Phase.GRAD_SYNC)
+            if leads:
+                done += _holders_sum(bucket.holders, vendors, rank, full * grad)
+            add(Kind.BROADCAST, tp, full * grad, Phase.GRAD_SYNC)
+        if sharded:
+            piece = padded // shards * plan.precision.element_bytes
+            add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
+    if grad_norm:
+        add(Kind.ALL_REDUCE, range(topology.world_size), FP32_BYTES, Phase.GRAD_NORM)
+    return done
+
+
+def _holders_sum(
+    holders: tuple[int, ...], vendors: Sequence[str], rank: int, nbytes: int
+) -> list[Transfer]:
+    """Leader ``rank``'s part in summing a bucket of ``nbytes`` (fp32 elements) over the
+    leaders ``holders`` (runtime.grad_sync, comm.Communicator.sliced_all_reduce)."""
+    parts = vendor_parts(holders, vendors)
+    if len(parts) == 1:
+        return [Transfer(Kind.ALL_REDUCE, holders, nbytes, NATIVE, Phase.GRAD_SYNC)]
+    local = next(part for part in parts if rank in part)
+    padded = padded_length(nbytes // MAIN_GRAD_BYTES, parts) * MAIN_GRAD_BYTES
+    unit = padded // slice_units(parts)
+    done = []
+    if len(local) > 1:
+        done.append(Transfer(Kind.REDUCE_SCATTER, local, padded, NATIVE, Phase.GRAD_SYNC))
+    for cut in bridge_slices(parts):
+        if rank in cut.ranks:
+            size = (cut.stop - cut.start) * unit
+            done.append(Transfer(Kind.ALL_REDUCE, cut.ranks, size, BRIDGE, Phase.GRAD_SYNC))
+    if len(local) > 1:
+        piece = padded // len(local)
+        done.append(Transfer(Kind.ALL_GATHER, local, piece, NATIVE, Phase.GRAD_SYNC))
+    return done
+
+
+def comm_bytes(transfers: Sequence[Transfer]) -> dict[str, int]:
+    """What ``transfers`` move on each path: {NATIVE: bytes, BRIDGE: bytes}, as the
+    Communicator counts them (comm_bytes in metrics.jsonl)."""
+    moved = {NATIVE: 0, BRIDGE: 0}
+    for transfer in transfers:
+        moved[transfer.path] += transfer.moved
+    return moved
+
+
+def step_comm_bytes(
+    plan: Plan, topology: Topology, model: ModelSpec, vendors: Sequence[str], *, grad_norm: bool
+) -> tuple[dict[str, int], dict[str, int]]:
+    """One step's bytes on each path over every rank, and the most any one rank moves on each
+    (metrics.jsonl's comm_bytes and comm_bytes_busiest_rank)."""
+    total = {NATIVE: 0, BRIDGE: 0}
+    busiest = {NATIVE: 0, BRIDGE: 0}
+    for rank in range(topology.world_size):
+        mine = comm_bytes(rank_transfers(plan, topology, model, vendors, rank, grad_norm=grad_norm))
+        for path, moved in mine.items():
+            total[path] += moved
+            busiest[path] = max(busiest[path], moved)
+    return total, busiest
