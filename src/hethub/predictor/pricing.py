@@ -282,20 +282,12 @@ class ProfiledPricing(AnalyticPricing):
         return _measured_send(self.profiles, boundary) or super().send(boundary)
 
     def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
-        """The runtime's buckets (profiled.stage_buckets) over the plan's link profile; the
+        """The runtime's collectives (profiled.sync_collectives) over the plan's link profile; the
         analytic model's where the plan has none or a collective was not measured."""
         link = _plan_link(self.profiles, peers.plan, peers.cluster)
         if link is not None and link.device == group.accelerator.name:
-            buckets = profiled.stage_buckets(
-                peers.plan, peers.cluster, shape.model, peers.pipeline, peers.stage
-            )
             collectives = profiled.sync_collectives(
-                shape.model,
-                buckets,
-                tp=shape.tp,
-                peers=peers.replicas,
-                sharded=peers.sharded,
-                weight_bytes=shape.precision.weight_bytes,
+                peers.plan, peers.cluster, shape.model, peers.pipeline, peers.stage
             )
             measured = profiled.grad_sync_time(link, collectives)
             if measured is not None:  # over every holder of each tensor, whatever its layout

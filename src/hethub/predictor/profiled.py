@@ -10,19 +10,19 @@ TP collectives are inside the measured times. Where a local run has more ranks t
 has cores, core_sharing() says how the ranks share them (predictor.sharing).
 Communication, as the runtime (hethub.runtime.engine) does it: the two stages' leaders exchange
 whole activations (and their gradients) point to point, the receiver broadcasts them to its TP
-group; the gradient sync goes in buckets of the tensors with the same holders (spec.buckets):
-the TP group gathers each full gradient, the leaders of every stage holding the bucket
-all-reduce it, the leader broadcasts it back. Memory: weights, gradients and both AdamW
+group; the gradient sync's collectives are the stage leader's in the plan of a step's transfers
+(spec.collectives.rank_transfers), which the runtime's counted bytes are held to: bucket by
+bucket, gathered in the TP group, summed among the holders' leaders, broadcast back.
+Memory: weights, gradients and both AdamW
 moments in the profile's dtype, and the measured activations of the micro-batches in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-import math
 import statistics
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from hethub.predictor.memory import stage_params
@@ -30,10 +30,9 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
-from hethub.spec.buckets import MAIN_GRAD_BYTES, SyncBucket, rank_buckets
 from hethub.spec.cluster import ClusterSpec
+from hethub.spec.collectives import Kind, Phase, rank_transfers
 from hethub.spec.model import ModelSpec
-from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.topology import Topology, build_topology, parameter_holders
 
@@ -134,44 +133,18 @@ def plan_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
     return build_topology(plan, cluster)
 
 
-@functools.lru_cache(maxsize=4096)
-def stage_buckets(
-    plan: Plan, cluster: ClusterSpec, model: ModelSpec, pipeline: int, stage: int
-) -> tuple[SyncBucket, ...]:
-    """The gradient sync's buckets of stage ``stage`` of layout ``pipeline``, as its leader runs
-    them (spec.buckets.rank_buckets): the buckets the runtime syncs."""
-    topology = plan_topology(plan, cluster)
-    replica = sum(p.count for p in plan.pipelines[:pipeline])  # the layout's first replica
-    leader = topology.stage_ranks(replica, stage)[0]
-    return rank_buckets(
-        topology,
-        model,
-        leader,
-        peers_have_a_group=plan.shard_optimizer or plan.overlap_grad_sync,
-    )
-
-
-class CollectiveKind(enum.StrEnum):
-    """A collective of the gradient sync, as a link profile times it."""
-
-    ALL_REDUCE = "all-reduce"
-    REDUCE_SCATTER = "reduce-scatter"
-    ALL_GATHER = "all-gather"
-    BROADCAST = "broadcast"
-
-
 _MEASURED = {
-    CollectiveKind.ALL_REDUCE: LinkProfile.allreduce_time,
-    CollectiveKind.REDUCE_SCATTER: LinkProfile.reducescatter_time,
-    CollectiveKind.ALL_GATHER: LinkProfile.allgather_time,
-    CollectiveKind.BROADCAST: LinkProfile.broadcast_time,
+    Kind.ALL_REDUCE: LinkProfile.allreduce_time,
+    Kind.REDUCE_SCATTER: LinkProfile.reducescatter_time,
+    Kind.ALL_GATHER: LinkProfile.allgather_time,
+    Kind.BROADCAST: LinkProfile.broadcast_time,
 }
 
 
 class Collective(NamedTuple):
-    """One collective of a rank's gradient sync."""
+    """One collective of a rank's gradient sync, as a link profile times it."""
 
-    kind: CollectiveKind
+    kind: Kind
     nbytes: int
     """The whole tensor (an all-gather's output)."""
     ranks: int
@@ -182,56 +155,33 @@ class Collective(NamedTuple):
     TP group: it waits for every holder's backwards."""
 
 
+@functools.lru_cache(maxsize=4096)
 def sync_collectives(
-    model: ModelSpec,
-    buckets: tuple[SyncBucket, ...],
-    *,
-    tp: int,
-    peers: int,
-    sharded: bool,
-    weight_bytes: int,
-) -> list[Collective]:
-    """The collectives a stage's leader runs to sync ``buckets``, in order, as the runtime
-    (runtime.engine) runs them. A direct bucket is summed among the ``peers`` by each TP rank
-    for its own shards: a reduce-scatter when ``sharded`` (a sharded optimizer), else an
-    all-reduce. Any other bucket's split tensors are first gathered in the TP group, the bucket's
-    full gradients all-reduced among its holders and broadcast back to the TP group. The
-    gradients are fp32 main gradients in either precision; a sharded optimizer then all-gathers
-    each bucket's updated weights (``weight_bytes`` an element) among the peers."""
-    table = parameter_table(model)
-    grad = MAIN_GRAD_BYTES
-    done: list[Collective] = []
-    for bucket in buckets:
-        params = [table[name] for name in bucket.names]
-        full = [math.prod(param.shape) for param in params]
-        local = sum(math.prod(param.shard_shape(tp)) for param in params)
-        if bucket.direct:
-            summed = CollectiveKind.REDUCE_SCATTER if sharded else CollectiveKind.ALL_REDUCE
-            done.append(Collective(summed, local * grad, peers))
-        else:
-            if tp > 1:
-                done += [
-                    Collective(CollectiveKind.ALL_GATHER, n * grad, tp)
-                    for param, n in zip(params, full)
-                    if param.tp_dim is not None
-                ]
-            done.append(
-                Collective(
-                    CollectiveKind.ALL_REDUCE, sum(full) * grad, len(bucket.holders), exchange=True
-                )
-            )
-            if tp > 1:
-                done.append(
-                    Collective(CollectiveKind.BROADCAST, sum(full) * grad, tp, exchange=True)
-                )
-        if sharded and peers > 1:
-            done.append(
-                Collective(CollectiveKind.ALL_GATHER, local * weight_bytes, peers, after_step=True)
-            )
-    return done
+    plan: Plan, cluster: ClusterSpec, model: ModelSpec, pipeline: int, stage: int
+) -> tuple[Collective, ...]:
+    """The collectives the leader of stage ``stage`` of layout ``pipeline`` runs to sync its
+    gradients, in order: its gradient sync's and a sharded optimizer's gathers in the plan of a
+    step's transfers (spec.collectives.rank_transfers), which the runtime's bytes are held to."""
+    topology = plan_topology(plan, cluster)
+    replica = sum(p.count for p in plan.pipelines[:pipeline])  # the layout's first replica
+    leader = topology.stage_ranks(replica, stage)[0]
+    transfers = rank_transfers(
+        plan, topology, model, topology.vendors(cluster), leader, grad_norm=False
+    )
+    return tuple(
+        Collective(
+            t.kind,
+            t.nbytes * len(t.ranks) if t.kind is Kind.ALL_GATHER else t.nbytes,
+            len(t.ranks),
+            after_step=t.phase is Phase.PARAM_GATHER,
+            exchange=t.phase is Phase.GRAD_EXCHANGE,
+        )
+        for t in transfers
+        if t.phase in (Phase.GRAD_SYNC, Phase.GRAD_EXCHANGE, Phase.PARAM_GATHER)
+    )
 
 
-def grad_sync_time(link: LinkProfile, collectives: list[Collective]) -> SyncTimes | None:
+def grad_sync_time(link: LinkProfile, collectives: Sequence[Collective]) -> SyncTimes | None:
     """The measured time of a rank's gradient sync (sync_collectives); None where a collective
     was not measured."""
     reduce, gather, exchange = [], [], []

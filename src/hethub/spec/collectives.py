@@ -189,7 +189,9 @@ class Phase(enum.StrEnum):
 
     FORWARD = "forward"  # an activation to the next stage
     BACKWARD = "backward"  # its gradient back
-    GRAD_SYNC = "grad-sync"  # a bucket's gradients summed over its holders
+    GRAD_SYNC = "grad-sync"  # a bucket summed among the peers, or gathered in the TP group
+    GRAD_EXCHANGE = "grad-exchange"  # summed by the leaders of every stage holding it, and
+    # broadcast back in the TP group: it waits for every holder's backwards
     PARAM_GATHER = "param-gather"  # a sharded optimizer's updated weights gathered
     GRAD_NORM = "grad-norm"  # the global gradient norm's sum
 
@@ -305,7 +307,7 @@ def rank_transfers(
                         add(Kind.ALL_GATHER, tp, shard * grad, Phase.GRAD_SYNC)
             if leads:
                 done += _holders_sum(bucket.holders, vendors, rank, full * grad)
-            add(Kind.BROADCAST, tp, full * grad, Phase.GRAD_SYNC)
+            add(Kind.BROADCAST, tp, full * grad, Phase.GRAD_EXCHANGE)
         if sharded:
             piece = padded // shards * plan.precision.element_bytes
             add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
@@ -321,20 +323,20 @@ def _holders_sum(
     leaders ``holders`` (runtime.grad_sync, comm.Communicator.sliced_all_reduce)."""
     parts = vendor_parts(holders, vendors)
     if len(parts) == 1:
-        return [Transfer(Kind.ALL_REDUCE, holders, nbytes, NATIVE, Phase.GRAD_SYNC)]
+        return [Transfer(Kind.ALL_REDUCE, holders, nbytes, NATIVE, Phase.GRAD_EXCHANGE)]
     local = next(part for part in parts if rank in part)
     padded = padded_length(nbytes // MAIN_GRAD_BYTES, parts) * MAIN_GRAD_BYTES
     unit = padded // slice_units(parts)
     done = []
     if len(local) > 1:
-        done.append(Transfer(Kind.REDUCE_SCATTER, local, padded, NATIVE, Phase.GRAD_SYNC))
+        done.append(Transfer(Kind.REDUCE_SCATTER, local, padded, NATIVE, Phase.GRAD_EXCHANGE))
     for cut in bridge_slices(parts):
         if rank in cut.ranks:
             size = (cut.stop - cut.start) * unit
-            done.append(Transfer(Kind.ALL_REDUCE, cut.ranks, size, BRIDGE, Phase.GRAD_SYNC))
+            done.append(Transfer(Kind.ALL_REDUCE, cut.ranks, size, BRIDGE, Phase.GRAD_EXCHANGE))
     if len(local) > 1:
         piece = padded // len(local)
-        done.append(Transfer(Kind.ALL_GATHER, local, piece, NATIVE, Phase.GRAD_SYNC))
+        done.append(Transfer(Kind.ALL_GATHER, local, piece, NATIVE, Phase.GRAD_EXCHANGE))
     return done
 
 
