@@ -52,6 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "torchrun --max-restarts)",
     )
     parser.add_argument(
+        "--trace-every",
+        metavar="N",
+        type=non_negative_int,
+        help="also write trace.json every N steps while the run goes on, the measured timeline "
+        "of the step just done, so a long run's trace can be opened as it runs (default "
+        f"{DEFAULT_SETTINGS.trace_every}: only at the end; on --resume, the run's unless given)",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="build every rank of --plan on --cluster in this one process (fake process groups, "

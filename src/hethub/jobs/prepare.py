@@ -317,6 +317,7 @@ def _settings(args: argparse.Namespace, base: RunSettings) -> RunSettings:
         seq_len=_given(_flag(args, "seq_len"), base.seq_len),
         eval_data=_absolute_data(eval_data) if eval_data else base.eval_data,
         eval_every=_given(_flag(args, "eval_every"), base.eval_every),
+        trace_every=_given(_flag(args, "trace_every"), base.trace_every),
         eval_sequences=_given(_flag(args, "eval_sequences"), base.eval_sequences),
     )
     _check_recipe(settings)

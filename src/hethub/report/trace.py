@@ -2,6 +2,8 @@
 
 A timeline is a list of TimelineEvents (report.timeline); their ``source`` ("predicted" or
 "measured", None counting as predicted) lets two timelines be shown one above the other.
+A trace file is written whole or not at all (hethub.files.write_atomic): a training run rewrites
+it while it runs (--trace-every), and a reader opening it then sees the last one written.
 """
 
 from __future__ import annotations
@@ -9,14 +11,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hethub.files import write_atomic
 from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 
 COMPUTE_KINDS = OPERATION_KINDS
 """What a stage computes (its first row); the rest is communication (its second)."""
 
 
-def chrome_trace(events: list[TimelineEvent], title: str = "hethub") -> dict:
-    """The trace as a JSON-ready object: one process per (source, pipeline), two rows per stage."""
+def chrome_trace(
+    events: list[TimelineEvent], title: str = "hethub", *, step: int | None = None
+) -> dict:
+    """The trace as a JSON-ready object: one process per (source, pipeline), two rows per stage.
+    ``step``: the training step whose measured timeline it shows, kept in its ``otherData``
+    (None: a prediction alone, or no step)."""
     processes: dict[tuple[str, int], int] = {}
     rows: dict[tuple[int, int], str] = {}
     trace = []
@@ -67,9 +74,14 @@ def chrome_trace(events: list[TimelineEvent], title: str = "hethub") -> dict:
                 "args": {"sort_index": tid},
             }
         )
-    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"title": title}}
+    other = {"title": title} if step is None else {"title": title, "step": step}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": other}
 
 
-def write_trace(path: Path, events: list[TimelineEvent], title: str = "hethub") -> None:
+def write_trace(
+    path: Path, events: list[TimelineEvent], title: str = "hethub", *, step: int | None = None
+) -> None:
+    """Write the trace (chrome_trace) to ``path`` atomically: a reader sees the previous trace
+    or this one whole, never half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events, title)))
+    write_atomic(path, json.dumps(chrome_trace(events, title, step=step)))

@@ -7,7 +7,8 @@ runs/<name>/
                    under another plan; the earlier ones kept as plan.before-step-N.yaml)
   prediction.json  the predictor's figures and timeline for the plan, made before the run
   metrics.jsonl    one JSON object per step
-  trace.json       Chrome trace: the predicted and the measured timeline of a step
+  trace.json       Chrome trace: the predicted and the measured timeline of a step (the last;
+                   rewritten every --trace-every steps while the run goes on)
   loss.png         the loss curve
   checkpoints/     step-NNNNNN/ (torch.distributed.checkpoint), complete ones only
 """
@@ -59,6 +60,9 @@ class RunSettings:
     """Evaluate every this many steps and at the last (None: at every checkpoint)."""
     eval_sequences: int | None = None
     """Windows evaluated, consecutive from the start of eval_data (None: the global batch)."""
+    trace_every: int = 0
+    """Write trace.json every this many steps as well as at the end (0: only at the end). Not
+    what the losses depend on: a resume keeps it unless given again."""
 
 
 DEFAULT_SETTINGS = RunSettings(

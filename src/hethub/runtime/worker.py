@@ -200,6 +200,9 @@ def _train_steps(
                 keep=settings.keep_checkpoints,
             )
             saved = step + 1
+        every = settings.trace_every
+        if every > 0 and (step + 1) % every == 0 and step + 1 < settings.steps:
+            _trace_so_far(engine, leader_slots, world, step + 1, log)
         if stop_signal:
             if log:
                 log.close()
@@ -210,14 +213,33 @@ def _train_steps(
                     f"resume with: hethub train --resume {run.path}"
                 )
             return 128 + stop_signal
-    # The trace's timelines and each rank's optimizer state, gathered once, at the end: a
-    # gather of every rank's objects each step would grow with the job.
+    # The trace's timelines and each rank's optimizer state, gathered once, at the end (and the
+    # trace leaders' timelines every --trace-every steps, _trace_so_far): a gather of every
+    # rank's objects each step would grow with the job.
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((engine.timeline, engine.optimizer.state_bytes()), gathered, dst=0)
     if log:
         log.optimizer_state_bytes = [state for _, state in gathered]
-        log.finish([timeline for timeline, _ in gathered], world)
+        last = settings.steps if start < settings.steps else None  # None: this start ran none
+        log.finish([timeline for timeline, _ in gathered], world, last)
     return 0
+
+
+def _trace_so_far(engine: Engine, leader_slots: dict[int, int], world: int, step: int, log):
+    """Collective, every --trace-every steps: rank 0 rewrites trace.json with the step just done
+    (``step``, 1-based), so that a long run's trace can be looked at while it runs.
+
+    It writes that one step, not the --trace-every steps since the last write: the trace sets a
+    measured step beside the predicted one, as the final trace does, and metrics.jsonl has the
+    steps in between. Nothing piles up between writes either: engine.timeline holds the current
+    step's events alone (StepTimeline.start drops the last step's), and only the trace leaders
+    (a stage count) send theirs, so every write costs what the first did, however long the run.
+    One gather_object, as at the end: the timelines never travel on the steps that write none."""
+    gathered = [None] * world if engine.rank == 0 else None
+    own = engine.timeline if engine.rank in leader_slots else None
+    dist.gather_object(own, gathered, dst=0)
+    if log:
+        log.write_trace(gathered, step)
 
 
 class _Evaluation:
@@ -508,8 +530,10 @@ class _StepLog:
         if self.board:
             self.board.close()
 
-    def finish(self, timelines: list[list[TimelineEvent]], world: int) -> None:
-        self.close()
+    def write_trace(self, timelines: list, step: int | None) -> None:
+        """trace.json: the predicted step and the trace leaders' measured one, ``step``
+        (1-based; None: no step ran). ``timelines``: every rank's events, in rank order (None
+        or [] for a rank that sent none: only the leaders' are drawn)."""
         events = []
         if self.prediction:
             events += [
@@ -520,11 +544,22 @@ class _StepLog:
             for r in self.leaders:
                 events += timelines[r.rank]  # the engine marks them with its rank's stage
         label = " (emulated speeds)" if self.emulated else ""
+        measured = "measured step" if step is None else f"measured step {step}"
         write_trace(
             self.run.trace,
             events,
-            f"hethub {self.run.path.name}: predicted and measured step{label}",
+            f"hethub {self.run.path.name}: predicted and {measured}{label}",
+            step=step,
         )
+
+    def finish(
+        self, timelines: list[list[TimelineEvent]], world: int, step: int | None = None
+    ) -> None:
+        """The run's last records: trace.json of its last step (``step``), loss.png and, with
+        --json, the summary line."""
+        self.close()
+        self.write_trace(timelines, step)
+        label = " (emulated speeds)" if self.emulated else ""
         records = self.run.read_metrics()
         evaluated = [r for r in records if r.get("eval_loss") is not None]
         loss_plot(
