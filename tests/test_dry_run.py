@@ -3,14 +3,30 @@ and the meta device, its memory against the prediction, its sends matched to its
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from hethub.cli import main
+from hethub.comm import Communicator
 from hethub.errors import HethubError
+from hethub.runtime.dry_run import (
+    FAKE_BACKEND,
+    fake_rank_groups,
+    fake_world,
+    member_groups,
+    rank_state,
+)
+from hethub.runtime.precision import MasterWeights
+from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
+from hethub.spec import check_plan, load_cluster, load_model, load_plan
 from hethub.spec.collectives import Post, stage_posts, walk_messages
 from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
+from hethub.spec.topology import build_topology
 
 # Two vendors, so the plan's gradient sync spans the bridge (SYNC_LOCAL and SYNC_BRIDGE groups).
 CLUSTER = """
@@ -140,3 +156,69 @@ def test_a_rank_over_its_devices_memory_exits_2(files, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0
     assert "memory" in err
+
+
+def test_each_rank_creates_only_its_groups_and_holds_what_creating_all_of_them_gives(files):
+    cluster_path, plan_path = files()
+    cluster, plan = load_cluster(cluster_path), load_plan(plan_path)
+    model = load_model(plan.model, relative_to=Path(plan_path).parent)
+    check_plan(plan, cluster, model)
+    topology = build_topology(plan, cluster)
+    vendors = topology.vendors(cluster)
+    specs = job_groups(topology, model, vendors, vendors, data_parallel=True)
+    own = member_groups(specs)
+    faked = [dataclasses.replace(s, backend=FAKE_BACKEND) for s in specs]
+
+    def handles(created):
+        """Each group's ranks as torch's handle holds them (None: no handle)."""
+        return {
+            key: None if g.handle is None else dist.get_process_group_ranks(g.handle)
+            for key, g in created.items()
+        }
+
+    for rank in range(topology.world_size):
+        # A rank's share of the job's list: every group it is in, in the list's order.
+        assert own[rank] == [s for s in specs if rank in s.ranks]
+        with fake_world(rank, topology.world_size):
+            everything = handles(create_groups(faked))
+        with fake_world(rank, topology.world_size):
+            alone = handles(
+                create_groups(
+                    [dataclasses.replace(s, backend=FAKE_BACKEND) for s in own[rank]],
+                    members_only=True,
+                )
+            )
+            groups = fake_rank_groups(topology, model, vendors, own[rank], data_parallel=True)
+            assert groups.tp.ranks == topology.tp_group(rank)
+        assert alone == everything
+        assert all(ranks == list(key[1]) for key, ranks in everything.items() if ranks)
+        # The groups it holds are the pure function's, now with handles.
+        pure = rank_groups(topology, model, vendors, rank, data_parallel=True)
+        assert groups.tp.ranks == pure.tp.ranks and groups.vendor.ranks == pure.vendor.ranks
+        assert groups.grad_sync.keys() == pure.grad_sync.keys()
+    # The plan's sync sets span both vendors: the bridge's groups were among those created.
+    assert any(s.role == "sync_bridge" for s in specs)
+
+
+def test_a_built_rank_leaves_nothing_behind_for_the_next(files):
+    # Each rank's stage, buffers and optimizer must go when it is done: the dry run's memory is
+    # one rank's, not the job's (a 4,088-rank plan otherwise grows by 1.2 GB).
+    cluster_path, plan_path = files()
+    cluster, plan = load_cluster(cluster_path), load_plan(plan_path)
+    model = load_model(plan.model, relative_to=Path(plan_path).parent)
+    topology = build_topology(plan, cluster)
+    vendors = topology.vendors(cluster)
+    own = member_groups(job_groups(topology, model, vendors, vendors))
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o) is MasterWeights for o in gc.get_objects())
+
+    before = alive()
+    for rank in range(topology.world_size):
+        with fake_world(rank, topology.world_size):
+            groups = fake_rank_groups(topology, model, vendors, own[rank], data_parallel=False)
+            state = rank_state(plan, topology, model, groups, Communicator(vendors))
+        assert state.weights > 0
+    del groups
+    assert alive() == before

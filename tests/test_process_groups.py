@@ -3,6 +3,7 @@ held by each rank as named fields (RankGroups)."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -110,6 +111,31 @@ def four_replicas():
     )
     check_plan(plan, CLUSTER, MODEL)
     return build_topology(plan, CLUSTER)
+
+
+@pytest.mark.parametrize("make", [topology, four_replicas])
+def test_the_topologys_lookups_answer_as_a_scan_of_every_rank_does(make):
+    # Made once per topology (every rank's groups ask them, for every rank of the job): each
+    # must be what the scan it replaced finds.
+    topo = make()
+    for me in topo.ranks:
+        assert topo.tp_group(me.rank) == next(g for g in topo.tp_groups if me.rank in g)
+        assert topo.stage_ranks(me.replica, me.stage) == tuple(
+            r.rank for r in topo.ranks if (r.replica, r.stage) == (me.replica, me.stage)
+        )
+        assert topo.replica_stages(me.replica) == 1 + max(
+            r.stage for r in topo.ranks if r.replica == me.replica
+        )
+        assert topo.data_parallel_peers(me.rank) == tuple(
+            r.rank
+            for r in topo.ranks
+            if (r.layout_class, r.stage, r.tp_rank) == (me.layout_class, me.stage, me.tp_rank)
+        )
+    assert topo.stage_ranks(99, 0) == ()
+    assert topo == make() and hash(topo) == hash(make())  # the lookups take no part
+    assert hash(topo) == hash((topo.ranks, topo.tp_groups))  # made once, as the fields'
+    loaded = pickle.loads(pickle.dumps(topo))  # the index is made afresh where it is loaded
+    assert loaded == topo and loaded.tp_group(0) == topo.tp_group(0)
 
 
 def test_a_sync_set_spanning_vendors_is_split_into_native_parts_and_a_bridge_per_slice():

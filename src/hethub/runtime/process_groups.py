@@ -204,7 +204,7 @@ def rank_groups(
         return created[(role, ranks)]
 
     me = topology.ranks[rank]
-    tp = group(Role.TENSOR, next(r for r in topology.tp_groups if rank in r))
+    tp = group(Role.TENSOR, topology.tp_group(rank))
     leads = rank == tp.ranks[0]
     stages = topology.replica_stages(me.replica)
     v_shaped = runs_a_v(topology, me.replica)
@@ -267,17 +267,29 @@ def _sync_groups(
     return SyncGroups(group(Role.SYNC_LOCAL, local), SlicedBridge(parts, slices))
 
 
-def create_groups(specs: Sequence[GroupSpec]) -> dict[tuple[Role, tuple[int, ...]], Group]:
+def create_groups(
+    specs: Sequence[GroupSpec], *, members_only: bool = False
+) -> dict[tuple[Role, tuple[int, ...]], Group]:
     """Collective over the world group: create every listed group, in order (call it with the
     same list on every rank); the groups this rank is in, by role and ranks (a group of one rank
-    without a handle: it never communicates). The world group must exist already."""
+    without a handle: it never communicates). The world group must exist already.
+
+    ``members_only``: this rank creates only its own groups, each among its ranks alone
+    (new_group's ``use_local_synchronization``: named by its ranks, not by how many groups came
+    before it) and skips the others. Only where creating a group moves nothing, the dry run's
+    fake backend: on a real backend a rank that skips another's group while it creates a later
+    one of its own leaves that group's ranks waiting on it."""
     me = dist.get_rank()
     mine = {}
     for spec in specs:
+        if members_only and me not in spec.ranks:
+            continue
         if spec.role is Role.WORLD:
             handle = dist.group.WORLD
         else:
-            handle = dist.new_group(list(spec.ranks), backend=spec.backend)
+            handle = dist.new_group(
+                list(spec.ranks), backend=spec.backend, use_local_synchronization=members_only
+            )
         if me in spec.ranks:
             mine[(spec.role, spec.ranks)] = Group(
                 spec.ranks, handle if len(spec.ranks) > 1 else None
