@@ -69,7 +69,8 @@ def test_the_job_lists_its_tp_pipeline_sync_and_vendor_groups():
         by_role.setdefault(spec.role, []).append(spec.ranks)
     assert by_role[Role.WORLD] == [(0, 1, 2, 3, 4)]
     assert by_role[Role.TENSOR] == [(0, 1), (2, 3)]  # the amd TP-1 stage needs no group
-    assert by_role[Role.PIPELINE] == [(0, 4)]  # stage leaders 0 (nv) and 4 (amd)
+    # stage 0's TP ranks 0, 1 (nv) then stage 1's rank 4 (amd): each TP rank sends its run
+    assert by_role[Role.PIPELINE] == [(0, 1, 4)]
     # layers 0-4 and the embedding: leaders 0 (nv) and 2 (amd), one per vendor: only the
     # bridge; layers 5-7 and the head: 2 and 4, both amd: natively
     assert sorted(set(parameter_holders(topo, MODEL).values())) == [(0, 2), (2, 4)]
@@ -88,7 +89,7 @@ def test_a_group_is_native_only_where_all_its_ranks_share_a_vendor_and_a_backend
     backend = {(s.role, s.ranks): s.backend for s in job_groups(topo, MODEL, vendors, backends)}
     assert backend[(Role.TENSOR, (0, 1))] == "nccl"
     assert backend[(Role.TENSOR, (2, 3))] == "gloo"
-    assert backend[(Role.PIPELINE, (0, 4))] == BRIDGE_BACKEND  # across vendors
+    assert backend[(Role.PIPELINE, (0, 1, 4))] == BRIDGE_BACKEND  # across vendors
     assert backend[(Role.VENDOR, (0, 1))] == "nccl"
     # two vendors on one backend name (RCCL is torch's nccl on ROCm) still cannot talk natively
     all_nccl = job_groups(topo, MODEL, vendors, ["nccl"] * 5)
@@ -159,14 +160,16 @@ def test_each_rank_holds_its_groups_by_what_they_are_for():
     mine = {rank: rank_groups(topo, MODEL, vendors, rank) for rank in range(5)}
     # rank 0 leads the nv TP-2 stage 0 of replica 0; rank 1 is its other TP rank
     assert mine[0].world == world and mine[0].tp == Group((0, 1)) and mine[0].leader == 0
-    assert (mine[0].pipeline_prev, mine[0].pipeline_next) == (None, Group((0, 4)))
+    assert (mine[0].pipeline_prev, mine[0].pipeline_next) == (None, Group((0, 1, 4)))
     # layers 0-4 are held by leaders 0 (nv) and 2 (amd): each alone in its vendor's part, and
     # both on the bridge
     one_slice = SlicedBridge(((0,), (2,)), (Group((0, 2)),))
     assert mine[0].grad_sync == {(0, 2): SyncGroups(Group((0,)), one_slice)}
     assert mine[0].vendor == Group((0, 1))
     assert mine[1].tp == Group((0, 1)) and mine[1].leader == 0
-    assert (mine[1].pipeline_prev, mine[1].pipeline_next, mine[1].grad_sync) == (None, None, {})
+    # the other TP rank sends its own run of every activation: the pair group is its too
+    assert (mine[1].pipeline_prev, mine[1].pipeline_next) == (None, Group((0, 1, 4)))
+    assert mine[1].grad_sync == {}
     # rank 2 leads replica 1 (amd TP 2, the whole model): both sets, no pipeline neighbour
     assert (mine[2].pipeline_prev, mine[2].pipeline_next) == (None, None)
     assert mine[2].grad_sync == {
@@ -175,7 +178,7 @@ def test_each_rank_holds_its_groups_by_what_they_are_for():
     }
     # rank 4 is replica 0's amd TP-1 stage 1: a TP group of itself, fed by rank 0
     assert mine[4].tp == Group((4,)) and mine[4].leader == 4
-    assert (mine[4].pipeline_prev, mine[4].pipeline_next) == (Group((0, 4)), None)
+    assert (mine[4].pipeline_prev, mine[4].pipeline_next) == (Group((0, 1, 4)), None)
     assert mine[4].grad_sync == {(2, 4): SyncGroups(Group((2, 4)))}
     assert mine[4].vendor == Group((2, 3, 4))
     # peers get a group only when the plan asks for one, and only where there are several
@@ -307,11 +310,16 @@ def test_every_rank_creates_the_listed_groups_and_holds_its_own():
     got = run_ranks(_create, 5, timeout_s=120, purpose="test")
     assert got[4] == {
         "world(0, 1, 2, 3, 4)": [0, 1, 2, 3, 4],
-        "pipeline(0, 4)": [0, 4],
+        "pipeline(0, 1, 4)": [0, 1, 4],
         "grad_sync(2, 4)": [2, 4],
         "vendor(2, 3, 4)": [2, 3, 4],
     }
-    assert set(got[1]) == {"world(0, 1, 2, 3, 4)", "tensor(0, 1)", "vendor(0, 1)"}
+    assert set(got[1]) == {
+        "world(0, 1, 2, 3, 4)",
+        "tensor(0, 1)",
+        "pipeline(0, 1, 4)",
+        "vendor(0, 1)",
+    }
 
 
 # A fresh interpreter (this one may have imported torch._dynamo already): the default group made

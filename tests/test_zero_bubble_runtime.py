@@ -248,21 +248,21 @@ def test_a_v_pairs_each_neighbour_both_ways_and_never_wraps_around():
     spec = load_model("tiny-llama")
     check_plan(plan, CLUSTER, spec)
     topology = build_topology(plan, CLUSTER)
-    leaders = [topology.stage_ranks(0, s)[0] for s in range(3)]
+    stages = [topology.stage_ranks(0, s) for s in range(3)]
     vendors = topology.vendors(CLUSTER)
     pairs = {
         g.ranks
         for g in job_groups(topology, spec, vendors, ["gloo"] * 4)
         if g.role is Role.PIPELINE
     }
-    a, b, c = leaders
-    assert pairs == {(a, b), (b, a), (b, c), (c, b)}
-    first, middle, last = (rank_groups(topology, spec, vendors, r) for r in leaders)
+    a, b, c = stages  # each stage's TP ranks: a pair group holds both stages'
+    assert pairs == {a + b, b + a, b + c, c + b}
+    first, middle, last = (rank_groups(topology, spec, vendors, s[0]) for s in stages)
     assert (first.pipeline_prev, first.pipeline_return_next) == (None, None)
     assert (last.pipeline_next, last.pipeline_return_prev) == (None, None)
-    assert middle.pipeline_prev.ranks == (a, b) and middle.pipeline_next.ranks == (b, c)
-    assert middle.pipeline_return_prev.ranks == (c, b)
-    assert middle.pipeline_return_next.ranks == (b, a)
+    assert middle.pipeline_prev.ranks == a + b and middle.pipeline_next.ranks == b + c
+    assert middle.pipeline_return_prev.ranks == c + b
+    assert middle.pipeline_return_next.ranks == b + a
 
 
 @pytest.mark.parametrize("schedule", [Schedule.ZB_H1, Schedule.ZBV])

@@ -162,11 +162,17 @@ class AnalyticPricing(Pricing):
         return _at_speed(group, _analytic_work(group, self.calibration, shape, self.kernels))
 
     def send(self, boundary: Boundary) -> SendTimes:
-        # The gradient takes as long as the activation; each TP rank sends its share.
-        b = boundary
-        nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * b.precision.element_bytes
-        one_way = _send_time(nbytes / b.tp_sender, b, self.calibration)
-        return SendTimes(one_way, one_way)
+        """Each TP rank's run of the message over the boundary (the busiest rank's pieces,
+        spec.collectives.shard_pieces), then the receiving stage's all-gather of the runs:
+        the next stage's for an activation, this one's for its gradient back."""
+        b, cal = boundary, self.calibration
+        numel = b.micro_batch * b.model.seq_len * b.model.hidden
+        nbytes = numel * b.precision.element_bytes
+        sender, receiver = profiled.shard_degrees(numel, b.tp_sender, b.tp_receiver)
+        message = _send_time(nbytes / min(sender, receiver), b, cal)
+        forward = comm.group_all_gather_time(nbytes, receiver, b.receiver, cal)
+        backward = comm.group_all_gather_time(nbytes, sender, b.sender, cal)
+        return SendTimes(message + forward, message + backward)
 
     def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
         """The gradients' all-reduce among the peers (a reduce-scatter and an all-gather with a
@@ -495,13 +501,13 @@ def _send_time(nbytes: float, boundary: Boundary, cal: Calibration) -> float:
 
 
 def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
-    """Measured times over a stage boundary, or None: between two nodes, the leaders' message
+    """Measured times over a stage boundary, or None: between two nodes, the TP ranks' pieces
     over the measured link between their kinds (hethub profile --cluster; through the bridge
-    where the vendors differ) and each TP group's broadcast from its own kind's link profile;
-    else on one kind of accelerator, its link profile (one machine's processes)."""
+    where the vendors differ) and each stage's all-gather of them from its own kind's link
+    profile; else on one kind of accelerator, its link profile (one machine's processes)."""
     b = boundary
-    # whole, leader to leader
-    nbytes = b.micro_batch * b.model.seq_len * b.model.hidden * profiles.bytes_per_element
+    numel = b.micro_batch * b.model.seq_len * b.model.hidden
+    element = profiles.bytes_per_element
     kind_a, kind_b = b.sender.accelerator.name, b.receiver.accelerator.name
     between = profiles.link_between(kind_a, kind_b) if b.across_nodes else None
     if between is not None:
@@ -509,7 +515,8 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
             between,
             profiles.link_for(kind_a),
             profiles.link_for(kind_b),
-            nbytes,
+            numel,
+            element,
             b.tp_sender,
             b.tp_receiver,
         )
@@ -518,7 +525,7 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
     link = profiles.link_for(kind_a)
     if link is None:
         return None
-    return profiled.send_times(link, nbytes, b.tp_sender, b.tp_receiver)
+    return profiled.send_times(link, numel, element, b.tp_sender, b.tp_receiver)
 
 
 def _plan_link(profiles: Profiles, plan: Plan, cluster: ClusterSpec) -> LinkProfile | None:

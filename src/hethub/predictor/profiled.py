@@ -31,7 +31,7 @@ from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTim
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import Kind, Phase, rank_transfers
+from hethub.spec.collectives import Kind, Phase, rank_transfers, runs
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.topology import Topology, build_topology, parameter_holders
@@ -86,44 +86,50 @@ def profiled_work(
 
 
 def send_times(
-    link: LinkProfile, nbytes: float, tp_sender: int, tp_receiver: int
+    link: LinkProfile, numel: int, element_bytes: int, tp_sender: int, tp_receiver: int
 ) -> SendTimes | None:
-    """(activation forward, its gradient backward) over one stage boundary: leader to leader,
-    then a broadcast inside the receiving TP group; None where a broadcast was not measured."""
-    message = link.p2p_time(nbytes)
-    forward, backward = (
-        link.broadcast_time(nbytes, tp_receiver),
-        link.broadcast_time(nbytes, tp_sender),
-    )
-    if forward is None or backward is None:
-        return None
-    return SendTimes(message + forward, message + backward)
+    """(activation forward, its gradient backward) over one stage boundary on one link profile:
+    each TP rank's run of the message (spec.collectives.shard_pieces), then the receiving
+    stage's all-gather of the runs; None where an all-gather was not measured."""
+    return cross_send_times(link, link, link, numel, element_bytes, tp_sender, tp_receiver)
 
 
 def cross_send_times(
     between: LinkProfile,
     link_a: LinkProfile | None,
     link_b: LinkProfile | None,
-    nbytes: float,
+    numel: int,
+    element_bytes: int,
     tp_sender: int,
     tp_receiver: int,
 ) -> SendTimes | None:
-    """(activation forward, its gradient backward) over a boundary between two nodes: the
-    leaders' message over the measured link between them, then a broadcast in the receiving TP
-    group, priced by that group's own link profile (nothing for a TP group of one); None where
-    a broadcast is needed and not measured."""
-    message = between.p2p_time(nbytes)
-    forward = _broadcast(link_b, nbytes, tp_receiver)
-    backward = _broadcast(link_a, nbytes, tp_sender)
+    """(activation forward, its gradient backward) of ``numel`` elements of ``element_bytes``
+    over a boundary: the busiest rank's pieces
+    over the measured link ``between`` the stages, then the all-gather in the receiving stage,
+    priced by that stage's own link profile (``link_b`` forward, ``link_a`` backward; nothing
+    for a stage whose TP rank holds the whole message); None where an all-gather is needed and
+    not measured."""
+    nbytes = numel * element_bytes
+    sender, receiver = shard_degrees(numel, tp_sender, tp_receiver)
+    message = between.p2p_time(nbytes / min(sender, receiver))
+    forward = _all_gather(link_b, nbytes, receiver)
+    backward = _all_gather(link_a, nbytes, sender)
     if forward is None or backward is None:
         return None
     return SendTimes(message + forward, message + backward)
 
 
-def _broadcast(link: LinkProfile | None, nbytes: float, tp: int) -> float | None:
-    if tp <= 1:
+def shard_degrees(numel: int, tp_sender: int, tp_receiver: int) -> tuple[int, int]:
+    """How many runs each end of a boundary cuts a message of ``numel`` elements in
+    (spec.collectives.runs): its TP degree, or 1 where the message does not divide among
+    them."""
+    return len(runs(numel, tp_sender)), len(runs(numel, tp_receiver))
+
+
+def _all_gather(link: LinkProfile | None, nbytes: float, ranks: int) -> float | None:
+    if ranks <= 1:
         return 0.0
-    return None if link is None else link.broadcast_time(nbytes, tp)
+    return None if link is None else link.allgather_time(nbytes, ranks)
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,7 @@ class Role(StrEnum):
 
     WORLD = "world"  # every rank: bootstrap, barriers, the bridge between vendors
     TENSOR = "tensor"  # the TP ranks of one stage
-    PIPELINE = "pipeline"  # the leaders of two neighbouring stages: activations and gradients
+    PIPELINE = "pipeline"  # the TP ranks of two neighbouring stages: activations and gradients
     GRAD_SYNC = "grad_sync"  # the leaders of every stage holding the same parameters (one vendor)
     SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync set that spans vendors
     SYNC_BRIDGE = "sync_bridge"  # a slice's owner on each vendor's part of such a set
@@ -87,19 +87,19 @@ def job_groups(
 
     for ranks in topology.tp_groups:
         add(Role.TENSOR, ranks)
+    # Each ordered pair of neighbouring stages: both stages' TP ranks, the sender's first
+    # (runtime.p2p: each TP rank sends its run of a message to the other stage's ranks).
     for replica in sorted({r.replica for r in topology.ranks}):
-        leaders = [
-            topology.stage_ranks(replica, s)[0] for s in range(topology.replica_stages(replica))
-        ]
+        stages = [topology.stage_ranks(replica, s) for s in range(topology.replica_stages(replica))]
         v_shaped = runs_a_v(topology, replica)
-        for sender, receiver in pairwise(leaders):
-            add(Role.PIPELINE, (sender, receiver))
+        for sender, receiver in pairwise(stages):
+            add(Role.PIPELINE, sender + receiver)
             if v_shaped:  # the V's way back: chunk 1's activations from the stage after
-                add(Role.PIPELINE, (receiver, sender))
+                add(Role.PIPELINE, receiver + sender)
         if (
-            len(topology.ranks[leaders[0]].chunks) > 1 and not v_shaped
+            len(topology.ranks[stages[0][0]].chunks) > 1 and not v_shaped
         ):  # interleaved: the last stage feeds the first
-            add(Role.PIPELINE, (leaders[-1], leaders[0]))
+            add(Role.PIPELINE, stages[-1] + stages[0])
     # A sync set inside one vendor all-reduces natively; one that spans vendors reduce-scatters
     # inside each vendor natively and each slice crosses the bridge among its owners, one per
     # vendor (spec.slices): as many bridge groups as slices, made once for the job.
@@ -158,17 +158,16 @@ class RankGroups:
     tp: Group
     """The TP ranks of this rank's stage, the stage leader first (no handle at TP 1)."""
     pipeline_prev: Group | None = None
-    """On a stage leader with a previous stage (interleaved: the last stage precedes the
-    first): (that stage's leader, this rank), which carries activations in and their gradients
-    back out."""
+    """With a previous stage (interleaved: the last stage precedes the first): that stage's TP
+    ranks then this stage's, which carries activations in and their gradients back out."""
     pipeline_next: Group | None = None
-    """On a stage leader with a next stage: (this rank, that stage's leader)."""
+    """With a next stage: this stage's TP ranks then that stage's."""
     pipeline_return_prev: Group | None = None
-    """Under ZBV's V, on a stage leader with a stage after it: (that stage's leader, this
-    rank), which carries the V's way back (chunk 1: activations in, their gradients out)."""
+    """Under ZBV's V, with a stage after it: that stage's TP ranks then this stage's, which
+    carries the V's way back (chunk 1: activations in, their gradients out)."""
     pipeline_return_next: Group | None = None
-    """Under ZBV's V, on a stage leader with a stage before it: (this rank, that stage's
-    leader), chunk 1's activations out and their gradients in."""
+    """Under ZBV's V, with a stage before it: this stage's TP ranks then that stage's, chunk
+    1's activations out and their gradients in."""
     data: Group | None = None
     """This rank's data-parallel peers (Topology.data_parallel_peers), when the plan gives them a
     group of their own (a sharded optimizer, an overlapped sync) and there are several."""
@@ -210,19 +209,20 @@ def rank_groups(
     v_shaped = runs_a_v(topology, me.replica)
     interleaved = len(me.chunks) > 1 and not v_shaped  # the last stage feeds the first
 
-    def leader_of(stage: int) -> int:
-        return topology.stage_ranks(me.replica, stage % stages)[0]
+    def ranks_of(stage: int) -> tuple[int, ...]:
+        return topology.stage_ranks(me.replica, stage % stages)
 
+    own = ranks_of(me.stage)
     prev = nxt = None
-    if leads and (me.stage > 0 or interleaved):
-        prev = group(Role.PIPELINE, (leader_of(me.stage - 1), rank))
-    if leads and (me.stage < stages - 1 or interleaved):
-        nxt = group(Role.PIPELINE, (rank, leader_of(me.stage + 1)))
+    if me.stage > 0 or interleaved:
+        prev = group(Role.PIPELINE, ranks_of(me.stage - 1) + own)
+    if me.stage < stages - 1 or interleaved:
+        nxt = group(Role.PIPELINE, own + ranks_of(me.stage + 1))
     return_prev = return_next = None
-    if leads and v_shaped and me.stage < stages - 1:
-        return_prev = group(Role.PIPELINE, (leader_of(me.stage + 1), rank))
-    if leads and v_shaped and me.stage > 0:
-        return_next = group(Role.PIPELINE, (rank, leader_of(me.stage - 1)))
+    if v_shaped and me.stage < stages - 1:
+        return_prev = group(Role.PIPELINE, ranks_of(me.stage + 1) + own)
+    if v_shaped and me.stage > 0:
+        return_next = group(Role.PIPELINE, own + ranks_of(me.stage - 1))
     peers = topology.data_parallel_peers(rank)
     data = group(Role.DATA, peers) if data_parallel and len(peers) > 1 else None
     grad_sync = {}

@@ -21,6 +21,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hethub.errors import HethubError
 from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
@@ -81,6 +82,43 @@ def ring_steps(kind: Kind, ranks: int) -> int:
 def path_of(ranks: Sequence[int], vendors: Sequence[str]) -> str:
     """NATIVE when every one of ``ranks`` is of one vendor, else BRIDGE."""
     return NATIVE if len({vendors[r] for r in ranks}) == 1 else BRIDGE
+
+
+class Piece(NamedTuple):
+    """The run [start, stop) of a message's elements, viewed flat, that one sending TP rank
+    sends to one receiving TP rank (indices in their stages' TP groups)."""
+
+    sender: int
+    receiver: int
+    start: int
+    stop: int
+
+
+def runs(numel: int, ranks: int) -> list[tuple[int, int]]:
+    """Each TP rank's run [start, stop) of a message of ``numel`` elements: equal runs where
+    ``numel`` divides among ``ranks``, else one whole run (rank 0's)."""
+    if numel % ranks:
+        return [(0, numel)]
+    size = numel // ranks
+    return [(i * size, (i + 1) * size) for i in range(ranks)]
+
+
+def shard_pieces(numel: int, senders: int, receivers: int) -> list[Piece]:
+    """The pieces a message of ``numel`` elements goes in from a stage of ``senders`` TP ranks
+    to one of ``receivers`` (runtime.p2p), in the order each receiver takes them: each
+    sender's run, split where it overlaps a receiver's. Where the receiving stage cannot cut
+    the message, each of its ranks wants it whole."""
+    sent = runs(numel, senders)
+    wanted = runs(numel, receivers)
+    if len(wanted) < receivers:  # uncut: every receiving rank wants the whole message
+        wanted = wanted * receivers
+    pieces = []
+    for j, (want_start, want_stop) in enumerate(wanted):
+        for i, (start, stop) in enumerate(sent):
+            low, high = max(start, want_start), min(stop, want_stop)
+            if low < high:
+                pieces.append(Piece(i, j, low, high))
+    return pieces
 
 
 # --- the pipeline's messages ----------------------------------------------------------------
@@ -244,9 +282,9 @@ def rank_transfers(
     each rank's; ``grad_norm``: the step sums the global gradient norm, as ``hethub train``'s
     always do; ``cap``: the buckets' size), as the runtime runs them:
 
-    - the pipeline's messages, in the stage's schedule order (stage_posts): the stage leaders
-      exchange whole activations and gradients (runtime.p2p), and every TP rank of the
-      receiving stage takes part in the leader's broadcast of each;
+    - the pipeline's messages, in the stage's schedule order (stage_posts): each TP rank sends
+      its run of an activation or gradient to the ranks of the next (previous) stage whose runs
+      overlap it (shard_pieces, runtime.p2p), and the receiving stage all-gathers the runs;
     - the gradient sync, bucket by bucket (spec.buckets, runtime.grad_sync): a direct bucket
       summed among the data-parallel peers in one collective (a reduce-scatter of the padded
       bucket for a sharded optimizer, else an all-reduce); any other gathered in the TP group
@@ -270,16 +308,25 @@ def rank_transfers(
 
     stages = len(layout.stages)
     if stages > 1:
-        activation = activation_bytes(plan, model)
+        numel = activation_bytes(plan, model) // plan.precision.element_bytes
+        element = plan.precision.element_bytes
         posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
         for post in posts[me.stage]:
             phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
-            peer = topology.stage_ranks(me.replica, post.peer)[0]
-            if leads:
-                pair = (leader, peer) if post.sends else (peer, leader)
-                add(Kind.SEND if post.sends else Kind.RECV, pair, activation, phase)
-            if not post.sends:
-                add(Kind.BROADCAST, tp, activation, phase)
+            peers = topology.stage_ranks(me.replica, post.peer)
+            if post.sends:
+                for piece in shard_pieces(numel, len(tp), len(peers)):
+                    if piece.sender == me.tp_rank:
+                        pair = (rank, peers[piece.receiver])
+                        add(Kind.SEND, pair, (piece.stop - piece.start) * element, phase)
+                continue
+            mine = [p for p in shard_pieces(numel, len(peers), len(tp)) if p.receiver == me.tp_rank]
+            for piece in mine:
+                pair = (peers[piece.sender], rank)
+                add(Kind.RECV, pair, (piece.stop - piece.start) * element, phase)
+            run = mine[-1].stop - mine[0].start
+            if run < numel:  # the stage all-gathers the runs
+                add(Kind.ALL_GATHER, tp, run * element, phase)
 
     peers = topology.data_parallel_peers(rank)
     grouped = (plan.shard_optimizer or plan.overlap_grad_sync) and len(peers) > 1

@@ -1,0 +1,181 @@
+"""Pipeline sends by shard (runtime.p2p): each TP rank sends its own run of an activation or
+gradient, the receiving stage all-gathers it, between unlike TP degrees the runs re-cut with no
+leader; what each rank counts is the plan of a step's transfers; and both pricings price what
+runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hethub.comm import BRIDGE, NATIVE, Communicator
+from hethub.predictor.calibration import default_calibration
+from hethub.predictor.pricing import AnalyticPricing, Boundary
+from hethub.predictor.profiled import send_times, shard_degrees
+from hethub.profiles.store import LinkProfile
+from hethub.runtime.p2p import StageLinks
+from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
+from hethub.runtime.spawn import run_ranks
+from hethub.spec import load_model, parse_cluster, parse_plan
+from hethub.spec.collectives import Piece, shard_pieces
+from hethub.spec.plan import Precision
+from hethub.spec.topology import build_topology
+
+CLUSTER = parse_cluster(
+    {
+        "groups": [
+            {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 4},
+            {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 4},
+        ]
+    },
+    "test",
+)
+# Two replicas: TP 2 -> TP 2 across the bridge, and TP 1 -> TP 2 (one sender, re-cut).
+PLAN = {
+    "model": "tiny-llama",
+    "micro_batch": 2,
+    "global_batch": 4,
+    "pipelines": [
+        {
+            "count": 1,
+            "micro_batches": 1,
+            "stages": [
+                {"group": "nv", "tp": 2, "layers": 4},
+                {"group": "amd", "tp": 2, "layers": 4},
+            ],
+        },
+        {
+            "count": 1,
+            "micro_batches": 1,
+            "stages": [
+                {"group": "nv", "tp": 1, "layers": 4},
+                {"group": "amd", "tp": 2, "layers": 4},
+            ],
+        },
+    ],
+}
+SHAPE = (2, 64, 64)  # (B, T, h): tiny-llama's seq_len and hidden, two sequences
+
+
+def test_like_degrees_pair_each_tp_rank_with_its_peer() -> None:
+    assert shard_pieces(8, 2, 2) == [Piece(0, 0, 0, 4), Piece(1, 1, 4, 8)]
+
+
+def test_unlike_degrees_recut_the_slices_among_every_overlapping_pair() -> None:
+    # 1 -> 2: the one sender sends each receiver its half; 4 -> 2: each receiver takes two
+    assert shard_pieces(8, 1, 2) == [Piece(0, 0, 0, 4), Piece(0, 1, 4, 8)]
+    assert shard_pieces(8, 4, 2) == [
+        Piece(0, 0, 0, 2),
+        Piece(1, 0, 2, 4),
+        Piece(2, 1, 4, 6),
+        Piece(3, 1, 6, 8),
+    ]
+    # 2 -> 3 on a sequence of 6: the middle receiver takes from both senders
+    assert shard_pieces(6, 2, 3) == [
+        Piece(0, 0, 0, 2),
+        Piece(0, 1, 2, 3),
+        Piece(1, 1, 3, 4),
+        Piece(1, 2, 4, 6),
+    ]
+
+
+def test_a_message_a_stage_cannot_cut_goes_whole_from_rank_0_or_to_every_rank() -> None:
+    assert shard_pieces(6, 4, 2) == [Piece(0, 0, 0, 3), Piece(0, 1, 3, 6)]
+    # 6 elements cannot be cut among 4: each of them receives both senders' halves
+    assert shard_pieces(6, 2, 4) == [
+        piece for j in range(4) for piece in (Piece(0, j, 0, 3), Piece(1, j, 3, 6))
+    ]
+
+
+def _exchange(rank: int, world: int) -> dict:
+    """Stage 0 sends a known activation, stage 1 a known gradient back; what each rank
+    received matched the whole tensor, and the bytes it counted per path."""
+    plan = parse_plan(PLAN)
+    topology = build_topology(plan, CLUSTER)
+    vendors = topology.vendors(CLUSTER)
+    spec = load_model("tiny-llama")
+    created = create_groups(job_groups(topology, spec, vendors, ["gloo"] * world))
+    groups = rank_groups(topology, spec, vendors, rank, created=created)
+    comm = Communicator(vendors)
+    links = StageLinks(comm, groups, torch.device("cpu"), torch.float32)
+    me = topology.ranks[rank]
+    activation = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
+    gradient = -activation
+    if me.stage == 0:
+        links.wait(links.send(activation, forward=True))
+        sent = dict(comm.bytes)
+        got = links.receive(SHAPE, forward=False)
+        return {"stage": 0, "sent": sent, "whole": torch.equal(got, gradient)}
+    got = links.receive(SHAPE, forward=True)
+    received = dict(comm.bytes)
+    links.wait(links.send(gradient, forward=False))
+    return {"stage": 1, "received": received, "whole": torch.equal(got, activation)}
+
+
+@pytest.mark.slow
+def test_each_tp_rank_sends_its_share_and_the_receivers_gather_the_whole() -> None:
+    results = run_ranks(_exchange, 7, purpose="shard sends")
+    assert all(r["whole"] for r in results)
+    activation = torch.Size(SHAPE).numel() * 4  # fp32 bytes
+    topology = build_topology(parse_plan(PLAN), CLUSTER)
+    for rank, result in enumerate(results):
+        me = topology.ranks[rank]
+        if result["stage"] == 0:
+            # TP 2 -> TP 2: activation / 2 each, across the bridge; TP 1 -> TP 2: the whole
+            share = activation // (2 if me.replica == 0 else 1)
+            assert result["sent"] == {NATIVE: 0, BRIDGE: share}
+        else:
+            # its half received, the other half all-gathered natively inside its TP group
+            assert result["received"] == {NATIVE: activation // 2, BRIDGE: activation // 2}
+
+
+BOUNDARY = Boundary(
+    cluster=CLUSTER,
+    model=load_model("tiny-llama"),
+    micro_batch=2,
+    precision=Precision.FP32,
+    sender=CLUSTER.groups[0],
+    receiver=CLUSTER.groups[0],
+    tp_sender=2,
+    tp_receiver=2,
+    across_nodes=False,
+)
+
+
+def test_the_analytic_pricing_prices_half_the_message_and_the_receivers_gather() -> None:
+    pricing = AnalyticPricing(default_calibration())
+    whole = pricing.send(BOUNDARY._replace(tp_sender=1, tp_receiver=1))
+    halves = pricing.send(BOUNDARY)
+    numel = 2 * 64 * 64  # (B, T, h)
+    assert shard_degrees(numel, 2, 2) == (2, 2)
+    # half the bytes per rank, and an all-gather the TP-1 boundary does not have
+    assert halves.forward_s != whole.forward_s
+    one_to_two = pricing.send(BOUNDARY._replace(tp_sender=1))
+    assert one_to_two.forward_s > halves.forward_s  # the single sender moves it all
+    # a message no stage can cut (8192 elements among 3) goes whole
+    assert shard_degrees(numel, 3, 3) == (1, 1)
+    assert pricing.send(BOUNDARY._replace(tp_sender=3, tp_receiver=3)) == whole
+
+
+def test_the_profiled_pricing_prices_the_shards_then_the_all_gather() -> None:
+    fit = (1e-4, 1e9)
+    link = LinkProfile(
+        device="cpu",
+        concurrent_ranks=2,
+        p2p_latency_s=5e-5,
+        p2p_bytes_per_s=2e9,
+        allreduce={2: fit},
+        broadcast={2: fit},
+        allgather={2: fit},
+        measured_at="2025-01-01",
+    )
+    numel, element = 250_000, 4
+    nbytes = numel * element
+    sent = send_times(link, numel, element, 2, 2)
+    expected = link.p2p_time(nbytes / 2) + link.allgather_time(nbytes, 2)
+    assert sent.forward_s == pytest.approx(expected)
+    assert sent.backward_s == pytest.approx(expected)
+    recut = send_times(link, numel, element, 1, 2)
+    assert recut.forward_s == pytest.approx(link.p2p_time(nbytes) + link.allgather_time(nbytes, 2))
+    assert recut.backward_s == pytest.approx(link.p2p_time(nbytes))  # a TP-1 sender gathers none
+    assert send_times(link, numel, element, 4, 4) is None  # an all-gather over 4 not measured
