@@ -17,6 +17,7 @@ import yaml
 
 from hethub.cli import main
 from hethub.predictor import predict
+from hethub.predictor.traffic import predicted_traffic
 from hethub.spec import load_model, parse_cluster, parse_plan
 
 ONE_GROUP = {
@@ -713,7 +714,10 @@ def test_json_output_keys(tmp_path, capsys) -> None:
     # What the predictor computes, to the bit, and figures that hold together: 8 sequences of 64
     # tokens a step; each stage computes 8 micro-batches, its memory is the sum of its parts.
     plan, cluster = parse_plan(tiny_plan()), parse_cluster(TWO_GROUPS)
-    assert result == predict(plan, cluster, load_model("tiny-gpt")).to_json()
+    model = load_model("tiny-gpt")
+    traffic = predicted_traffic(plan, cluster, model)
+    assert result == {**predict(plan, cluster, model).to_json(), **traffic}
+    assert traffic["comm_bytes"]["native"] > 0  # two stages of one vendor: their messages
     assert result["tokens_per_s"] == pytest.approx(8 * 64 / result["iteration_time_s"], rel=1e-12)
     assert len(result["stages"]) == 2
     for stage, layers in zip(result["stages"], (5, 3)):
