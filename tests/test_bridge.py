@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from hethub.comm import StagingPool
-from hethub.spec.slices import BridgeSlice, bridge_slices, padded_length, slice_units
+from hethub.spec.slices import (
+    BridgeSlice,
+    SyncClass,
+    bridge_slices,
+    padded_length,
+    slice_units,
+    sync_classes,
+)
 
 
 def test_equal_vendors_pair_each_holder_with_its_peer():
@@ -153,3 +160,26 @@ def test_the_sliced_all_reduce_sums_and_each_rank_sends_its_share():
             funnel = 2 * (len(parts) - 1) * numel * 4 // len(parts)
             fewest = min(len(part) for part in parts)
             assert busiest <= 1.01 * funnel / fewest
+
+
+def test_a_bucket_is_summed_in_classes_one_tp_rank_of_each_holder_stage():
+    # like degrees: TP rank i of every stage sums its own shard with its peers
+    assert sync_classes([(0, 1), (4, 5)]) == (
+        SyncClass(0, 1, 2, (0, 4)),
+        SyncClass(1, 2, 2, (1, 5)),
+    )
+    # TP 2 beside TP 1: the TP-1 rank holds both halves, and sums each with its holder
+    assert [c.ranks for c in sync_classes([(0, 1), (2,)])] == [(0, 2), (1, 2)]
+    # TP 2 beside TP 4: each half of the TP-2 stage meets the two quarters it covers
+    assert [(c.start, c.stop, c.ranks) for c in sync_classes([(0, 1), (2, 3, 4, 5)])] == [
+        (0, 1, (0, 2)),
+        (1, 2, (0, 3)),
+        (2, 3, (1, 4)),
+        (3, 4, (1, 5)),
+    ]
+    # TP 1 everywhere: the one class is the stage leaders', as the funnel's sum had it
+    assert sync_classes([(0,), (3,), (7,)]) == (SyncClass(0, 1, 1, (0, 3, 7)),)
+    # every rank of every stage is in a class: each gets the sum of what it holds
+    stages = [(0, 1, 2), (3, 4), (5,)]
+    covered = {r for c in sync_classes(stages) for r in c.ranks}
+    assert covered == {r for stage in stages for r in stage}

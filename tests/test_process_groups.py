@@ -12,6 +12,7 @@ import pytest
 from hethub.comm import Group, SlicedBridge
 from hethub.runtime.process_groups import (
     BRIDGE_BACKEND,
+    ClassSync,
     Role,
     SyncGroups,
     create_groups,
@@ -21,7 +22,7 @@ from hethub.runtime.process_groups import (
 )
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
-from hethub.spec.slices import vendor_parts
+from hethub.spec.slices import SyncClass, vendor_parts
 from hethub.spec.topology import build_topology, parameter_holders
 
 CLUSTER = parse_cluster(
@@ -74,8 +75,11 @@ def test_the_job_lists_its_tp_pipeline_sync_and_vendor_groups():
     # layers 0-4 and the embedding: leaders 0 (nv) and 2 (amd), one per vendor: only the
     # bridge; layers 5-7 and the head: 2 and 4, both amd: natively
     assert sorted(set(parameter_holders(topo, MODEL).values())) == [(0, 2), (2, 4)]
-    assert by_role[Role.GRAD_SYNC] == [(2, 4)]
-    assert by_role[Role.SYNC_BRIDGE] == [(0, 2)]
+    # each TP rank sums its own shard: layers 0-4 in two classes, TP rank i of nv's stage with
+    # TP rank i of amd's replica, across the bridge; layers 5-7 summed by each of amd's TP-2
+    # ranks with the TP-1 rank 4, which holds both halves
+    assert by_role[Role.GRAD_SYNC] == [(2, 4), (3, 4)]
+    assert by_role[Role.SYNC_BRIDGE] == [(0, 2), (1, 3)]
     assert Role.SYNC_LOCAL not in by_role
     assert by_role[Role.VENDOR] == [(0, 1), (2, 3, 4)]
     assert len(specs) == len({(s.role, s.ranks) for s in specs})
@@ -94,7 +98,12 @@ def test_a_group_is_native_only_where_all_its_ranks_share_a_vendor_and_a_backend
     # two vendors on one backend name (RCCL is torch's nccl on ROCm) still cannot talk natively
     all_nccl = job_groups(topo, MODEL, vendors, ["nccl"] * 5)
     sync = {(s.role, s.ranks): s.backend for s in all_nccl if "sync" in s.role}
-    assert sync == {(Role.SYNC_BRIDGE, (0, 2)): BRIDGE_BACKEND, (Role.GRAD_SYNC, (2, 4)): "nccl"}
+    assert sync == {
+        (Role.SYNC_BRIDGE, (0, 2)): BRIDGE_BACKEND,
+        (Role.SYNC_BRIDGE, (1, 3)): BRIDGE_BACKEND,
+        (Role.GRAD_SYNC, (2, 4)): "nccl",
+        (Role.GRAD_SYNC, (3, 4)): "nccl",
+    }
     assert {s.backend for s in all_nccl if s.role is Role.TENSOR} == {"nccl"}
 
 
@@ -161,25 +170,36 @@ def test_each_rank_holds_its_groups_by_what_they_are_for():
     # rank 0 leads the nv TP-2 stage 0 of replica 0; rank 1 is its other TP rank
     assert mine[0].world == world and mine[0].tp == Group((0, 1)) and mine[0].leader == 0
     assert (mine[0].pipeline_prev, mine[0].pipeline_next) == (None, Group((0, 1, 4)))
-    # layers 0-4 are held by leaders 0 (nv) and 2 (amd): each alone in its vendor's part, and
-    # both on the bridge
-    one_slice = SlicedBridge(((0,), (2,)), (Group((0, 2)),))
-    assert mine[0].grad_sync == {(0, 2): SyncGroups(Group((0,)), one_slice)}
+    # layers 0-4 are held by stages led by 0 (nv) and 2 (amd), both TP 2: TP rank i of each sums
+    # its half with the other's, each alone in its vendor's part, both on the bridge
+    first, second = SyncClass(0, 1, 2, (0, 2)), SyncClass(1, 2, 2, (1, 3))
+    bridged = {
+        r: SyncGroups(Group((r,)), SlicedBridge(((a,), (b,)), (Group((a, b)),)))
+        for a, b in ((0, 2), (1, 3))
+        for r in (a, b)
+    }
+    assert mine[0].grad_sync == {(0, 2): (ClassSync(first, bridged[0]),)}
     assert mine[0].vendor == Group((0, 1))
     assert mine[1].tp == Group((0, 1)) and mine[1].leader == 0
     # the other TP rank sends its own run of every activation: the pair group is its too
     assert (mine[1].pipeline_prev, mine[1].pipeline_next) == (None, Group((0, 1, 4)))
-    assert mine[1].grad_sync == {}
+    assert mine[1].grad_sync == {(0, 2): (ClassSync(second, bridged[1]),)}
     # rank 2 leads replica 1 (amd TP 2, the whole model): both sets, no pipeline neighbour
     assert (mine[2].pipeline_prev, mine[2].pipeline_next) == (None, None)
     assert mine[2].grad_sync == {
-        (0, 2): SyncGroups(Group((2,)), one_slice),
-        (2, 4): SyncGroups(Group((2, 4))),
+        (0, 2): (ClassSync(first, bridged[2]),),
+        (2, 4): (ClassSync(SyncClass(0, 1, 2, (2, 4)), SyncGroups(Group((2, 4)))),),
     }
+    # rank 4, TP 1 beside amd's TP 2, holds both halves: a class with each of rank 2 and 3
     # rank 4 is replica 0's amd TP-1 stage 1: a TP group of itself, fed by rank 0
     assert mine[4].tp == Group((4,)) and mine[4].leader == 4
     assert (mine[4].pipeline_prev, mine[4].pipeline_next) == (Group((0, 1, 4)), None)
-    assert mine[4].grad_sync == {(2, 4): SyncGroups(Group((2, 4)))}
+    assert mine[4].grad_sync == {
+        (2, 4): (
+            ClassSync(SyncClass(0, 1, 2, (2, 4)), SyncGroups(Group((2, 4)))),
+            ClassSync(SyncClass(1, 2, 2, (3, 4)), SyncGroups(Group((3, 4)))),
+        )
+    }
     assert mine[4].vendor == Group((2, 3, 4))
     # peers get a group only when the plan asks for one, and only where there are several
     assert all(groups.data is None for groups in mine.values())
@@ -188,17 +208,16 @@ def test_each_rank_holds_its_groups_by_what_they_are_for():
 
 def held(groups):
     """(role, ranks) of every group of more than one rank in a RankGroups."""
+    sums = [in_class.groups for classes in groups.grad_sync.values() for in_class in classes]
     fields = {
         Role.WORLD: [groups.world],
         Role.TENSOR: [groups.tp],
         Role.PIPELINE: [groups.pipeline_prev, groups.pipeline_next],
         Role.DATA: [groups.data],
         Role.VENDOR: [groups.vendor],
-        Role.GRAD_SYNC: [s.local for s in groups.grad_sync.values() if s.bridge is None],
-        Role.SYNC_LOCAL: [s.local for s in groups.grad_sync.values() if s.bridge is not None],
-        Role.SYNC_BRIDGE: [
-            g for s in groups.grad_sync.values() if s.bridge for g in s.bridge.groups
-        ],
+        Role.GRAD_SYNC: [s.local for s in sums if s.bridge is None],
+        Role.SYNC_LOCAL: [s.local for s in sums if s.bridge is not None],
+        Role.SYNC_BRIDGE: [g for s in sums if s.bridge for g in s.bridge.groups],
     }
     return {
         (role, group.ranks)
@@ -265,7 +284,8 @@ def _typed(rank, world):
 
     topo = four_replicas()
     groups = create_job_groups(topo, MODEL, CLUSTER, torch.device("cpu"), data_parallel=True)
-    (sync,) = groups.grad_sync.values()
+    ((in_class,),) = groups.grad_sync.values()
+    sync = in_class.groups
     fields = {
         "world": groups.world,
         "tp": groups.tp,
@@ -312,12 +332,14 @@ def test_every_rank_creates_the_listed_groups_and_holds_its_own():
         "world(0, 1, 2, 3, 4)": [0, 1, 2, 3, 4],
         "pipeline(0, 1, 4)": [0, 1, 4],
         "grad_sync(2, 4)": [2, 4],
+        "grad_sync(3, 4)": [3, 4],
         "vendor(2, 3, 4)": [2, 3, 4],
     }
     assert set(got[1]) == {
         "world(0, 1, 2, 3, 4)",
         "tensor(0, 1)",
         "pipeline(0, 1, 4)",
+        "sync_bridge(1, 3)",
         "vendor(0, 1)",
     }
 

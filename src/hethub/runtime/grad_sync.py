@@ -9,20 +9,22 @@ the rank's flat main gradients (runtime.flat_layout), summed in one of two ways:
   collective on the slice, in place: a reduce-scatter to its shard of it for a sharded
   optimizer, else an all-reduce. With an overlapped sync it starts during the backwards, as soon
   as the bucket's gradients are final.
-- through the stage leaders: all-reduced among the holders' leaders (when they span vendors,
-  sliced over every leader: comm.Communicator.sliced_all_reduce), in place on the slice; with
-  TP, each full gradient is first gathered in the TP group into one flat buffer, which is
-  broadcast back to the TP group after the sum, and each rank keeps its shards. A sharded
+- in classes: any other bucket (held by unlike layouts, the tied head's two stages) is summed in
+  the classes of spec.slices.sync_classes, each among one TP rank of every stage holding it,
+  each rank summing its own shard: stages of one TP degree t sum in t classes, rank i of every
+  stage in the i-th, in place on the bucket's slice; between unlike TP degrees a class holds
+  the part of each TP-split gradient all its ranks hold (a copy of those parts, summed and
+  copied back), and the tensors whole on every TP rank (norms) in full. A class that spans
+  vendors is sliced over every one of its ranks (comm.Communicator.sliced_all_reduce): nothing
+  is gathered to a stage leader, and each rank carries its share over the bridge. A sharded
   optimizer then steps its shard of the slice. With an overlapped sync, the part inside this
-  rank's vendor starts during the backwards too, once the bucket's gradients are final: the TP
-  gather, then the sum among the vendor's leaders (the reduce-scatter inside the vendor where
-  the holders span vendors, else the whole all-reduce), asynchronously. Only the exchange
-  across the bridge and what follows it (the all-gather back inside the vendor, the broadcast
-  in the TP group) wait for the last backward. (The TP gather to the stage leader stays: a TP
-  rank does not yet sum its own shard across vendors.) These buckets start in the rank's
-  bucket order (each once it and those before it are final), which every holder shares for
-  the buckets it holds (spec.buckets), whatever order its own backwards finish them in; the
-  sums are the same collectives as without overlap, so they are the same.
+  rank's vendor (the reduce-scatter inside the vendor where the class spans vendors, else the
+  whole all-reduce) starts during the backwards, once the bucket's gradients are final,
+  asynchronously. Only the exchange across the bridge and the all-gather back inside the
+  vendor wait for the last backward. These buckets start in the rank's bucket order (each once
+  it and those before it are final), which every holder shares for the buckets it holds
+  (spec.buckets), whatever order its own backwards finish them in; the sums are the same
+  collectives as without overlap, so they are the same.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hethub.comm import Communicator, Pending, SlicedSum
-from hethub.runtime.model import StageChunks, shard
+from hethub.runtime.model import StageChunks
 from hethub.runtime.optimizer import ShardedAdamW
 from hethub.runtime.precision import MasterWeights
-from hethub.runtime.process_groups import RankGroups
+from hethub.runtime.process_groups import RankGroups, SyncGroups
 from hethub.spec.buckets import SyncBucket
 from hethub.spec.parameters import Parameter
+from hethub.spec.slices import SyncClass
 
 Hook = Callable[[torch.Tensor], None]
 """A post-accumulate-grad hook."""
@@ -67,18 +70,17 @@ def sync_buckets(held: Sequence[SyncBucket], weights: MasterWeights) -> list[Buc
     ]
 
 
-class _Started(NamedTuple):
-    """A bucket synced through the stage leaders whose part inside the vendor was started
-    during the backwards."""
+class _ClassSum(NamedTuple):
+    """One class of a bucket's sum (spec.slices.sync_classes) as this rank runs it."""
 
     flat: torch.Tensor
-    """What is summed: the bucket's slice of the main gradients, or with TP its gathered full
-    gradients."""
-    fulls: list[torch.Tensor] | None
-    """With TP: the full gradients ``flat`` concatenates (None without TP)."""
+    """What is summed: the bucket's slice of the main gradients where the class covers all
+    this rank holds of it, else a copy of its parts."""
+    parts: list[torch.Tensor] | None
+    """Where ``flat`` was copied from, and where its sum goes back (None: summed in place)."""
+    groups: SyncGroups
     local: Pending | SlicedSum | None
-    """The leaders' sum inside the vendor, under way: across vendors, the sliced sum's
-    reduce-scatter (None off the leader, or where the set is this leader alone)."""
+    """The sum inside the vendor, started during the backwards (None: not started)."""
 
 
 class GradientSync:
@@ -103,14 +105,13 @@ class GradientSync:
         self.buckets, self.weights, self.comm = buckets, weights, comm
         self.groups, self.table = groups, table
         self.sharded = sharded
-        self.leads = comm.rank == groups.leader
         self.tp_rank = groups.tp.ranks.index(comm.rank)
         self.overlapped_buckets = 0  # of the last step: started during its backwards
         self._in_flight: dict[int, Pending] = {}  # bucket -> its overlapped sum, started
-        self._started: dict[int, _Started] = {}  # bucket -> its part inside the vendor, started
-        self._final: set[int] = set()  # buckets through the leaders, final, not yet started
-        self._next_through_leaders = 0  # of _through_leaders: the next to start
-        self._through_leaders = [i for i, bucket in enumerate(buckets) if not bucket.direct]
+        self._started: dict[int, list[_ClassSum]] = {}  # bucket -> its classes, started
+        self._final: set[int] = set()  # buckets summed in classes, final, not yet started
+        self._next_in_classes = 0  # of _in_classes: the next to start
+        self._in_classes = [i for i, bucket in enumerate(buckets) if not bucket.direct]
         self._waiting: dict[int, int] = {}  # bucket -> its gradients not yet final
         self._ready: list[list[tuple[nn.Parameter, Hook]]] = []  # per chunk: (param, its hook)
         self._armed: list[RemovableHandle] = []  # the hooks set for this step's last backwards
@@ -123,7 +124,7 @@ class GradientSync:
         self.weights.zero_grad()
         self._waiting = {index: len(bucket.params) for index, bucket in enumerate(self.buckets)}
         self._final.clear()
-        self._next_through_leaders = 0
+        self._next_in_classes = 0
 
     def arm(self, chunk: int) -> None:
         """Just before ``chunk``'s last backward of the step: the gradients that backward gives
@@ -146,8 +147,8 @@ class GradientSync:
             else:
                 started = self._started.pop(index, None)
                 if started is None:  # not overlapped: the whole sum from here
-                    started = self._start_through_leaders(index, bucket, overlapped=False)
-                self._finish_through_leaders(bucket, started)
+                    started = self._start_classes(index, bucket, overlapped=False)
+                self._finish_classes(started)
 
     def gather_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full-model tensor of parameter ``name`` from this stage's TP shards of it (a
@@ -167,60 +168,76 @@ class GradientSync:
             return self.comm.start_reduce_scatter(padded, self.groups.data, out)
         return self.comm.start_all_reduce(self.weights.bucket_grads(index), self.groups.data)
 
-    def _start_through_leaders(self, index: int, bucket: Bucket, *, overlapped: bool) -> _Started:
-        """Start one bucket's sum through the stage leaders, as far as it stays inside this
-        rank's vendor: with TP, gather the full gradients in the TP group into one buffer; then,
-        ``overlapped``, on the leader start the sum among its vendor's leaders of the holders
-        (all of it where they are of one vendor; where they span vendors, the reduce-scatter
-        of the sliced sum), asynchronously as a direct bucket's sum."""
-        if self.groups.tp.size == 1:
-            flat, fulls = self.weights.bucket_grads(index), None
-        else:
-            grads = [self.weights.grad(name) for name, _ in bucket.params]
-            fulls = [self.gather_full(name, g) for (name, _), g in zip(bucket.params, grads)]
-            flat = torch.cat([full.reshape(-1) for full in fulls])
-        local = None
-        if overlapped and self.leads:  # the other TP ranks only gather and receive
-            sync = self.groups.grad_sync[bucket.holders]
-            if sync.bridge is not None:
-                local = self.comm.start_sliced_all_reduce(flat, sync.local, sync.bridge)
-            elif sync.local.size > 1:
-                local = self.comm.start_all_reduce(flat, sync.local)
-        return _Started(flat, fulls, local)
+    def _start_classes(self, index: int, bucket: Bucket, *, overlapped: bool) -> list[_ClassSum]:
+        """Start one bucket's sum in its classes, as far as it stays inside this rank's vendor:
+        each class's share taken from the main gradients (copied where the class holds part of
+        what this rank does), then, ``overlapped``, the sum among its ranks of this vendor
+        started (all of it where the class is of one vendor; where it spans vendors, the
+        reduce-scatter of the sliced sum), asynchronously as a direct bucket's sum. Every
+        class's share is taken before any sum is written back: a tensor whole on every TP rank
+        is in each of this rank's classes, and each sums the gradient as the backwards left it."""
+        sums = []
+        for in_class in self.groups.grad_sync[bucket.holders]:
+            flat, parts = self._class_share(index, bucket, in_class.share)
+            groups, local = in_class.groups, None
+            if overlapped and groups.bridge is not None:
+                local = self.comm.start_sliced_all_reduce(flat, groups.local, groups.bridge)
+            elif overlapped and groups.local.size > 1:
+                local = self.comm.start_all_reduce(flat, groups.local)
+            sums.append(_ClassSum(flat, parts, groups, local))
+        return sums
 
-    def _finish_through_leaders(self, bucket: Bucket, started: _Started) -> None:
-        """The rest of one bucket's sum through the stage leaders (on a leader whose vendor's
-        part was not started, all of it): the exchange across vendors and the all-gather back
-        inside the vendor; with TP, the broadcast of the sum in the TP group, each rank keeping
-        its shards."""
-        flat = started.flat
-        if self.leads and started.local is None:
-            self._leaders_sum(flat, bucket.holders)
-        elif isinstance(started.local, SlicedSum):
-            self.comm.finish_sliced_all_reduce(started.local)
-        elif self.leads:
-            started.local.wait()
-        if started.fulls is None:
-            return
-        self.comm.broadcast(flat, self.groups.leader, self.groups.tp)
-        pieces = flat.split([full.numel() for full in started.fulls])
-        tp = self.groups.tp.size
-        for (name, _), piece, full in zip(bucket.params, pieces, started.fulls, strict=True):
-            grad = self.weights.grad(name)
-            grad.copy_(shard(self.table[name], piece.view_as(full), self.tp_rank, tp))
+    def _finish_classes(self, sums: list[_ClassSum]) -> None:
+        """The rest of one bucket's sum in its classes (of a class not started, all of it): the
+        exchange across vendors and the all-gather back inside the vendor; then each copied
+        share back into the main gradients."""
+        for summing in sums:
+            if summing.local is None:
+                self._class_sum(summing.flat, summing.groups)
+            elif isinstance(summing.local, SlicedSum):
+                self.comm.finish_sliced_all_reduce(summing.local)
+            else:
+                summing.local.wait()
+        for summing in sums:
+            if summing.parts is not None:
+                sizes = [part.numel() for part in summing.parts]
+                for part, summed in zip(summing.parts, summing.flat.split(sizes), strict=True):
+                    part.copy_(summed.view_as(part))
 
-    def _leaders_sum(self, flat: torch.Tensor, holders: tuple[int, ...]) -> None:
-        """Sum ``flat`` in place among the leaders of the stages ``holders``. Across vendors,
-        an overlapped sync sums as its started buckets do (start_sliced_all_reduce), whose
-        collectives every holder then runs whichever of its buckets it started."""
-        sync = self.groups.grad_sync[holders]
-        if sync.bridge is not None and self._ready:
-            started = self.comm.start_sliced_all_reduce(flat, sync.local, sync.bridge)
+    def _class_share(
+        self, index: int, bucket: Bucket, share: SyncClass
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """What this rank sums of bucket ``index`` in class ``share``: the bucket's slice of
+        the main gradients itself where the class covers every unit this rank holds, else a
+        copy of the parts it covers (each TP-split gradient narrowed along its split dimension
+        to the class's run, each whole one entire), in bucket order, and those parts."""
+        held = share.units // self.groups.tp.size  # units of each split dimension this rank holds
+        if share.stop - share.start == held:
+            return self.weights.bucket_grads(index), None
+        first = self.tp_rank * held
+        parts = []
+        for name, _ in bucket.params:
+            grad, dim = self.weights.grad(name), self.table[name].tp_dim
+            if dim is None:
+                parts.append(grad)
+                continue
+            unit = grad.shape[dim] // held
+            parts.append(
+                grad.narrow(dim, (share.start - first) * unit, (share.stop - share.start) * unit)
+            )
+        return torch.cat([part.reshape(-1) for part in parts]), parts
+
+    def _class_sum(self, flat: torch.Tensor, groups: SyncGroups) -> None:
+        """Sum ``flat`` in place among its class's ranks. Across vendors, an overlapped sync sums
+        as its started buckets do (start_sliced_all_reduce), whose collectives every rank of
+        the class then runs whichever of its buckets it started."""
+        if groups.bridge is not None and self._ready:
+            started = self.comm.start_sliced_all_reduce(flat, groups.local, groups.bridge)
             self.comm.finish_sliced_all_reduce(started)
-        elif sync.bridge is not None:
-            self.comm.sliced_all_reduce(flat, sync.local, sync.bridge)
+        elif groups.bridge is not None:
+            self.comm.sliced_all_reduce(flat, groups.local, groups.bridge)
         else:
-            self.comm.all_reduce(flat, sync.local)
+            self.comm.all_reduce(flat, groups.local)
 
     def _ready_hooks(self, stage: StageChunks) -> list[list[tuple[nn.Parameter, Hook]]]:
         """An overlapped sync: per chunk, the parameters in buckets (the stage's own, which
@@ -254,19 +271,19 @@ class GradientSync:
         return hook
 
     def _start_final(self) -> None:
-        """Start the buckets through the leaders that are final, in bucket order: up to the
+        """Start the buckets summed in classes that are final, in bucket order: up to the
         first that is not. A holder set's buckets, and holder sets sharing a vendor's group,
         then start in the same order on every holder, whatever order its backwards finish
         them in."""
-        order = self._through_leaders
-        while self._next_through_leaders < len(order):
-            index = order[self._next_through_leaders]
+        order = self._in_classes
+        while self._next_in_classes < len(order):
+            index = order[self._next_in_classes]
             if index not in self._final:
                 return
             self._final.discard(index)
             bucket = self.buckets[index]
-            self._started[index] = self._start_through_leaders(index, bucket, overlapped=True)
-            self._next_through_leaders += 1
+            self._started[index] = self._start_classes(index, bucket, overlapped=True)
+            self._next_in_classes += 1
 
     def _disarm(self) -> None:
         for handle in self._armed:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hethub.comm import Group, SlicedBridge, device_backend
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
-from hethub.spec.slices import bridge_slices, vendor_parts
+from hethub.spec.slices import SyncClass, bridge_slices, sync_classes, vendor_parts
 from hethub.spec.topology import Topology, parameter_holders
 
 BRIDGE_BACKEND = "gloo"  # every machine has it; it moves host memory between any two ranks
@@ -40,8 +40,8 @@ class Role(StrEnum):
     WORLD = "world"  # every rank: bootstrap, barriers, the bridge between vendors
     TENSOR = "tensor"  # the TP ranks of one stage
     PIPELINE = "pipeline"  # the TP ranks of two neighbouring stages: activations and gradients
-    GRAD_SYNC = "grad_sync"  # the leaders of every stage holding the same parameters (one vendor)
-    SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync set that spans vendors
+    GRAD_SYNC = "grad_sync"  # a class of a bucket's holders: a TP rank of each stage (one vendor)
+    SYNC_LOCAL = "sync_local"  # one vendor's part of a gradient-sync class that spans vendors
     SYNC_BRIDGE = "sync_bridge"  # a slice's owner on each vendor's part of such a set
     VENDOR = "vendor"  # every rank of one vendor, when the job spans several
     DATA = "data"  # a rank's data-parallel peers (Topology.data_parallel_peers), when used
@@ -100,18 +100,22 @@ def job_groups(
             len(topology.ranks[stages[0][0]].chunks) > 1 and not v_shaped
         ):  # interleaved: the last stage feeds the first
             add(Role.PIPELINE, stages[-1] + stages[0])
-    # A sync set inside one vendor all-reduces natively; one that spans vendors reduce-scatters
-    # inside each vendor natively and each slice crosses the bridge among its owners, one per
-    # vendor (spec.slices): as many bridge groups as slices, made once for the job.
+    # A bucket's holder stages sum it in classes, one TP rank of each stage in a class
+    # (spec.slices.sync_classes). A class inside one vendor all-reduces natively; one that spans
+    # vendors reduce-scatters inside each vendor natively and each slice crosses the bridge
+    # among its owners, one per vendor: as many bridge groups as slices, made once for the job.
     for leaders in sorted(set(parameter_holders(topology, model).values())):
-        parts = vendor_parts(leaders, vendors)
-        if len(parts) == 1:
-            add(Role.GRAD_SYNC, leaders)
+        if len(leaders) == 1:
             continue
-        for part in parts:
-            add(Role.SYNC_LOCAL, part)
-        for cut in bridge_slices(parts):
-            add(Role.SYNC_BRIDGE, cut.ranks)
+        for share in sync_classes([topology.tp_group(leader) for leader in leaders]):
+            parts = vendor_parts(share.ranks, vendors)
+            if len(parts) == 1:
+                add(Role.GRAD_SYNC, parts[0])
+                continue
+            for part in parts:
+                add(Role.SYNC_LOCAL, part)
+            for cut in bridge_slices(parts):
+                add(Role.SYNC_BRIDGE, cut.ranks)
     if data_parallel:
         for rank in world:
             add(Role.DATA, topology.data_parallel_peers(rank))
@@ -137,15 +141,23 @@ def blocks(world: int, size: int) -> list[tuple[int, ...]]:
 
 @dataclass(frozen=True, slots=True)
 class SyncGroups:
-    """A stage leader's groups for summing the gradients of one holder set (the leaders of every
-    stage holding the same parameters, topology.parameter_holders)."""
+    """A rank's groups for summing its share of a bucket with the other ranks of its class
+    (spec.slices.sync_classes: one TP rank of every stage holding the bucket)."""
 
     local: Group
-    """The set's leaders of this rank's vendor: the whole set when it has one vendor."""
+    """The class's ranks of this rank's vendor: the whole class when it has one vendor."""
     bridge: SlicedBridge | None = None
-    """When the set spans vendors (None when it has one): each vendor's part and the groups
+    """When the class spans vendors (None when it has one): each vendor's part and the groups
     its slices cross the bridge in (comm.Communicator.sliced_all_reduce), each group's handle
     on its own ranks only."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSync:
+    """One class of a bucket's sum that a rank is in: which share it sums, and with whom."""
+
+    share: SyncClass
+    groups: SyncGroups
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,9 +183,10 @@ class RankGroups:
     data: Group | None = None
     """This rank's data-parallel peers (Topology.data_parallel_peers), when the plan gives them a
     group of their own (a sharded optimizer, an overlapped sync) and there are several."""
-    grad_sync: Mapping[tuple[int, ...], SyncGroups] = field(default_factory=dict)
-    """On a stage leader: for each holder set it is in (the holders of a spec.buckets bucket),
-    the groups that sum its gradients."""
+    grad_sync: Mapping[tuple[int, ...], tuple[ClassSync, ...]] = field(default_factory=dict)
+    """For each holder set this rank's stage is in (the leaders of the stages holding a
+    spec.buckets bucket), the classes this rank sums its share of the bucket in and their
+    groups."""
     vendor: Group | None = None
     """Every rank of this rank's vendor, when the job spans several."""
 
@@ -204,7 +217,6 @@ def rank_groups(
 
     me = topology.ranks[rank]
     tp = group(Role.TENSOR, topology.tp_group(rank))
-    leads = rank == tp.ranks[0]
     stages = topology.replica_stages(me.replica)
     v_shaped = runs_a_v(topology, me.replica)
     interleaved = len(me.chunks) > 1 and not v_shaped  # the last stage feeds the first
@@ -226,10 +238,14 @@ def rank_groups(
     peers = topology.data_parallel_peers(rank)
     data = group(Role.DATA, peers) if data_parallel and len(peers) > 1 else None
     grad_sync = {}
-    if leads:
-        for holders in sorted(set(parameter_holders(topology, model).values())):
-            if len(holders) > 1 and rank in holders:
-                grad_sync[holders] = _sync_groups(holders, vendors, rank, group)
+    for holders in sorted(set(parameter_holders(topology, model).values())):
+        if len(holders) > 1 and tp.ranks[0] in holders:
+            stages = [topology.tp_group(leader) for leader in holders]
+            grad_sync[holders] = tuple(
+                ClassSync(share, _sync_groups(share.ranks, vendors, rank, group))
+                for share in sync_classes(stages)
+                if rank in share.ranks
+            )
     vendor = None
     if len(set(vendors)) > 1:
         vendor = group(
@@ -249,17 +265,17 @@ def rank_groups(
 
 
 def _sync_groups(
-    holders: tuple[int, ...],
+    ranks: tuple[int, ...],
     vendors: Sequence[str],
     rank: int,
     group: Callable[..., Group],
 ) -> SyncGroups:
-    """How leader ``rank`` sums gradients with the other ``holders``: one all-reduce among them
-    when they share a vendor, else sliced over every holder
+    """How ``rank`` sums its share of a bucket with the other ``ranks`` of its class: one
+    all-reduce among them when they share a vendor, else sliced over every one of them
     (comm.Communicator.sliced_all_reduce)."""
-    parts = vendor_parts(holders, vendors)
+    parts = vendor_parts(ranks, vendors)
     if len(parts) == 1:
-        return SyncGroups(group(Role.GRAD_SYNC, holders))
+        return SyncGroups(group(Role.GRAD_SYNC, parts[0]))
     local = next(part for part in parts if rank in part)
     slices = tuple(
         group(Role.SYNC_BRIDGE, cut.ranks, member=rank in cut.ranks) for cut in bridge_slices(parts)

@@ -29,7 +29,13 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import FP32_BYTES, MAIN_GRAD_BYTES, Plan
 from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence, stage_model_chunks
-from hethub.spec.slices import bridge_slices, padded_length, slice_units, vendor_parts
+from hethub.spec.slices import (
+    bridge_slices,
+    padded_length,
+    slice_units,
+    sync_classes,
+    vendor_parts,
+)
 from hethub.spec.topology import Topology
 
 NATIVE, BRIDGE = "native", "bridge"
@@ -253,8 +259,8 @@ class Transfer:
 
 
 def activation_bytes(plan: Plan, model: ModelSpec) -> int:
-    """One micro-batch's activation between two stages, whole, in the compute dtype: what a
-    stage leader sends (B, T, h), and what its gradient back weighs."""
+    """One micro-batch's activation between two stages, whole, in the compute dtype: the
+    message (B, T, h) a stage's TP ranks send in runs, and what its gradient back weighs."""
     return plan.micro_batch * model.seq_len * model.hidden * plan.precision.element_bytes
 
 
@@ -296,9 +302,7 @@ def rank_transfers(
     - the global gradient norm's all-reduce of one fp32 number over the world."""
     me = topology.ranks[rank]
     layout = plan.pipelines[me.pipeline]
-    tp = next(group for group in topology.tp_groups if rank in group)
-    leader = tp[0]
-    leads = rank == leader
+    tp = topology.tp_group(rank)
     done: list[Transfer] = []
 
     def add(kind: Kind, ranks: Sequence[int], nbytes: int, phase: Phase) -> None:
@@ -345,16 +349,16 @@ def rank_transfers(
             else:
                 add(Kind.ALL_REDUCE, peers, local * grad, Phase.GRAD_SYNC)
         else:
-            full = local
-            if me.tp > 1:
-                full = sum(math.prod(param.shape) for param in params)
-                for param in params:
-                    if param.tp_dim is not None:
-                        shard = math.prod(param.shard_shape(me.tp))
-                        add(Kind.ALL_GATHER, tp, shard * grad, Phase.GRAD_SYNC)
-            if leads:
-                done += _holders_sum(bucket.holders, vendors, rank, full * grad)
-            add(Kind.BROADCAST, tp, full * grad, Phase.GRAD_EXCHANGE)
+            stages = [topology.tp_group(leader) for leader in bucket.holders]
+            for share in sync_classes(stages):
+                if rank in share.ranks:
+                    numel = sum(
+                        math.prod(param.shape) * (share.stop - share.start) // share.units
+                        if param.tp_dim is not None
+                        else math.prod(param.shape)
+                        for param in params
+                    )
+                    done += _class_sum(share.ranks, vendors, rank, numel * grad)
         if sharded:
             piece = padded // shards * plan.precision.element_bytes
             add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
@@ -363,14 +367,14 @@ def rank_transfers(
     return done
 
 
-def _holders_sum(
-    holders: tuple[int, ...], vendors: Sequence[str], rank: int, nbytes: int
+def _class_sum(
+    ranks: tuple[int, ...], vendors: Sequence[str], rank: int, nbytes: int
 ) -> list[Transfer]:
-    """Leader ``rank``'s part in summing a bucket of ``nbytes`` (fp32 elements) over the
-    leaders ``holders`` (runtime.grad_sync, comm.Communicator.sliced_all_reduce)."""
-    parts = vendor_parts(holders, vendors)
+    """``rank``'s part in summing its share of a bucket, ``nbytes`` of fp32 elements, with the
+    other ``ranks`` of its class (runtime.grad_sync, comm.Communicator.sliced_all_reduce)."""
+    parts = vendor_parts(ranks, vendors)
     if len(parts) == 1:
-        return [Transfer(Kind.ALL_REDUCE, holders, nbytes, NATIVE, Phase.GRAD_EXCHANGE)]
+        return [Transfer(Kind.ALL_REDUCE, parts[0], nbytes, NATIVE, Phase.GRAD_EXCHANGE)]
     local = next(part for part in parts if rank in part)
     padded = padded_length(nbytes // MAIN_GRAD_BYTES, parts) * MAIN_GRAD_BYTES
     unit = padded // slice_units(parts)

@@ -9,6 +9,11 @@ lies inside exactly one piece of every vendor, so it crosses the bridge among th
 rank per vendor), and no rank carries more than its own piece: with k holders a vendor, 1/k of
 the tensor, where the funnel sent it all out of one rank. The tensor is padded to a multiple of
 the lowest common multiple of the holder counts, so that every boundary falls on an element.
+
+Before that, a bucket's holders are its stages' TP ranks, each holding its own shard of every
+TP-split tensor (``sync_classes``): each class of ranks, one from each holder stage, sums the
+shares they all hold, so no gradient is gathered to a stage leader, and between unlike TP
+degrees the classes follow the tensors' layout, not the TP rank.
 """
 
 from __future__ import annotations
@@ -59,3 +64,34 @@ def vendor_parts(ranks: Sequence[int], vendors: Sequence[str]) -> tuple[tuple[in
     for rank in sorted(ranks):
         parts.setdefault(vendors[rank], []).append(rank)
     return tuple(tuple(part) for part in parts.values())
+
+
+class SyncClass(NamedTuple):
+    """The part of a bucket one rank of each holder stage sums together: TP ranks hold unlike
+    shares of a TP-split tensor where the stages' TP degrees differ, so a bucket is summed in
+    classes, each among the ranks whose shares overlap on one run of every split dimension
+    (in units of 1 / ``units`` of it), and each rank sums only what it holds."""
+
+    start: int
+    stop: int
+    units: int
+    """The lowest common multiple of the holder stages' TP degrees."""
+    ranks: tuple[int, ...]
+    """The rank of each holder stage (in the stages' order) whose share covers [start, stop)."""
+
+
+def sync_classes(stages: Sequence[Sequence[int]]) -> tuple[SyncClass, ...]:
+    """The classes a bucket held by ``stages`` (each holder stage's TP ranks, in TP order) is
+    summed in, in the order of their runs. Stages of one TP degree t give t classes, rank i of
+    every stage in the i-th (each TP rank sums its own shard with its peers); TP 2 beside TP 1
+    gives two, the TP-1 rank in both. A tensor whole on every TP rank (a norm's weight) is
+    summed in every class a rank is in, so each TP rank gets the sum without a broadcast."""
+    units = math.lcm(*(len(stage) for stage in stages))
+    classes: list[SyncClass] = []
+    for unit in range(units):
+        ranks = tuple(stage[unit * len(stage) // units] for stage in stages)
+        if classes and classes[-1].ranks == ranks:  # each coordinate only grows with the unit
+            classes[-1] = classes[-1]._replace(stop=unit + 1)
+        else:
+            classes.append(SyncClass(unit, unit + 1, units, ranks))
+    return tuple(classes)
