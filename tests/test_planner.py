@@ -254,7 +254,12 @@ def test_plan_file_round_trip_gives_the_same_prediction(tmp_path, capsys):
     )
     assert load_plan(out).to_dict() == planned["plan"]
     assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == planned["prediction"]
+    predicted = json.loads(capsys.readouterr().out)
+    # predict also lists the step's traffic rank by rank, which the planner leaves out (seconds
+    # at thousands of ranks)
+    for key in ("comm_bytes", "comm_bytes_busiest_rank"):
+        assert set(predicted.pop(key)) == {"native", "bridge"}
+    assert predicted == planned["prediction"]
 
 
 def test_plan_prints_each_groups_share_of_the_upper_bound(tmp_path, capsys):
@@ -294,7 +299,12 @@ def test_seq_len_override_writes_the_model_beside_the_plan(tmp_path, capsys):
     planned = json.loads(capsys.readouterr().out)
     assert load_plan(out).model == "plan.model.yaml"
     assert main(["predict", "--cluster", cluster, "--plan", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == planned["prediction"]
+    predicted = json.loads(capsys.readouterr().out)
+    # predict also lists the step's traffic rank by rank, which the planner leaves out (seconds
+    # at thousands of ranks)
+    for key in ("comm_bytes", "comm_bytes_busiest_rank"):
+        assert set(predicted.pop(key)) == {"native", "bridge"}
+    assert predicted == planned["prediction"]
 
 
 def _error(capsys, argv) -> str:

@@ -14,7 +14,6 @@ from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by,
 from hethub.errors import HethubError
 from hethub.planner import Ranked, search, upper_bound
 from hethub.planner.above_bound import why_above
-from hethub.predictor.traffic import predicted_traffic
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
@@ -119,10 +118,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "plan": best.plan.to_dict(),
-                    "prediction": {
-                        **best.prediction.to_json(),
-                        **predicted_traffic(best.plan, cluster, model),
-                    },
+                    "prediction": best.prediction.to_json(),
                     "out": str(out),
                     "upper_bound": bound.to_json(),
                     "efficiency": efficiency,

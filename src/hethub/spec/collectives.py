@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hethub.errors import HethubError
-from hethub.spec.buckets import BUCKET_BYTES, rank_buckets
+from hethub.spec.buckets import BUCKET_BYTES, SyncBucket, rank_buckets
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.plan import FP32_BYTES, MAIN_GRAD_BYTES, Plan
 from hethub.spec.schedules import BACKWARD, FORWARD, Schedule, chunk_sequence, stage_model_chunks
 from hethub.spec.slices import (
+    BridgeSlice,
+    SyncClass,
     bridge_slices,
     padded_length,
     slice_units,
@@ -274,6 +276,17 @@ def layout_posts(
     return tuple(tuple(mine) for mine in posts)
 
 
+@functools.lru_cache(maxsize=1024)
+def _stage_buckets(
+    topology: Topology, model: ModelSpec, pipeline: int, stage: int, grouped: bool, cap: int
+) -> tuple[SyncBucket, ...]:
+    """spec.buckets.rank_buckets of every rank of stage ``stage`` of layout ``pipeline``: its
+    TP ranks and replicas hold the same parameters, with the same holders and peers' stages
+    (``grouped``: the peers have a group), so one rank's answer is all of theirs."""
+    first = next(r.rank for r in topology.ranks if (r.pipeline, r.stage) == (pipeline, stage))
+    return rank_buckets(topology, model, first, peers_have_a_group=grouped, cap=cap)
+
+
 def rank_transfers(
     plan: Plan,
     topology: Topology,
@@ -315,22 +328,18 @@ def rank_transfers(
         numel = activation_bytes(plan, model) // plan.precision.element_bytes
         element = plan.precision.element_bytes
         posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
+        # a stage posts to at most two neighbours, micro-batch after micro-batch: each post's
+        # transfers differ from its neighbour's others' only in their phase
+        made: dict[tuple[int, bool, Phase], list[Transfer]] = {}
         for post in posts[me.stage]:
             phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
-            peers = topology.stage_ranks(me.replica, post.peer)
-            if post.sends:
-                for piece in shard_pieces(numel, len(tp), len(peers)):
-                    if piece.sender == me.tp_rank:
-                        pair = (rank, peers[piece.receiver])
-                        add(Kind.SEND, pair, (piece.stop - piece.start) * element, phase)
-                continue
-            mine = [p for p in shard_pieces(numel, len(peers), len(tp)) if p.receiver == me.tp_rank]
-            for piece in mine:
-                pair = (peers[piece.sender], rank)
-                add(Kind.RECV, pair, (piece.stop - piece.start) * element, phase)
-            run = mine[-1].stop - mine[0].start
-            if run < numel:  # the stage all-gathers the runs
-                add(Kind.ALL_GATHER, tp, run * element, phase)
+            key = (post.peer, post.sends, phase)
+            if key not in made:
+                made[key] = _post_transfers(
+                    rank, tp, topology.stage_ranks(me.replica, post.peer), post.sends, numel,
+                    element, vendors, phase,
+                )  # fmt: skip
+            done += made[key]
 
     peers = topology.data_parallel_peers(rank)
     grouped = (plan.shard_optimizer or plan.overlap_grad_sync) and len(peers) > 1
@@ -338,7 +347,8 @@ def rank_transfers(
     shards = len(peers) if sharded else 1
     table = parameter_table(model)
     grad = MAIN_GRAD_BYTES
-    buckets = rank_buckets(topology, model, rank, peers_have_a_group=grouped, cap=cap)
+    buckets = _stage_buckets(topology, model, me.pipeline, me.stage, grouped, cap)
+    classes_of: dict[tuple[int, ...], list[_ClassPlace]] = {}
     for bucket in buckets:
         params = [table[name] for name in bucket.names]
         local = sum(math.prod(param.shard_shape(me.tp)) for param in params)
@@ -349,16 +359,22 @@ def rank_transfers(
             else:
                 add(Kind.ALL_REDUCE, peers, local * grad, Phase.GRAD_SYNC)
         else:
-            stages = [topology.tp_group(leader) for leader in bucket.holders]
-            for share in sync_classes(stages):
-                if rank in share.ranks:
-                    numel = sum(
-                        math.prod(param.shape) * (share.stop - share.start) // share.units
-                        if param.tp_dim is not None
-                        else math.prod(param.shape)
-                        for param in params
-                    )
-                    done += _class_sum(share.ranks, vendors, rank, numel * grad)
+            if bucket.holders not in classes_of:  # buckets share their holders: once each
+                stages = [topology.tp_group(leader) for leader in bucket.holders]
+                classes_of[bucket.holders] = [
+                    _ClassPlace.of(share, vendors, rank)
+                    for share in sync_classes(stages)
+                    if rank in share.ranks
+                ]
+            for place in classes_of[bucket.holders]:
+                share = place.share
+                numel = sum(
+                    math.prod(param.shape) * (share.stop - share.start) // share.units
+                    if param.tp_dim is not None
+                    else math.prod(param.shape)
+                    for param in params
+                )
+                done += place.transfers(numel * grad)
         if sharded:
             piece = padded // shards * plan.precision.element_bytes
             add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
@@ -367,28 +383,80 @@ def rank_transfers(
     return done
 
 
-def _class_sum(
-    ranks: tuple[int, ...], vendors: Sequence[str], rank: int, nbytes: int
+def _post_transfers(
+    rank: int,
+    tp: tuple[int, ...],
+    peers: tuple[int, ...],
+    sends: bool,
+    numel: int,
+    element: int,
+    vendors: Sequence[str],
+    phase: Phase,
 ) -> list[Transfer]:
-    """``rank``'s part in summing its share of a bucket, ``nbytes`` of fp32 elements, with the
-    other ``ranks`` of its class (runtime.grad_sync, comm.Communicator.sliced_all_reduce)."""
-    parts = vendor_parts(ranks, vendors)
-    if len(parts) == 1:
-        return [Transfer(Kind.ALL_REDUCE, parts[0], nbytes, NATIVE, Phase.GRAD_EXCHANGE)]
-    local = next(part for part in parts if rank in part)
-    padded = padded_length(nbytes // MAIN_GRAD_BYTES, parts) * MAIN_GRAD_BYTES
-    unit = padded // slice_units(parts)
-    done = []
-    if len(local) > 1:
-        done.append(Transfer(Kind.REDUCE_SCATTER, local, padded, NATIVE, Phase.GRAD_EXCHANGE))
-    for cut in bridge_slices(parts):
-        if rank in cut.ranks:
+    """``rank``'s transfers in one post of a message of ``numel`` elements of ``element``
+    bytes between its stage (``tp``: its TP ranks) and the stage of ``peers``: the sends of its
+    run's pieces, or the receipts of its run's and the stage's all-gather of the runs."""
+    me = tp.index(rank)
+
+    def transfer(kind: Kind, ranks: tuple[int, ...], nbytes: int) -> Transfer:
+        return Transfer(kind, ranks, nbytes, path_of(ranks, vendors), phase)
+
+    if sends:
+        return [
+            transfer(Kind.SEND, (rank, peers[p.receiver]), (p.stop - p.start) * element)
+            for p in shard_pieces(numel, len(tp), len(peers))
+            if p.sender == me
+        ]
+    mine = [p for p in shard_pieces(numel, len(peers), len(tp)) if p.receiver == me]
+    done = [
+        transfer(Kind.RECV, (peers[p.sender], rank), (p.stop - p.start) * element) for p in mine
+    ]
+    run = mine[-1].stop - mine[0].start
+    if run < numel:  # the stage all-gathers the runs
+        done.append(transfer(Kind.ALL_GATHER, tp, run * element))
+    return done
+
+
+@dataclass(frozen=True, slots=True)
+class _ClassPlace:
+    """Where one rank stands in one class of a bucket's sum (spec.slices.sync_classes): the
+    class's vendor parts and the bridge slices this rank owns, found once for all the buckets
+    of a holder set (at scale a class spans hundreds of ranks)."""
+
+    share: SyncClass
+    parts: tuple[tuple[int, ...], ...]
+    local: tuple[int, ...]
+    """This rank's vendor part."""
+    cuts: tuple[BridgeSlice, ...]
+    """The bridge slices this rank owns (none where the class has one vendor)."""
+
+    @classmethod
+    def of(cls, share: SyncClass, vendors: Sequence[str], rank: int) -> _ClassPlace:
+        parts = vendor_parts(share.ranks, vendors)
+        local = next(part for part in parts if rank in part)
+        cuts = () if len(parts) == 1 else bridge_slices(parts)
+        return cls(share, parts, local, tuple(cut for cut in cuts if rank in cut.ranks))
+
+    def transfers(self, nbytes: int) -> list[Transfer]:
+        """This rank's part in summing its share of a bucket, ``nbytes`` of fp32 elements, with
+        the rest of its class (runtime.grad_sync, comm.Communicator.sliced_all_reduce): one
+        all-reduce inside a vendor; across vendors a reduce-scatter inside this rank's vendor,
+        an all-reduce of each slice it owns over the bridge, an all-gather back."""
+        parts, local = self.parts, self.local
+        if len(parts) == 1:
+            return [Transfer(Kind.ALL_REDUCE, local, nbytes, NATIVE, Phase.GRAD_EXCHANGE)]
+        padded = padded_length(nbytes // MAIN_GRAD_BYTES, parts) * MAIN_GRAD_BYTES
+        unit = padded // slice_units(parts)
+        done = []
+        if len(local) > 1:
+            done.append(Transfer(Kind.REDUCE_SCATTER, local, padded, NATIVE, Phase.GRAD_EXCHANGE))
+        for cut in self.cuts:
             size = (cut.stop - cut.start) * unit
             done.append(Transfer(Kind.ALL_REDUCE, cut.ranks, size, BRIDGE, Phase.GRAD_EXCHANGE))
-    if len(local) > 1:
-        piece = padded // len(local)
-        done.append(Transfer(Kind.ALL_GATHER, local, piece, NATIVE, Phase.GRAD_EXCHANGE))
-    return done
+        if len(local) > 1:
+            piece = padded // len(local)
+            done.append(Transfer(Kind.ALL_GATHER, local, piece, NATIVE, Phase.GRAD_EXCHANGE))
+        return done
 
 
 def comm_bytes(transfers: Sequence[Transfer]) -> dict[str, int]:

@@ -18,6 +18,7 @@ degrees the classes follow the tensors' layout, not the TP rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from itertools import pairwise
@@ -43,6 +44,12 @@ def bridge_slices(parts: Sequence[Sequence[int]]) -> tuple[BridgeSlice, ...]:
     """The slices of a tensor held by ``parts`` (each vendor's holders, in their order), in
     the tensor's order: at most the total holder count, less one per vendor after the first.
     Vendors of 2 and 3 holders give 4 slices, of 1/3, 1/6, 1/6 and 1/3."""
+    return _bridge_slices(tuple(tuple(part) for part in parts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _bridge_slices(parts: tuple[tuple[int, ...], ...]) -> tuple[BridgeSlice, ...]:
+    """bridge_slices, made once per holder set (every rank of a class asks)."""
     units = slice_units(parts)
     cuts = sorted({i * units // len(part) for part in parts for i in range(len(part))} | {units})
     return tuple(
@@ -86,6 +93,12 @@ def sync_classes(stages: Sequence[Sequence[int]]) -> tuple[SyncClass, ...]:
     every stage in the i-th (each TP rank sums its own shard with its peers); TP 2 beside TP 1
     gives two, the TP-1 rank in both. A tensor whole on every TP rank (a norm's weight) is
     summed in every class a rank is in, so each TP rank gets the sum without a broadcast."""
+    return _sync_classes(tuple(tuple(stage) for stage in stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sync_classes(stages: tuple[tuple[int, ...], ...]) -> tuple[SyncClass, ...]:
+    """sync_classes, made once per holder set."""
     units = math.lcm(*(len(stage) for stage in stages))
     classes: list[SyncClass] = []
     for unit in range(units):
