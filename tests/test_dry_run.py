@@ -24,7 +24,14 @@ from hethub.runtime.dry_run import (
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
 from hethub.spec import check_plan, load_cluster, load_model, load_plan
-from hethub.spec.collectives import Post, stage_posts, walk_messages
+from hethub.spec.collectives import (
+    Kind,
+    Post,
+    check_agreement,
+    rank_transfers,
+    stage_posts,
+    walk_messages,
+)
 from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
 from hethub.spec.topology import build_topology
 
@@ -82,6 +89,7 @@ def test_a_small_plan_dry_runs_and_reports_every_stage(files, capsys):
         assert stage["memory_gb"] == pytest.approx(stage["predicted_memory_gb"], rel=0.05)
     # Two pipelines of 2 stages, 4 micro-batches: one activation and one gradient each.
     assert report["messages"] == 2 * 2 * 4
+    assert report["collectives"] > 0
 
 
 def test_the_text_report_has_a_line_per_stage(files, capsys):
@@ -89,7 +97,8 @@ def test_the_text_report_has_a_line_per_stage(files, capsys):
     assert main(["train", "--cluster", cluster, "--plan", plan, "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5 and all(line.endswith(", ok") for line in lines[:4])
-    assert lines[-1] == "dry run: 6 ranks built, 16 messages a step matched"
+    assert lines[-1].startswith("dry run: 6 ranks built, 16 messages a step matched, ")
+    assert lines[-1].endswith(" collectives agreed by their ranks")
 
 
 def test_a_dry_run_needs_a_plan(files, capsys):
@@ -222,3 +231,44 @@ def test_a_built_rank_leaves_nothing_behind_for_the_next(files):
         assert state.weights > 0
     del groups
     assert alive() == before
+
+
+def _transfers(files):
+    """Every rank's transfers of one step of the two-vendor plan (TP 2 beside TP 1)."""
+    cluster_path, plan_path = files()
+    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
+    model = load_model(plan.model, relative_to=Path(plan_path).parent)
+    topology = build_topology(plan, cluster)
+    vendors = topology.vendors(cluster)
+    return {
+        rank: rank_transfers(plan, topology, model, vendors, rank, grad_norm=True)
+        for rank in range(topology.world_size)
+    }
+
+
+def test_the_ranks_agree_on_every_collective_and_a_broken_plan_of_them_is_refused(files):
+    transfers = _transfers(files)
+    assert check_agreement(transfers.items()) > 0
+    # the TP-1 amd rank 4 sums each half of a bucket with one of nv's TP ranks (classes),
+    # then the gradient norm with every rank
+    rank = 4
+    mine = transfers[rank]
+    sums = [i for i, t in enumerate(mine) if t.kind is Kind.ALL_REDUCE and len(t.ranks) == 2]
+    first = mine[sums[0]]
+    # the norm first: its class partner waits in the class sum, rank 4 in the norm (deadlock)
+    norm_first = [mine[-1], *mine[:-1]]
+    with pytest.raises(HethubError, match="waits forever"):
+        check_agreement({**transfers, rank: norm_first}.items())
+    # a bucket padded otherwise on one rank: the same order, another size
+    resized = list(mine)
+    resized[sums[0]] = dataclasses.replace(first, nbytes=first.nbytes + 4)
+    with pytest.raises(HethubError, match="in one order and size"):
+        check_agreement({**transfers, rank: resized}.items())
+    # a rank that leaves a class's sums out
+    without = [t for t in mine if t.ranks != first.ranks]
+    with pytest.raises(HethubError, match=f"rank {rank} (never reaches it|waits in another)"):
+        check_agreement({**transfers, rank: without}.items())
+    receiver = next(r for r, ts in transfers.items() if any(t.kind is Kind.RECV for t in ts))
+    deaf = [t for t in transfers[receiver] if t.kind is not Kind.RECV]
+    with pytest.raises(HethubError, match="every send needs its receive"):
+        check_agreement({**transfers, receiver: deaf}.items())

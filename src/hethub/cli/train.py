@@ -147,7 +147,8 @@ def _dry_run(args: argparse.Namespace) -> int:
         )
     print(
         f"dry run: {plural(result.ranks, 'rank')} built, "
-        f"{plural(result.messages, 'message')} a step matched"
+        f"{plural(result.messages, 'message')} a step matched, "
+        f"{plural(result.collectives, 'collective')} agreed by their ranks"
     )
     return 0
 

@@ -28,13 +28,15 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.spec.collectives import Kind, ring_steps
 from hethub.spec.layer_ops import Kernels, trainer_bytes
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
-REDUCE_SCATTER_SHARE = 0.5
-"""A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps."""
+REDUCE_SCATTER_SHARE = ring_steps(Kind.REDUCE_SCATTER, 2) / ring_steps(Kind.ALL_REDUCE, 2)
+"""A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps (the
+ring factors of spec.collectives, which the runtime counts by)."""
 
 
 class StageShape(NamedTuple):
@@ -366,7 +368,7 @@ class ProfiledPricing(AnalyticPricing):
 def all_gather_share(precision: Precision) -> float:
     """A sharded optimizer's all-gather of the updated weights (in the training dtype) over the
     all-reduce of the fp32 gradients it replaces: half the steps, of weight-sized elements."""
-    return precision.weight_bytes / (2 * precision.main_grad_bytes)
+    return REDUCE_SCATTER_SHARE * precision.weight_bytes / precision.main_grad_bytes
 
 
 def _at_speed(group: DeviceGroup, times: StageTimes) -> StageTimes:

@@ -58,7 +58,7 @@ from hethub.runtime.process_groups import (
 )
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import stage_posts, walk_messages
+from hethub.spec.collectives import check_agreement, rank_transfers, stage_posts, walk_messages
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
 from hethub.spec.schedules import chunk_sequence, stage_model_chunks
@@ -114,11 +114,14 @@ class StageReport:
 
 @dataclass(frozen=True, slots=True)
 class DryRun:
-    """What a dry run found: every stage, and the point-to-point messages of one step."""
+    """What a dry run found: every stage, the point-to-point messages of one step, and its
+    collectives, each checked."""
 
     ranks: int
     stages: list[StageReport]
     messages: int
+    collectives: int = 0
+    """The step's collectives in the plan of transfers, every group's agreed by its ranks."""
 
     def to_json(self) -> dict:
         """The object ``hethub train --dry-run --json`` prints."""
@@ -139,6 +142,7 @@ class DryRun:
                 for s in self.stages
             ],
             "messages": self.messages,
+            "collectives": self.collectives,
         }
 
 
@@ -269,13 +273,19 @@ def dry_run(
     predicted: Sequence,
     progress=None,
 ) -> DryRun:
-    """Every rank of ``plan`` built in this process, one after another, its memory against
-    ``predicted`` (predictor.predict's stages, StagePrediction); then the schedule's messages
-    checked. ``progress(rank)``, if given, is called before each rank. Raises HethubError
-    naming the rank and the rule on a rank over its device's memory, a mismatched send or a
-    deadlock."""
+    """The schedule's messages checked, and every rank's transfers in the plan of a step's
+    traffic (spec.collectives.check_agreement: each group's collectives in one order and size
+    on all its ranks); then every rank of ``plan`` built in this process, one after another,
+    its memory against ``predicted`` (predictor.predict's stages, StagePrediction).
+    ``progress(rank)``, if given, is called before each rank. Raises HethubError naming the
+    rank and the rule on a rank over its device's memory, a mismatched send, a deadlock or a
+    collective its ranks disagree on."""
     messages = check_schedules(plan, topology)
     vendors = topology.vendors(cluster)
+    collectives = check_agreement(
+        (rank, rank_transfers(plan, topology, model, vendors, rank, grad_norm=True))
+        for rank in range(topology.world_size)
+    )
     data_parallel = plan.shard_optimizer or plan.overlap_grad_sync
     by_stage = {(p.pipeline, p.position): p for p in predicted}
     own = member_groups(job_groups(topology, model, vendors, vendors, data_parallel))
@@ -311,4 +321,4 @@ def dry_run(
                 f"{report.predicted_schedule_gb:.1f} GB predicted above it) on a device of "
                 f"{report.device_gb:g} GB: a rank must fit its device's memory"
             )
-    return DryRun(topology.world_size, list(reports.values()), messages)
+    return DryRun(topology.world_size, list(reports.values()), messages, collectives)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -481,3 +481,86 @@ def step_comm_bytes(
             total[path] += moved
             busiest[path] = max(busiest[path], moved)
     return total, busiest
+
+
+def check_agreement(transfers_of: Iterable[tuple[int, Sequence[Transfer]]]) -> int:
+    """Check that the ranks' transfers of one step (``transfers_of``: every rank with its
+    rank_transfers, in the order it runs them) fit together, as walk_messages does for the
+    schedule's messages: each collective blocks until every rank of its group reaches it, so
+    the collectives are run until none can proceed; ranks meeting in a collective must agree on
+    its kind and size, and every rank must finish. Every message sent must be received once,
+    with the same bytes. Returns the step's collectives (each counted once); raises
+    HethubError naming a rank and the rule otherwise: a collective reached in another order,
+    or with another size, hangs a real job or sums the wrong elements."""
+    queues: dict[int, list[Transfer]] = {}
+    messages: Counter = Counter()
+    for rank, transfers in transfers_of:
+        queues[rank] = []
+        for t in transfers:
+            if t.kind is Kind.SEND:
+                messages[(t.ranks, t.nbytes, t.phase)] += 1
+            elif t.kind is Kind.RECV:
+                messages[(t.ranks, t.nbytes, t.phase)] -= 1
+            else:
+                queues[rank].append(t)
+    at = dict.fromkeys(queues, 0)
+    waiting: dict[tuple[int, ...], list[int]] = {}  # group -> its ranks there, at its collective
+    ready: deque = deque()
+
+    def arrive(rank: int) -> None:
+        if at[rank] < len(queues[rank]):
+            group = queues[rank][at[rank]].ranks
+            there = waiting.setdefault(group, [])
+            there.append(rank)
+            if len(there) == len(group):
+                ready.append(group)
+
+    for rank in queues:
+        arrive(rank)
+    collectives = 0
+    while ready:
+        group = ready.popleft()
+        there = waiting.pop(group)
+        runs = [queues[rank][at[rank]] for rank in there]
+        for rank, run in zip(there[1:], runs[1:]):
+            if (run.kind, run.nbytes) != (runs[0].kind, runs[0].nbytes):
+                raise HethubError(
+                    f"ranks {there[0]} and {rank} meet in group {_said_ranks(group)} with a "
+                    f"{runs[0].kind} of {runs[0].nbytes} bytes and a {run.kind} of {run.nbytes}: "
+                    "the ranks of a group run its collectives in one order and size"
+                )
+        collectives += 1
+        for rank in there:
+            at[rank] += 1
+            arrive(rank)
+    for rank, mine in queues.items():
+        if at[rank] < len(mine):
+            run = mine[at[rank]]
+            there = waiting.get(run.ranks, [])
+            absent = next(r for r in run.ranks if r not in there)
+            elsewhere = (
+                f"waits in another collective ({queues[absent][at[absent]].phase} among ranks "
+                f"{_said_ranks(queues[absent][at[absent]].ranks)})"
+                if absent in queues and at[absent] < len(queues[absent])
+                else "never reaches it"
+            )
+            raise HethubError(
+                f"rank {rank} waits forever in the {run.kind} of {run.phase} among ranks "
+                f"{_said_ranks(run.ranks)}: rank {absent} {elsewhere}; every rank of a group "
+                "reaches its collectives in one order (deadlock)"
+            )
+    for (pair, nbytes, phase), unmatched in messages.items():
+        if unmatched:
+            sender, receiver = pair
+            side = "sends" if unmatched > 0 else "receives"
+            raise HethubError(
+                f"rank {sender} {side} {abs(unmatched)} more {phase} message(s) of {nbytes} "
+                f"bytes to rank {receiver} than rank {receiver} takes: every send needs its "
+                "receive"
+            )
+    return collectives
+
+
+def _said_ranks(ranks: tuple[int, ...]) -> str:
+    """A group's ranks, shortened where it spans many."""
+    return str(ranks) if len(ranks) <= 8 else f"({ranks[0]}, {ranks[1]}, ..., {ranks[-1]})"
