@@ -379,8 +379,14 @@ def rank_transfers(
             piece = padded // shards * plan.precision.element_bytes
             add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
     if grad_norm:
-        add(Kind.ALL_REDUCE, range(topology.world_size), FP32_BYTES, Phase.GRAD_NORM)
+        add(Kind.ALL_REDUCE, _world(topology.world_size), FP32_BYTES, Phase.GRAD_NORM)
     return done
+
+
+@functools.lru_cache(maxsize=8)
+def _world(size: int) -> tuple[int, ...]:
+    """Every rank, one tuple shared by every rank's transfers (a dry run holds them all)."""
+    return tuple(range(size))
 
 
 def _post_transfers(
