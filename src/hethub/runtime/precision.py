@@ -206,8 +206,18 @@ class MasterWeights:
         (``_flush``). Every parameter of a chunk takes a gradient in each of its backwards, so
         one parameter's hook, which runs once in each, queues the flush to run when the
         backward has given all of them."""
-        for c, slots in enumerate(self._slots):
+        self._hooks = [
             slots[0].param.register_post_accumulate_grad_hook(self._flush_hook(c))
+            for c, slots in enumerate(self._slots)
+        ]
+
+    def remove_hooks(self) -> None:
+        """Take the flush hooks off the stage's parameters. Each hook holds this object, which
+        holds the parameters: a loop through torch's C++ tensor that Python's collector never
+        finds, so a stage built and dropped (the dry run builds one per rank) would stay."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _flush_hook(self, chunk: int):
         def hook(_: torch.Tensor) -> None:
