@@ -143,14 +143,7 @@ def prepare(
         run.write_text(run.cluster, cluster_path.read_text())
         write_plan(run, plan, model)
         run.write_settings(settings)
-        _write_prediction(
-            run,
-            prediction,
-            predicted_traffic(plan, cluster, model),
-            basis,
-            cluster,
-            provenance(plan, cluster, model, profiles),
-        )
+        _write_prediction(run, prediction, basis, plan, cluster, model, profiles)
     else:
         run = RunDir(args.run_dir or Path("runs") / name)
     return Job(
@@ -210,14 +203,7 @@ def _prepare_resume(
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
-        _write_prediction(
-            run,
-            prediction,
-            predicted_traffic(plan, cluster, model),
-            basis,
-            cluster,
-            provenance(plan, cluster, model, profiles),
-        )
+        _write_prediction(run, prediction, basis, plan, cluster, model, profiles)
     return Job(
         run=run,
         settings=settings,
@@ -656,23 +642,24 @@ def plan_files(plan: Plan, model: ModelSpec) -> dict[str, str]:
 def _write_prediction(
     run: RunDir,
     prediction: Prediction,
-    traffic: dict,
     basis: str,
+    plan: Plan,
     cluster: ClusterSpec,
-    profiles: dict | None,
+    model: ModelSpec,
+    profiles: Profiles | None,
 ) -> None:
-    """prediction.json: the prediction, a step's bytes on each path (``traffic``:
-    predictor.traffic), what it rests on (``basis``, and ``profiles``: where and when they were
-    measured, hethub.profiles.provenance) and its timeline."""
+    """prediction.json: the prediction of ``plan``, a step's bytes on each path
+    (predictor.traffic), what it rests on (``basis``, and the ``profiles``' provenance: where and
+    when they were measured, hethub.profiles.provenance) and its timeline."""
     emulated = cluster.emulated
     run.write_json(
         run.prediction,
         {
             **prediction.to_json(),
-            **traffic,
+            **predicted_traffic(plan, cluster, model),
             "basis": basis,
             "emulated": emulated,
-            "profiles": profiles,
+            "profiles": provenance(plan, cluster, model, profiles),
             "timeline": [event.to_dict() for event in prediction.timeline],
         },
     )
