@@ -167,13 +167,18 @@ def test_a_rank_over_its_devices_memory_exits_2(files, tmp_path, capsys):
     assert "memory" in err
 
 
-def test_each_rank_creates_only_its_groups_and_holds_what_creating_all_of_them_gives(files):
+def _job(files):
+    """The two-vendor plan of ``files`` loaded: plan, cluster, model, topology, vendors."""
     cluster_path, plan_path = files()
     cluster, plan = load_cluster(cluster_path), load_plan(plan_path)
     model = load_model(plan.model, relative_to=Path(plan_path).parent)
-    check_plan(plan, cluster, model)
     topology = build_topology(plan, cluster)
-    vendors = topology.vendors(cluster)
+    return plan, cluster, model, topology, topology.vendors(cluster)
+
+
+def test_each_rank_creates_only_its_groups_and_holds_what_creating_all_of_them_gives(files):
+    plan, cluster, model, topology, vendors = _job(files)
+    check_plan(plan, cluster, model)
     specs = job_groups(topology, model, vendors, vendors, data_parallel=True)
     own = member_groups(specs)
     faked = [dataclasses.replace(s, backend=FAKE_BACKEND) for s in specs]
@@ -212,11 +217,7 @@ def test_each_rank_creates_only_its_groups_and_holds_what_creating_all_of_them_g
 def test_a_built_rank_leaves_nothing_behind_for_the_next(files):
     # Each rank's stage, buffers and optimizer must go when it is done: the dry run's memory is
     # one rank's, not the job's (a 4,088-rank plan otherwise grows by 1.2 GB).
-    cluster_path, plan_path = files()
-    cluster, plan = load_cluster(cluster_path), load_plan(plan_path)
-    model = load_model(plan.model, relative_to=Path(plan_path).parent)
-    topology = build_topology(plan, cluster)
-    vendors = topology.vendors(cluster)
+    plan, _, model, topology, vendors = _job(files)
     own = member_groups(job_groups(topology, model, vendors, vendors))
 
     def alive() -> int:
@@ -235,11 +236,7 @@ def test_a_built_rank_leaves_nothing_behind_for_the_next(files):
 
 def _transfers(files):
     """Every rank's transfers of one step of the two-vendor plan (TP 2 beside TP 1)."""
-    cluster_path, plan_path = files()
-    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
-    model = load_model(plan.model, relative_to=Path(plan_path).parent)
-    topology = build_topology(plan, cluster)
-    vendors = topology.vendors(cluster)
+    plan, _, model, topology, vendors = _job(files)
     return {
         rank: rank_transfers(plan, topology, model, vendors, rank, grad_norm=True)
         for rank in range(topology.world_size)

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_profile import link_profile
 
 from hethub.comm import BRIDGE, NATIVE, Communicator
 from hethub.predictor.calibration import default_calibration
 from hethub.predictor.pricing import AnalyticPricing, Boundary
-from hethub.predictor.profiled import send_times, shard_degrees
-from hethub.profiles.store import LinkProfile
+from hethub.predictor.profiled import send_times
 from hethub.runtime.p2p import StageLinks
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
-from hethub.spec.collectives import Piece, shard_pieces
+from hethub.spec.collectives import Piece, shard_degrees, shard_pieces
 from hethub.spec.plan import Precision
 from hethub.spec.topology import build_topology
 
@@ -158,17 +158,7 @@ def test_the_analytic_pricing_prices_half_the_message_and_the_receivers_gather()
 
 
 def test_the_profiled_pricing_prices_the_shards_then_the_all_gather() -> None:
-    fit = (1e-4, 1e9)
-    link = LinkProfile(
-        device="cpu",
-        concurrent_ranks=2,
-        p2p_latency_s=5e-5,
-        p2p_bytes_per_s=2e9,
-        allreduce={2: fit},
-        broadcast={2: fit},
-        allgather={2: fit},
-        measured_at="2025-01-01",
-    )
+    link = link_profile()  # all-gathers measured over 2 ranks only
     numel, element = 250_000, 4
     nbytes = numel * element
     sent = send_times(link, numel, element, 2, 2)

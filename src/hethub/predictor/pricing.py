@@ -28,7 +28,7 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
-from hethub.spec.collectives import Kind, ring_steps
+from hethub.spec.collectives import Kind, message_elements, ring_steps, shard_degrees
 from hethub.spec.layer_ops import Kernels, trainer_bytes
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -168,9 +168,9 @@ class AnalyticPricing(Pricing):
         spec.collectives.shard_pieces), then the receiving stage's all-gather of the runs:
         the next stage's for an activation, this one's for its gradient back."""
         b, cal = boundary, self.calibration
-        numel = b.micro_batch * b.model.seq_len * b.model.hidden
+        numel = message_elements(b.micro_batch, b.model)
         nbytes = numel * b.precision.element_bytes
-        sender, receiver = profiled.shard_degrees(numel, b.tp_sender, b.tp_receiver)
+        sender, receiver = shard_degrees(numel, b.tp_sender, b.tp_receiver)
         message = _send_time(nbytes / min(sender, receiver), b, cal)
         forward = comm.group_all_gather_time(nbytes, receiver, b.receiver, cal)
         backward = comm.group_all_gather_time(nbytes, sender, b.sender, cal)
@@ -508,7 +508,7 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
     where the vendors differ) and each stage's all-gather of them from its own kind's link
     profile; else on one kind of accelerator, its link profile (one machine's processes)."""
     b = boundary
-    numel = b.micro_batch * b.model.seq_len * b.model.hidden
+    numel = message_elements(b.micro_batch, b.model)
     element = profiles.bytes_per_element
     kind_a, kind_b = b.sender.accelerator.name, b.receiver.accelerator.name
     between = profiles.link_between(kind_a, kind_b) if b.across_nodes else None

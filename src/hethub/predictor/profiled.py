@@ -31,7 +31,7 @@ from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTim
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import Kind, Phase, rank_transfers, runs
+from hethub.spec.collectives import Kind, Phase, rank_transfers, shard_degrees
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.topology import Topology, build_topology, parameter_holders
@@ -117,13 +117,6 @@ def cross_send_times(
     if forward is None or backward is None:
         return None
     return SendTimes(message + forward, message + backward)
-
-
-def shard_degrees(numel: int, tp_sender: int, tp_receiver: int) -> tuple[int, int]:
-    """How many runs each end of a boundary cuts a message of ``numel`` elements in
-    (spec.collectives.runs): its TP degree, or 1 where the message does not divide among
-    them."""
-    return len(runs(numel, tp_sender)), len(runs(numel, tp_receiver))
 
 
 def _all_gather(link: LinkProfile | None, nbytes: float, ranks: int) -> float | None:

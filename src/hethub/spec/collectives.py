@@ -111,6 +111,12 @@ def runs(numel: int, ranks: int) -> list[tuple[int, int]]:
     return [(i * size, (i + 1) * size) for i in range(ranks)]
 
 
+def shard_degrees(numel: int, tp_sender: int, tp_receiver: int) -> tuple[int, int]:
+    """How many runs each end of a boundary cuts a message of ``numel`` elements in (runs): its
+    TP degree, or 1 where the message does not divide among its ranks."""
+    return len(runs(numel, tp_sender)), len(runs(numel, tp_receiver))
+
+
 def shard_pieces(numel: int, senders: int, receivers: int) -> list[Piece]:
     """The pieces a message of ``numel`` elements goes in from a stage of ``senders`` TP ranks
     to one of ``receivers`` (runtime.p2p), in the order each receiver takes them: each
@@ -260,10 +266,11 @@ class Transfer:
         return moved_bytes(self.kind, self.nbytes, len(self.ranks))
 
 
-def activation_bytes(plan: Plan, model: ModelSpec) -> int:
-    """One micro-batch's activation between two stages, whole, in the compute dtype: the
-    message (B, T, h) a stage's TP ranks send in runs, and what its gradient back weighs."""
-    return plan.micro_batch * model.seq_len * model.hidden * plan.precision.element_bytes
+def message_elements(micro_batch: int, model: ModelSpec) -> int:
+    """The elements of one micro-batch's message between two stages, whole: an activation
+    (B, T, h), which a stage's TP ranks send in runs, or its gradient back. The runtime's
+    message, this list's and both pricings' (predictor.pricing)."""
+    return micro_batch * model.seq_len * model.hidden
 
 
 @functools.lru_cache(maxsize=256)
@@ -306,11 +313,10 @@ def rank_transfers(
       overlap it (shard_pieces, runtime.p2p), and the receiving stage all-gathers the runs;
     - the gradient sync, bucket by bucket (spec.buckets, runtime.grad_sync): a direct bucket
       summed among the data-parallel peers in one collective (a reduce-scatter of the padded
-      bucket for a sharded optimizer, else an all-reduce); any other gathered in the TP group
-      (each TP-split gradient's shard), summed by the holders' leaders (one all-reduce inside
-      a vendor; across vendors reduce-scattered inside each vendor, each slice all-reduced
-      among its owners over the bridge and all-gathered back, spec.slices), and broadcast
-      back in the TP group;
+      bucket for a sharded optimizer, else an all-reduce); any other summed in its classes
+      (spec.slices.sync_classes), each rank its share with one TP rank of every other holder
+      stage: one all-reduce inside a vendor; across vendors reduce-scattered inside each
+      vendor, each slice all-reduced among its owners over the bridge and all-gathered back;
     - a sharded optimizer's all-gather of each bucket's updated weights, in the compute dtype;
     - the global gradient norm's all-reduce of one fp32 number over the world."""
     me = topology.ranks[rank]
@@ -325,7 +331,7 @@ def rank_transfers(
 
     stages = len(layout.stages)
     if stages > 1:
-        numel = activation_bytes(plan, model) // plan.precision.element_bytes
+        numel = message_elements(plan.micro_batch, model)
         element = plan.precision.element_bytes
         posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
         # a stage posts to at most two neighbours, micro-batch after micro-batch: each post's
@@ -360,21 +366,21 @@ def rank_transfers(
                 add(Kind.ALL_REDUCE, peers, local * grad, Phase.GRAD_SYNC)
         else:
             if bucket.holders not in classes_of:  # buckets share their holders: once each
-                stages = [topology.tp_group(leader) for leader in bucket.holders]
+                holder_stages = [topology.tp_group(leader) for leader in bucket.holders]
                 classes_of[bucket.holders] = [
                     _ClassPlace.of(share, vendors, rank)
-                    for share in sync_classes(stages)
+                    for share in sync_classes(holder_stages)
                     if rank in share.ranks
                 ]
             for place in classes_of[bucket.holders]:
                 share = place.share
-                numel = sum(
+                shared = sum(
                     math.prod(param.shape) * (share.stop - share.start) // share.units
                     if param.tp_dim is not None
                     else math.prod(param.shape)
                     for param in params
                 )
-                done += place.transfers(numel * grad)
+                done += place.transfers(shared * grad)
         if sharded:
             piece = padded // shards * plan.precision.element_bytes
             add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
