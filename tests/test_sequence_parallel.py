@@ -1,9 +1,12 @@
 """Sequence parallelism (plan field ``sequence_parallel``) run by the runtime against the
 single-process reference (tests/test_engine.py's check: fp32 first-step gradients with
-assert_close and the losses within 1e-5; bf16 within its rounding tolerance), at TP 2 on one
-stage across vendors (the shard split at a stage's input, and gathered at its output) and at
-TP 4 with two sequences a micro-batch (the embedding reduce-scattered, the final norm on the
-shard, GPT's position embedding, row-parallel biases and tied head); and its plan rule."""
+assert_close and the losses within 1e-5; bf16 within its rounding tolerance; and every rank's
+bytes, path by path, those of spec.collectives' plan of transfers), at TP 2 on one stage across
+vendors (a stage of TP 1 beside it: its whole sequence re-cut into the shards, and back), at
+TP 2 on both sides of a boundary (each rank's shard to its peer, nothing gathered), at unlike
+degrees with two sequences a micro-batch (strided pieces), and at TP 4 with two sequences a
+micro-batch (the embedding reduce-scattered, the final norm on the shard, GPT's position
+embedding, row-parallel biases and tied head); and its plan rule."""
 
 from __future__ import annotations
 
@@ -53,6 +56,32 @@ SP_PLANS = {
             "micro_batch": 2,
             "sequence_parallel": True,
             "pipelines": [{"count": 1, "micro_batches": 2, "stages": [stage("nv", 4, 8)]}],
+        },
+    ),
+    "sp, tp 2 to tp 2 across vendors, two sequences a micro-batch": (
+        "tiny-llama",
+        {
+            "global_batch": 4,
+            "micro_batch": 2,
+            "sequence_parallel": True,
+            "pipelines": [
+                {"count": 1, "micro_batches": 2, "stages": [stage("nv", 2, 4), stage("amd", 2, 4)]}
+            ],
+        },
+    ),
+    "sp, tp 2 to tp 1 to tp 2, two sequences a micro-batch": (
+        "tiny-gpt",
+        {
+            "global_batch": 4,
+            "micro_batch": 2,
+            "sequence_parallel": True,
+            "pipelines": [
+                {
+                    "count": 1,
+                    "micro_batches": 2,
+                    "stages": [stage("nv", 2, 3), stage("amd", 1, 2), stage("nv", 2, 3)],
+                }
+            ],
         },
     ),
 }

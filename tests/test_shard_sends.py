@@ -17,7 +17,16 @@ from hethub.runtime.p2p import StageLinks
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
-from hethub.spec.collectives import Piece, shard_degrees, shard_pieces
+from hethub.spec.collectives import (
+    Kind,
+    MessageCut,
+    Phase,
+    Piece,
+    message_cut,
+    rank_transfers,
+    shard_degrees,
+    shard_pieces,
+)
 from hethub.spec.plan import Precision
 from hethub.spec.topology import build_topology
 
@@ -85,6 +94,31 @@ def test_a_message_a_stage_cannot_cut_goes_whole_from_rank_0_or_to_every_rank() 
     assert shard_pieces(6, 2, 4) == [
         piece for j in range(4) for piece in (Piece(0, j, 0, 3), Piece(1, j, 3, 6))
     ]
+
+
+def test_under_sequence_parallelism_the_plan_of_transfers_keeps_each_ranks_tokens() -> None:
+    plan = parse_plan({**PLAN, "sequence_parallel": True})
+    topology = build_topology(plan, CLUSTER)
+    vendors = topology.vendors(CLUSTER)
+    spec = load_model("tiny-llama")
+    shard = 2 * (64 // 2) * 64 * plan.precision.element_bytes  # (B, T/2, h): a TP rank's tokens
+    for rank in range(topology.world_size):
+        me = topology.ranks[rank]
+        sends = [
+            t
+            for t in rank_transfers(plan, topology, spec, vendors, rank, grad_norm=False)
+            if t.phase is Phase.FORWARD
+        ]
+        kinds = sorted(t.kind for t in sends)
+        if me.stage == 1:  # each TP-2 receiver takes its own tokens, and gathers nothing
+            assert kinds == [Kind.RECV] and sends[0].nbytes == shard, (rank, sends)
+        elif me.replica == 0:  # TP 2 -> TP 2: rank i's shard to rank i, whole
+            peer = topology.stage_ranks(0, 1)[me.tp_rank]
+            assert [(t.kind, t.ranks, t.nbytes) for t in sends] == [
+                (Kind.SEND, (rank, peer), shard)
+            ]
+        else:  # TP 1 holds every token: each receiver its half
+            assert [(t.kind, t.nbytes) for t in sends] == [(Kind.SEND, shard)] * 2
 
 
 def _exchange(rank: int, world: int) -> dict:
@@ -157,15 +191,32 @@ def test_the_analytic_pricing_prices_half_the_message_and_the_receivers_gather()
     assert pricing.send(BOUNDARY._replace(tp_sender=3, tp_receiver=3)) == whole
 
 
+def test_under_sequence_parallelism_each_rank_sends_its_tokens_and_nothing_is_gathered() -> None:
+    pricing = AnalyticPricing(default_calibration())
+    flat = pricing.send(BOUNDARY)
+    kept = pricing.send(BOUNDARY._replace(sequence_parallel=True))
+    cut = message_cut(2, BOUNDARY.model, sequence_parallel=True)
+    assert (cut.positions, cut.numel, cut.gathered) == (64, 2 * 64 * 64, False)
+    # the same half of the message from each rank, without the receiving stage's all-gather
+    assert kept.forward_s < flat.forward_s and kept.backward_s < flat.backward_s
+    assert kept.forward_s == kept.backward_s
+    link = link_profile()
+    measured = send_times(link, cut, 4, 2, 2)
+    assert measured.forward_s == pytest.approx(link.p2p_time(cut.numel * 4 / 2))
+    # a stage of TP 1 holds every token: it sends them all, re-cut for the two receivers
+    assert send_times(link, cut, 4, 1, 2).forward_s == pytest.approx(link.p2p_time(cut.numel * 4))
+
+
 def test_the_profiled_pricing_prices_the_shards_then_the_all_gather() -> None:
     link = link_profile()  # all-gathers measured over 2 ranks only
     numel, element = 250_000, 4
     nbytes = numel * element
-    sent = send_times(link, numel, element, 2, 2)
+    cut = MessageCut(numel, 1, gathered=True)
+    sent = send_times(link, cut, element, 2, 2)
     expected = link.p2p_time(nbytes / 2) + link.allgather_time(nbytes, 2)
     assert sent.forward_s == pytest.approx(expected)
     assert sent.backward_s == pytest.approx(expected)
-    recut = send_times(link, numel, element, 1, 2)
+    recut = send_times(link, cut, element, 1, 2)
     assert recut.forward_s == pytest.approx(link.p2p_time(nbytes) + link.allgather_time(nbytes, 2))
     assert recut.backward_s == pytest.approx(link.p2p_time(nbytes))  # a TP-1 sender gathers none
-    assert send_times(link, numel, element, 4, 4) is None  # an all-gather over 4 not measured
+    assert send_times(link, cut, element, 4, 4) is None  # an all-gather over 4 not measured

@@ -473,6 +473,7 @@ def _layout_costs(
                 tp_sender=stage.tp,
                 tp_receiver=pipeline.stages[nxt].tp,
                 across_nodes=_across_nodes(blocks, s, nxt, groups),
+                sequence_parallel=plan.sequence_parallel,
             )
             sent = pricing.send(boundary)
             sends.append(sent.forward_s)

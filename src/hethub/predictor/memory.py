@@ -172,24 +172,6 @@ def layers_bytes(
     return in_flight * layers * per_layer
 
 
-def _whole_inputs_bytes(
-    model: ModelSpec,
-    split: int,
-    position: StagePosition,
-    in_flight: float,
-    micro_batch: int,
-    precision: Precision,
-) -> float:
-    """Sequence parallelism (``split`` > 1): a stage other than the first receives each
-    micro-batch's activation whole, and its first layer keeps (for its norm, or as its
-    checkpoint's input) this rank's shard of it, a view: the rest of the whole tensor, which a
-    layer's saved bytes (its shard) leave out, lives as long."""
-    if split == 1 or position.first:
-        return 0.0
-    whole = layer_input_bytes(model, micro_batch, precision.element_bytes)
-    return in_flight * (whole - whole / split)
-
-
 def layer_input_bytes(model: ModelSpec, micro_batch: int, bytes_per_element: int) -> float:
     """A layer's input (or output), one micro-batch: the hidden states a stage sends, and what
     a checkpointed layer keeps."""
@@ -354,11 +336,11 @@ def late_backward_bytes(
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
     tensors (the outputs sent; the last stage sends none, and its loss's tensors are gone by
-    then). ``split``: as layers_bytes'."""
+    then; under sequence parallelism this rank's shards). ``split``: as layers_bytes'."""
     layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
     one = layers * (layer_input / split if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
-    boundary = 0.0 if position.last else in_flight * layer_input
+    boundary = 0.0 if position.last else in_flight * layer_input / split
     # At the first layer's backward peak (its MLP's), the gradients of its attention half and
     # of the first stage's embedding are still to come; the last to come, when the layer's
     # activations are freed, leave its input's gradient beside every other.
@@ -409,12 +391,14 @@ def buffer_bytes(
     *,
     rebuilt: float,
     kernels: Kernels,
+    split: int = 1,
 ) -> float:
     """What a stage holds at the schedule's peak besides its layers' activations and its state:
-    its boundary tensors for the micro-batches in flight (runtime.pipeline) and the peak of a
-    backward (the last stage's loss, head and final norm: loss_bytes; a layer's:
-    _layer_backward_bytes). ``rebuilt``: under full recomputation, what a backward rebuilds
-    above the layers' inputs (rebuilt_layer_bytes)."""
+    its boundary tensors for the micro-batches in flight (runtime.pipeline; under sequence
+    parallelism, ``split`` its TP degree, this rank's token shards) and the peak of a backward
+    (the last stage's loss, head and final norm: loss_bytes; a layer's: _layer_backward_bytes).
+    ``rebuilt``: under full recomputation, what a backward rebuilds above the layers' inputs
+    (rebuilt_layer_bytes)."""
     hidden = layer_input_bytes(model, micro_batch, precision.element_bytes)
     boundary = 0.0
     if position.last:
@@ -424,7 +408,7 @@ def buffer_bytes(
         )
     # The outputs sent, kept until their backward, and the gradient received for the backward
     # under way (its layer's output gradient).
-    boundary += in_flight * hidden
+    boundary += in_flight * hidden / split
     return boundary + _layer_backward_bytes(model, tp, micro_batch, precision)
 
 
@@ -498,7 +482,7 @@ def stage_memory_of(
         micro_batch=micro_batch,
         recompute=recompute,
         split=split,
-    ) + _whole_inputs_bytes(model, split, position, in_flight, micro_batch, precision)
+    )
     buffers = buffer_bytes(
         model,
         tp,
@@ -511,6 +495,7 @@ def stage_memory_of(
             per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes) / split
         ),
         kernels=kernels,
+        split=split,
     )
     # A backward's last moment may hold more: autograd's gradients of every parameter of the
     # stage, made during it, wait for its end to join the main gradients (runtime.precision),

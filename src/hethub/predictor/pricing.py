@@ -28,7 +28,13 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
-from hethub.spec.collectives import Kind, message_elements, ring_steps, shard_degrees
+from hethub.spec.collectives import (
+    Kind,
+    MessageCut,
+    message_cut,
+    ring_steps,
+    shard_degrees,
+)
 from hethub.spec.layer_ops import Kernels, trainer_bytes
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -73,6 +79,13 @@ class Boundary(NamedTuple):
     tp_receiver: int
     across_nodes: bool
     """The two stages are on different nodes for some replica."""
+    sequence_parallel: bool = False
+    """The plan's: the message is the ranks' token shards, cut by tokens and not gathered
+    (spec.collectives.message_cut)."""
+
+    @property
+    def cut(self) -> MessageCut:
+        return message_cut(self.micro_batch, self.model, self.sequence_parallel)
 
 
 class SyncPeers(NamedTuple):
@@ -165,13 +178,15 @@ class AnalyticPricing(Pricing):
 
     def send(self, boundary: Boundary) -> SendTimes:
         """Each TP rank's run of the message over the boundary (the busiest rank's pieces,
-        spec.collectives.shard_pieces), then the receiving stage's all-gather of the runs:
-        the next stage's for an activation, this one's for its gradient back."""
-        b, cal = boundary, self.calibration
-        numel = message_elements(b.micro_batch, b.model)
-        nbytes = numel * b.precision.element_bytes
-        sender, receiver = shard_degrees(numel, b.tp_sender, b.tp_receiver)
+        spec.collectives.shard_pieces), then, where the message is cut flat, the receiving
+        stage's all-gather of the runs: the next stage's for an activation, this one's for its
+        gradient back (under sequence parallelism each rank keeps its tokens: no gather)."""
+        b, cal, cut = boundary, self.calibration, boundary.cut
+        nbytes = cut.numel * b.precision.element_bytes
+        sender, receiver = shard_degrees(cut.positions, b.tp_sender, b.tp_receiver)
         message = _send_time(nbytes / min(sender, receiver), b, cal)
+        if not cut.gathered:
+            return SendTimes(message, message)
         forward = comm.group_all_gather_time(nbytes, receiver, b.receiver, cal)
         backward = comm.group_all_gather_time(nbytes, sender, b.sender, cal)
         return SendTimes(message + forward, message + backward)
@@ -428,11 +443,11 @@ def _tp_allreduce_s(group: DeviceGroup, cal: Calibration, shape: StageShape) -> 
 
 def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageShape) -> StageTimes:
     """A sequence-parallel stage's collectives outside its layers (runtime.model.Stage): the
-    first stage's embedding reduce-scattered (GPT: its position embedding's gradient summed), or
-    another's input split (its gradient all-gathered); the last stage's final norm on the shard
-    (its weight's gradient summed) gathered before the head (the head's input gradient
-    reduce-scattered), or another's output gathered whole to be sent. Each all-gather or
-    reduce-scatter carries one (B, T, h) activation."""
+    first stage's embedding reduce-scattered (GPT: its position embedding's gradient summed);
+    the last stage's final norm on the shard (its weight's gradient summed) gathered before the
+    head (the head's input gradient reduce-scattered). Each all-gather or reduce-scatter carries
+    one (B, T, h) activation. Another stage's input and output are its shard, sent by tokens
+    (runtime.p2p): nothing at its edges."""
     model, tp, e = shape.model, shape.tp, shape.precision.element_bytes
     activation = shape.micro_batch * model.seq_len * model.hidden * e
     half = comm.group_all_gather_time(activation, tp, group, cal)
@@ -442,10 +457,8 @@ def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageS
         if model.arch == "gpt":  # every row of the position table, the unused ones too
             positions = model.position_rows * model.hidden * e
             backward += comm.group_allreduce_time(positions, tp, group, cal)
-    else:
-        backward += half
-    forward += half
     if shape.position.last:
+        forward += half
         backward += half
         norm_weights = 2 if model.arch == "gpt" else 1  # LayerNorm's weight and bias
         backward += norm_weights * comm.group_allreduce_time(model.hidden * e, tp, group, cal)
@@ -508,7 +521,7 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
     where the vendors differ) and each stage's all-gather of them from its own kind's link
     profile; else on one kind of accelerator, its link profile (one machine's processes)."""
     b = boundary
-    numel = message_elements(b.micro_batch, b.model)
+    cut = b.cut
     element = profiles.bytes_per_element
     kind_a, kind_b = b.sender.accelerator.name, b.receiver.accelerator.name
     between = profiles.link_between(kind_a, kind_b) if b.across_nodes else None
@@ -517,7 +530,7 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
             between,
             profiles.link_for(kind_a),
             profiles.link_for(kind_b),
-            numel,
+            cut,
             element,
             b.tp_sender,
             b.tp_receiver,
@@ -527,7 +540,7 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
     link = profiles.link_for(kind_a)
     if link is None:
         return None
-    return profiled.send_times(link, numel, element, b.tp_sender, b.tp_receiver)
+    return profiled.send_times(link, cut, element, b.tp_sender, b.tp_receiver)
 
 
 def _plan_link(profiles: Profiles, plan: Plan, cluster: ClusterSpec) -> LinkProfile | None:

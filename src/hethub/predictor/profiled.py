@@ -31,7 +31,7 @@ from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTim
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import Kind, Phase, rank_transfers, shard_degrees
+from hethub.spec.collectives import Kind, MessageCut, Phase, rank_transfers, shard_degrees
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.topology import Topology, build_topology, parameter_holders
@@ -86,32 +86,35 @@ def profiled_work(
 
 
 def send_times(
-    link: LinkProfile, numel: int, element_bytes: int, tp_sender: int, tp_receiver: int
+    link: LinkProfile, cut: MessageCut, element_bytes: int, tp_sender: int, tp_receiver: int
 ) -> SendTimes | None:
     """(activation forward, its gradient backward) over one stage boundary on one link profile:
-    each TP rank's run of the message (spec.collectives.shard_pieces), then the receiving
-    stage's all-gather of the runs; None where an all-gather was not measured."""
-    return cross_send_times(link, link, link, numel, element_bytes, tp_sender, tp_receiver)
+    each TP rank's run of the message cut as ``cut`` says (spec.collectives.message_cut,
+    shard_pieces), then, cut flat, the receiving stage's all-gather of the runs; None where an
+    all-gather was not measured."""
+    return cross_send_times(link, link, link, cut, element_bytes, tp_sender, tp_receiver)
 
 
 def cross_send_times(
     between: LinkProfile,
     link_a: LinkProfile | None,
     link_b: LinkProfile | None,
-    numel: int,
+    cut: MessageCut,
     element_bytes: int,
     tp_sender: int,
     tp_receiver: int,
 ) -> SendTimes | None:
-    """(activation forward, its gradient backward) of ``numel`` elements of ``element_bytes``
-    over a boundary: the busiest rank's pieces
-    over the measured link ``between`` the stages, then the all-gather in the receiving stage,
-    priced by that stage's own link profile (``link_b`` forward, ``link_a`` backward; nothing
-    for a stage whose TP rank holds the whole message); None where an all-gather is needed and
-    not measured."""
-    nbytes = numel * element_bytes
-    sender, receiver = shard_degrees(numel, tp_sender, tp_receiver)
+    """(activation forward, its gradient backward) of a message cut as ``cut`` says, of
+    ``element_bytes`` elements, over a boundary: the busiest rank's pieces over the measured
+    link ``between`` the stages, then, cut flat, the all-gather in the receiving stage, priced
+    by that stage's own link profile (``link_b`` forward, ``link_a`` backward; nothing for a
+    stage whose TP rank holds the whole message); None where an all-gather is needed and not
+    measured."""
+    nbytes = cut.numel * element_bytes
+    sender, receiver = shard_degrees(cut.positions, tp_sender, tp_receiver)
     message = between.p2p_time(nbytes / min(sender, receiver))
+    if not cut.gathered:  # sequence parallel: each rank keeps its tokens
+        return SendTimes(message, message)
     forward = _all_gather(link_b, nbytes, receiver)
     backward = _all_gather(link_a, nbytes, sender)
     if forward is None or backward is None:

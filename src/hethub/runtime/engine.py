@@ -144,7 +144,9 @@ class Engine:
             overlap=self.stage if plan.overlap_grad_sync else None,
         )
         self._timeline = StepTimeline(self.me, self.device)
-        links = StageLinks(comm, groups, self.device, self.weights.compute_dtype)
+        links = StageLinks(
+            comm, groups, self.device, self.weights.compute_dtype, plan.sequence_parallel
+        )
         self.pipeline = Pipeline(
             plan,
             topology,

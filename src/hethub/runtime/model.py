@@ -22,7 +22,6 @@ from hethub.runtime.tensor_parallel import (
     copy_to,
     gather_from_sequence,
     parallel_group,
-    scatter_to_sequence,
     sum_gradient,
     tp_rank,
     tp_size,
@@ -392,9 +391,9 @@ class Stage(nn.Module):
     them.
 
     ``sequence_parallel`` (at TP > 1): the layers run on this rank's sequence shard. The first
-    stage's embedding is reduce-scattered to it; another stage's input, the whole activation
-    (as every stage sends it), is split; the last stage's final norm runs on the shard, gathered
-    before the head; another stage's output is gathered whole before it is sent.
+    stage's embedding is reduce-scattered to it; another stage's input is the shard, as the
+    previous stage's ranks send it by tokens (runtime.p2p); the last stage's final norm runs on
+    the shard, gathered before the head; another stage's output is the shard, sent as it is.
     """
 
     def __init__(
@@ -433,8 +432,9 @@ class Stage(nn.Module):
         return self.head if hasattr(self, "head") else self.embed.weight
 
     def forward(self, x: torch.Tensor, recompute: Recompute = Recompute.NONE) -> torch.Tensor:
-        """Tokens (B, T) on the first stage, hidden states (B, T, h) elsewhere; returns hidden
-        states, or this rank's logit shard (B, T, vocab/tp) on the last stage.
+        """Tokens (B, T) on the first stage, hidden states (B, T, h) elsewhere (under sequence
+        parallelism this rank's (B, T/t, h)); returns hidden states (the same), or this rank's
+        logit shard (B, T, vocab/tp) on the last stage.
 
         ``recompute``, the stage's. Recompute.FULL: each layer is checkpointed on its own, as
         Megatron-LM does, so a micro-batch in flight keeps only its layers' inputs, and a
@@ -447,8 +447,6 @@ class Stage(nn.Module):
             x = self.embed(tokens)  # sequence parallel: this rank's shard (B, T/t, h)
             if self.spec.arch == "gpt":
                 x = x + self._positions(tokens.shape[1], tokens.device)
-        elif self.sequence_parallel:
-            x = scatter_to_sequence(x, self.group)  # (B, T, h) -> (B, T/t, h)
         for layer in self.layers.values():
             layer.checkpoint_attention = recompute is Recompute.SELECTIVE
         if recompute is Recompute.FULL:
@@ -460,8 +458,6 @@ class Stage(nn.Module):
                 x = layer(x)
         if self.is_last:
             x = F.linear(self._head_input(x), self.head_weight)
-        elif self.sequence_parallel:  # sent whole: its gradient comes back whole
-            x = gather_from_sequence(x, self.group, grad_is_partial=False)
         return x
 
     def _positions(self, seq_len: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,14 @@ prices it. Where a message cannot be cut among a stage's ranks (its size not a m
 their number), that end falls back to one whole run: TP rank 0 alone sends it, or every
 receiving rank receives all of it.
 
+Under sequence parallelism a TP rank holds its own tokens, (B, T/t, h), and a stage's input and
+output are that shard (runtime.model.Stage): the message is cut by tokens (spec.collectives
+.message_cut), each sending rank sending the tokens it holds to the receiving ranks that hold
+them, and nothing is gathered. Between like TP degrees that is rank i's whole shard to rank i;
+between unlike ones (a stage of TP 1 holds every token) the shards re-cut. A piece of several
+sequences' tokens (B > 1, unlike degrees) is strided in (B, T, h): it goes through a contiguous
+copy of the piece's size.
+
 Each ordered pair of neighbouring stages has a group of its own holding both stages' TP ranks
 (RankGroups.pipeline_next and _prev), which carries the sender's activations one way and their
 gradients back, each in the order both ends run them; so with two stages interleaved (each the
@@ -37,15 +45,27 @@ class StageLinks:
     """One rank's links to its neighbouring stages' TP ranks."""
 
     def __init__(
-        self, comm: Communicator, groups: RankGroups, device: torch.device, dtype: torch.dtype
+        self,
+        comm: Communicator,
+        groups: RankGroups,
+        device: torch.device,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
     ) -> None:
         """``groups``: this rank's (its stage's pair groups with its neighbours); messages are
-        ``dtype`` tensors on ``device``."""
+        ``dtype`` tensors on ``device``; ``sequence_parallel``: the plan's (messages are the
+        ranks' token shards, cut by tokens)."""
         self.comm, self.groups, self.device, self.dtype = comm, groups, device, dtype
         self.leads = comm.rank == groups.leader
         self.tp = groups.tp
         self.me = groups.tp.ranks.index(comm.rank)
         """This rank's index in its stage's TP group."""
+        self.by_tokens = sequence_parallel
+
+    def message_shape(self, batch: int, seq_len: int, hidden: int) -> tuple[int, int, int]:
+        """What this rank holds of a message of ``batch`` sequences: (B, T, h), or under
+        sequence parallelism its tokens (B, T/t, h)."""
+        return (batch, seq_len // self.tp.size if self.by_tokens else seq_len, hidden)
 
     def send(self, tensor: torch.Tensor, forward: bool, returning: bool = False) -> list[Work]:
         """Start sending this rank's share of ``tensor``, whole on every TP rank of the stage,
@@ -54,6 +74,18 @@ class StageLinks:
         then). ``returning``: of the V's way back (ZBV's chunk 1), whose next stage is the one
         before."""
         link, peers = self._neighbour(towards_next=forward, returning=returning)
+        if self.by_tokens:
+            tokens = tensor.shape[1]  # this rank's
+            offset = self.me * tokens
+            return [
+                self.comm.isend(
+                    tensor[:, piece.start - offset : piece.stop - offset].contiguous(),
+                    peers[piece.receiver],
+                    link,
+                )
+                for piece in shard_pieces(tokens * self.tp.size, self.tp.size, len(peers))
+                if piece.sender == self.me
+            ]
         flat = tensor.contiguous().view(-1)  # a view where it is contiguous, as it is here
         return [
             self.comm.isend(flat[piece.start : piece.stop], peers[piece.receiver], link)
@@ -70,6 +102,20 @@ class StageLinks:
         peers' compute still to come and the transfer: a receive cannot tell them apart."""
         link, peers = self._neighbour(towards_next=not forward, returning=returning)
         buffer = torch.empty(shape, device=self.device, dtype=self.dtype)
+        if self.by_tokens:
+            tokens = shape[1]  # this rank's
+            offset = self.me * tokens
+            for piece in shard_pieces(tokens * self.tp.size, len(peers), self.tp.size):
+                if piece.receiver != self.me:
+                    continue
+                part = buffer[:, piece.start - offset : piece.stop - offset]
+                if part.is_contiguous():
+                    self.comm.recv(part, peers[piece.sender], link)
+                else:  # several sequences' tokens: strided in the shard
+                    landed = torch.empty(part.shape, device=self.device, dtype=self.dtype)
+                    self.comm.recv(landed, peers[piece.sender], link)
+                    part.copy_(landed)
+            return buffer
         flat = buffer.view(-1)
         mine = [
             piece

@@ -112,7 +112,7 @@ class Pipeline:
         there."""
         micro = self._my_micro_batches(tokens)
         total = sum(p.count * p.micro_batches for p in self.plan.pipelines)
-        shape = (self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)  # (B, T, h)
+        shape = self.links.message_shape(self.plan.micro_batch, self.spec.seq_len, self.spec.hidden)
         chunks, schedule = self.me.chunks, self.layout.schedule
         order = chunk_sequence(schedule, self.me.stage, self.stages, len(chunks), len(micro))
         # the operation that gives a chunk's weights their gradients and frees its activations
@@ -217,7 +217,7 @@ class Pipeline:
         turning: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for j, micro in enumerate(mine.split(b)):
-                shape = (micro.shape[0], t, self.spec.hidden)  # (B, T, h)
+                shape = self.links.message_shape(micro.shape[0], t, self.spec.hidden)
                 earlier, sends = sends, []
                 for c in chunks:
                     chunk = self.me.chunks[c]

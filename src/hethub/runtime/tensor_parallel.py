@@ -13,10 +13,9 @@ the TP ranks. Its region functions take the all-reduces' place: ``gather_from_se
 (all-gather forward, reduce-scatter of the partial input gradient backward) opens a
 column-parallel region, ``reduce_scatter_to_sequence`` (reduce-scatter forward, all-gather
 backward) closes a row-parallel one: the same bytes on the wire as the all-reduce they replace.
-``scatter_to_sequence`` and ``gather_from_sequence(..., grad_is_partial=False)`` move a tensor
-whole on every rank into and out of the split (a stage's boundaries), and ``sum_gradient`` on a
-weight replicated over the ranks (the norms', a row-parallel bias) sums its gradient, which each
-rank computes from its own tokens only.
+A stage's input and output stay split (runtime.p2p sends each rank's tokens), and
+``sum_gradient`` on a weight replicated over the ranks (the norms', a row-parallel bias) sums
+its gradient, which each rank computes from its own tokens only.
 """
 
 from __future__ import annotations
@@ -109,22 +108,15 @@ def _sequence_reduce_scatter(whole: torch.Tensor, group) -> torch.Tensor:
     return shard
 
 
-def _sequence_slice(whole: torch.Tensor, group) -> torch.Tensor:
-    """This rank's (B, T/t, h) slice of the (B, T, h) ``whole``, a view."""
-    return whole.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
-
-
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, group, grad_is_partial):
-        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+    def forward(ctx, shard, group):
+        ctx.group = group
         return _sequence_all_gather(shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grad_is_partial:
-            return _sequence_reduce_scatter(grad, ctx.group), None, None
-        return _sequence_slice(grad, ctx.group), None, None
+        return _sequence_reduce_scatter(grad, ctx.group), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -138,35 +130,17 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _sequence_all_gather(grad, ctx.group), None
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, whole, group):
-        ctx.group = group
-        return _sequence_slice(whole, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sequence_all_gather(grad, ctx.group), None
-
-
-def gather_from_sequence(x: torch.Tensor, group, *, grad_is_partial: bool = True) -> torch.Tensor:
-    """The whole sequence (B, T, h) from every rank's shard ``x`` (B, T/t, h). Backward, where
-    each rank's gradient is a partial sum (``grad_is_partial``: a column-parallel region follows)
-    its reduce-scatter, else (the same whole gradient on every rank) this rank's slice of it. No
-    group: ``x`` itself."""
-    return x if group is None else _GatherFromSequence.apply(x, group, grad_is_partial)
+def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence (B, T, h) from every rank's shard ``x`` (B, T/t, h), opening a
+    column-parallel region: backward, each rank's gradient is a partial sum, reduce-scattered.
+    No group: ``x`` itself."""
+    return x if group is None else _GatherFromSequence.apply(x, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's sequence shard (B, T/t, h) of ``x`` (B, T, h) summed over ``group`` (a
     row-parallel output); its gradient all-gathered. No group: ``x`` itself."""
     return x if group is None else _ReduceScatterToSequence.apply(x, group)
-
-
-def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's sequence shard of ``x`` (B, T, h), whole and the same on every rank; its
-    gradient all-gathered. No group: ``x`` itself."""
-    return x if group is None else _ScatterToSequence.apply(x, group)
 
 
 def tp_size(group) -> int:

@@ -93,8 +93,9 @@ def path_of(ranks: Sequence[int], vendors: Sequence[str]) -> str:
 
 
 class Piece(NamedTuple):
-    """The run [start, stop) of a message's elements, viewed flat, that one sending TP rank
-    sends to one receiving TP rank (indices in their stages' TP groups)."""
+    """The run [start, stop) of a message's positions (message_cut: its elements viewed flat,
+    or under sequence parallelism its tokens) that one sending TP rank sends to one receiving
+    TP rank (indices in their stages' TP groups)."""
 
     sender: int
     receiver: int
@@ -268,9 +269,36 @@ class Transfer:
 
 def message_elements(micro_batch: int, model: ModelSpec) -> int:
     """The elements of one micro-batch's message between two stages, whole: an activation
-    (B, T, h), which a stage's TP ranks send in runs, or its gradient back. The runtime's
-    message, this list's and both pricings' (predictor.pricing)."""
+    (B, T, h), which a stage's TP ranks send in runs (message_cut), or its gradient back."""
     return micro_batch * model.seq_len * model.hidden
+
+
+class MessageCut(NamedTuple):
+    """How a message between two stages is cut among their TP ranks (shard_pieces over its
+    ``positions``, each of ``elements`` elements), and whether the receiving stage all-gathers
+    its ranks' runs."""
+
+    positions: int
+    elements: int
+    gathered: bool
+
+    @property
+    def numel(self) -> int:
+        return self.positions * self.elements
+
+
+def message_cut(micro_batch: int, model: ModelSpec, sequence_parallel: bool) -> MessageCut:
+    """The cut of one micro-batch's message (message_elements) between two stages, as the
+    runtime sends it (runtime.p2p) and this list and both pricings count it. Without sequence
+    parallelism a stage's every TP rank holds the message whole: it is cut flat, each rank
+    sending its run of the elements, and the receiving stage all-gathers the runs. Under
+    sequence parallelism each TP rank holds its own tokens, (B, T/t, h), and a stage's input
+    and output are that shard (Megatron-LM's): the message is cut by tokens, each rank sending
+    the tokens it holds to the receiving ranks that hold them (at unlike TP degrees the shards
+    re-cut; a stage of TP 1 holds every token), and nothing is gathered."""
+    if sequence_parallel:
+        return MessageCut(model.seq_len, micro_batch * model.hidden, gathered=False)
+    return MessageCut(message_elements(micro_batch, model), 1, gathered=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,6 +339,8 @@ def rank_transfers(
     - the pipeline's messages, in the stage's schedule order (stage_posts): each TP rank sends
       its run of an activation or gradient to the ranks of the next (previous) stage whose runs
       overlap it (shard_pieces, runtime.p2p), and the receiving stage all-gathers the runs;
+      under sequence parallelism the runs are the ranks' tokens, kept, not gathered
+      (message_cut);
     - the gradient sync, bucket by bucket (spec.buckets, runtime.grad_sync): a direct bucket
       summed among the data-parallel peers in one collective (a reduce-scatter of the padded
       bucket for a sharded optimizer, else an all-reduce); any other summed in its classes
@@ -331,7 +361,7 @@ def rank_transfers(
 
     stages = len(layout.stages)
     if stages > 1:
-        numel = message_elements(plan.micro_batch, model)
+        cut = message_cut(plan.micro_batch, model, plan.sequence_parallel)
         element = plan.precision.element_bytes
         posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
         # a stage posts to at most two neighbours, micro-batch after micro-batch: each post's
@@ -342,7 +372,7 @@ def rank_transfers(
             key = (post.peer, post.sends, phase)
             if key not in made:
                 made[key] = _post_transfers(
-                    rank, tp, topology.stage_ranks(me.replica, post.peer), post.sends, numel,
+                    rank, tp, topology.stage_ranks(me.replica, post.peer), post.sends, cut,
                     element, vendors, phase,
                 )  # fmt: skip
             done += made[key]
@@ -400,32 +430,32 @@ def _post_transfers(
     tp: tuple[int, ...],
     peers: tuple[int, ...],
     sends: bool,
-    numel: int,
+    cut: MessageCut,
     element: int,
     vendors: Sequence[str],
     phase: Phase,
 ) -> list[Transfer]:
-    """``rank``'s transfers in one post of a message of ``numel`` elements of ``element``
-    bytes between its stage (``tp``: its TP ranks) and the stage of ``peers``: the sends of its
-    run's pieces, or the receipts of its run's and the stage's all-gather of the runs."""
+    """``rank``'s transfers in one post of a message cut as ``cut`` says, of ``element``-byte
+    elements, between its stage (``tp``: its TP ranks) and the stage of ``peers``: the sends of
+    its run's pieces, or the receipts of its run's and (a flat cut) the stage's all-gather of
+    the runs."""
     me = tp.index(rank)
+    size = cut.elements * element  # the bytes of one position
 
     def transfer(kind: Kind, ranks: tuple[int, ...], nbytes: int) -> Transfer:
         return Transfer(kind, ranks, nbytes, path_of(ranks, vendors), phase)
 
     if sends:
         return [
-            transfer(Kind.SEND, (rank, peers[p.receiver]), (p.stop - p.start) * element)
-            for p in shard_pieces(numel, len(tp), len(peers))
+            transfer(Kind.SEND, (rank, peers[p.receiver]), (p.stop - p.start) * size)
+            for p in shard_pieces(cut.positions, len(tp), len(peers))
             if p.sender == me
         ]
-    mine = [p for p in shard_pieces(numel, len(peers), len(tp)) if p.receiver == me]
-    done = [
-        transfer(Kind.RECV, (peers[p.sender], rank), (p.stop - p.start) * element) for p in mine
-    ]
+    mine = [p for p in shard_pieces(cut.positions, len(peers), len(tp)) if p.receiver == me]
+    done = [transfer(Kind.RECV, (peers[p.sender], rank), (p.stop - p.start) * size) for p in mine]
     run = mine[-1].stop - mine[0].start
-    if run < numel:  # the stage all-gathers the runs
-        done.append(transfer(Kind.ALL_GATHER, tp, run * element))
+    if cut.gathered and run < cut.positions:  # the stage all-gathers the runs
+        done.append(transfer(Kind.ALL_GATHER, tp, run * size))
     return done
 
 
