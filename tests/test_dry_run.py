@@ -9,18 +9,24 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hethub.cli import main
 from hethub.comm import Communicator
 from hethub.errors import HethubError
+from hethub.predictor.memory import layer_activation_bytes, layers_bytes, selective_saving_bytes
 from hethub.runtime.dry_run import (
     FAKE_BACKEND,
+    StageReport,
     fake_rank_groups,
     fake_world,
     member_groups,
     rank_state,
+    saved_inventory,
+    stage_inputs,
 )
+from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
 from hethub.spec import check_plan, load_cluster, load_model, load_plan
@@ -32,6 +38,9 @@ from hethub.spec.collectives import (
     stage_posts,
     walk_messages,
 )
+from hethub.spec.layer_ops import Kernels
+from hethub.spec.model import parse_model
+from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
 from hethub.spec.topology import build_topology
 
@@ -84,12 +93,41 @@ def test_a_small_plan_dry_runs_and_reports_every_stage(files, capsys):
     assert sorted(stages) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert stages[(0, 0)]["ranks"] == [0, 1] and stages[(1, 1)]["group"] == "amd"
     for stage in report["stages"]:
-        # The runtime's own state is the predictor's, within the dry run's tolerance.
+        # The runtime's own state is the predictor's, within the dry run's tolerance; so are
+        # the activations its stages save, TP 2's through the fake group, one micro-batch's
+        # times those in flight (1F1B: 2 on the first stage, 1 on the last).
         assert stage["state_gb"] == pytest.approx(stage["predicted_state_gb"], rel=0.05)
+        assert stage["activations_gb"] == pytest.approx(stage["predicted_activations_gb"], rel=0.01)
         assert stage["memory_gb"] == pytest.approx(stage["predicted_memory_gb"], rel=0.05)
+    # TP 2 halves what a layer keeps but for its norms' and residuals' whole inputs
+    assert 0.5 < stages[(0, 1)]["activations_gb"] / stages[(1, 1)]["activations_gb"] < 0.7
+    assert stages[(1, 0)]["activations_gb"] > 1.9 * stages[(1, 1)]["activations_gb"]
     # Two pipelines of 2 stages, 4 micro-batches: one activation and one gradient each.
     assert report["messages"] == 2 * 2 * 4
     assert report["collectives"] > 0
+
+
+@pytest.mark.parametrize("variant", ["sequence-parallel", "interleaved"])
+def test_sequence_parallel_and_interleaved_stages_save_what_the_predictor_says(
+    variant, tmp_path, capsys
+):
+    # Sequence parallelism: TP 2's layers keep their shards, the inputs (B, T/2, h); interleaved
+    # 1F1B: each chunk's inventory, by the micro-batches in flight the predictor reads.
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "tiny.yaml").write_text(MODEL)
+    plan = PLAN.format(model="tiny.yaml", schedule="1f1b")
+    if variant == "sequence-parallel":
+        plan += "sequence_parallel: true\n"
+    else:
+        plan = plan.replace("schedule: 1f1b", "schedule: interleaved-1f1b")
+        plan = plan.replace("micro_batches: 4", "micro_batches: 4\n  virtual_stages: 2")
+        plan = plan.replace("layers: 2}", "layers: [1, 1]}")
+    (tmp_path / "plan.yaml").write_text(plan)
+    argv = ["train", "--cluster", str(tmp_path / "cluster.yaml"), "--plan"]
+    assert main([*argv, str(tmp_path / "plan.yaml"), "--dry-run", "--json"]) == 0
+    for stage in json.loads(capsys.readouterr().out)["stages"]:
+        assert stage["activations_gb"] == pytest.approx(stage["predicted_activations_gb"], rel=0.01)
+        assert stage["verdict"] == "ok"
 
 
 def test_the_text_report_has_a_line_per_stage(files, capsys):
@@ -228,8 +266,11 @@ def test_a_built_rank_leaves_nothing_behind_for_the_next(files):
     for rank in range(topology.world_size):
         with fake_world(rank, topology.world_size):
             groups = fake_rank_groups(topology, model, vendors, own[rank], data_parallel=False)
-            state = rank_state(plan, topology, model, groups, Communicator(vendors))
-        assert state.weights > 0
+            # its forward measured too: the graph it leaves goes with it
+            state = rank_state(
+                plan, topology, model, groups, Communicator(vendors), kernels=Kernels.FUSED
+            )
+        assert state.weights > 0 and state.saved.layers > 0
     del groups
     assert alive() == before
 
@@ -269,3 +310,88 @@ def test_the_ranks_agree_on_every_collective_and_a_broken_plan_of_them_is_refuse
     deaf = [t for t in transfers[receiver] if t.kind is not Kind.RECV]
     with pytest.raises(HethubError, match="every send needs its receive"):
         check_agreement({**transfers, receiver: deaf}.items())
+
+
+TINY = parse_model(
+    {
+        "arch": "llama",
+        "hidden": 64,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 256,
+        "seq_len": 32,
+    },
+    "test",
+    "tiny",
+)
+
+
+def _tiny_stage(device: str, *, is_first: bool) -> StageChunks:
+    """Layers 1 and 2 of TINY (TP 1) in bf16 on ``device``: drawn weights on the CPU, shapes
+    only on meta."""
+    if device == "cpu":
+        stage = Stage.build(TINY, 1, 2, None, is_first=is_first, is_last=False, seed=0)
+    else:
+        with torch.device("meta"):
+            stage = Stage(TINY, 1, 2, None, is_first=is_first, is_last=False)
+    return StageChunks([stage.to(torch.bfloat16)])
+
+
+def _inventory(device: str, recompute: Recompute, *, is_first: bool = False):
+    stage = _tiny_stage(device, is_first=is_first)
+    inputs = stage_inputs(stage, TINY, 2, torch.bfloat16, device)
+    return saved_inventory(stage, inputs, recompute, Kernels.CPU, Precision.BF16)
+
+
+@pytest.mark.parametrize("recompute", list(Recompute))
+def test_a_meta_forward_saves_what_a_real_cpu_forward_of_the_stage_saves(recompute):
+    # The CPU runs flash attention and runtime.model's RMSNorm (the fused kernel's saves); on
+    # meta, where torch would fall back to the math attention (its fp32 scores) and a composite
+    # RMSNorm (fp32 copies), the dry run runs the device's kernels: the same bytes, exactly.
+    for is_first in (False, True):
+        real = _inventory("cpu", recompute, is_first=is_first)
+        assert _inventory("meta", recompute, is_first=is_first) == real
+    # And it is what the predictor says two layers keep for one micro-batch of 2 sequences.
+    per_layer = layer_activation_bytes(TINY, 1, 2, Precision.BF16, Kernels.CPU)
+    if recompute is Recompute.SELECTIVE:
+        per_layer -= selective_saving_bytes(TINY, 1, 2, Precision.BF16, Kernels.CPU)
+    predicted = layers_bytes(
+        TINY,
+        per_layer=per_layer,
+        bytes_per_element=Precision.BF16.element_bytes,
+        layers=2,
+        in_flight=3,
+        micro_batch=2,
+        recompute=recompute,
+    )
+    assert real.activations(3) == pytest.approx(predicted, rel=0.01)
+    assert real.head == 0 and (real.rebuilt > 0) == (recompute is Recompute.FULL)
+
+
+def test_full_recomputation_keeps_far_less_than_none():
+    none, full = _inventory("meta", Recompute.NONE), _inventory("meta", Recompute.FULL)
+    # each layer's input, 2 x 32 tokens x 64 bf16 features, against everything a layer saves
+    assert full.layers == 2 * 2 * 32 * 64 * 2
+    assert full.layers < none.layers / 5
+    # one layer rebuilt in a backward: what it saves without recomputation, less its input
+    assert full.rebuilt == none.layers // 2 - full.layers // 2
+
+
+def test_the_verdict_names_the_part_that_is_off():
+    report = StageReport(
+        pipeline=0,
+        stage=1,
+        group="nv",
+        ranks=[2, 3],
+        device_gb=80,
+        predicted_state_gb=10.0,
+        predicted_activations_gb=20.0,
+        predicted_buffers_gb=2.0,
+        state_gb=10.1,
+        activations_gb=24.0,
+    )
+    assert report.memory_gb == pytest.approx(36.1)
+    assert report.verdict == "12.8% off the prediction: activations +12.5% of it"
+    report.activations_gb = 20.5
+    assert report.verdict == "ok"

@@ -24,9 +24,31 @@ creating every group is ranks x groups ``new_group`` calls, thousands of groups 
 thousands of ranks (hours at 4,088 ranks), where each rank's own are a handful.
 
 Each stage's memory is the runtime's own state (meta tensors have sizes: the weights, fp32 main
-gradients, bf16's masters and the Adam moments AdamW makes at its first step) plus the
-predictor's schedule peak (activations and buffers), which only a step would measure;
-the state is compared with the predictor's, stage by stage.
+gradients, bf16's masters and the Adam moments AdamW makes at its first step), its activations
+and the predictor's buffers (StageMemory.buffers_gb: boundary tensors, the peak of a backward,
+the last stage's loss), each stage against the predictor's.
+
+The activations are measured: the first rank of each stage runs one micro-batch's forward of
+its own stage, on the meta device, under the plan's recomputation as runtime.pipeline runs it,
+and records what autograd saves for the backward (saved_tensors_hooks; ``saved_inventory``): one
+micro-batch's saved-tensor inventory, whose storages are counted once and whose parameters and
+buffers (state, not activations) are left out. Times the micro-batches in flight at the stage's
+peak (spec.schedules.in_flight_micro_batches, the predictor's own reading of the schedule, per
+chunk for interleaved plans), it is the schedule's peak of activations. Stages of one shape
+share one inventory (``_inventory_key``), so a job of thousands of ranks runs a few forwards.
+
+Attention on the meta device: F.scaled_dot_product_attention has no fused kernel for meta
+tensors and falls back to its math composite, which saves each head's fp32 (T, T) scores and
+softmax, what no accelerator's fused kernel (nor the CPU's flash kernel) keeps. The forward
+therefore runs each attention as the kernel spec.layer_ops names for the stage's device
+(``_DeviceKernels``): aten._scaled_dot_product_flash_attention on an accelerator in bf16,
+aten._scaled_dot_product_flash_attention_for_cpu otherwise (the CPU's kernel; also standing for
+fp32's memory-efficient kernel, which keeps the same q, k, v, output and fp32 log-sum-exp).
+Both have meta kernels and their autograd formulas save what the device's kernel saves.
+Likewise RMSNorm: F.rms_norm (and aten._fused_rms_norm) decompose on meta into fp32 operations
+that keep an fp32 copy of the input and the normalised input besides (6 bytes an element more in
+bf16), where the fused kernel keeps the input and the fp32 rstd; the meta forward runs it as
+runtime.model's _CpuRmsNorm, which keeps exactly those.
 
 The schedule is checked as sends and receives: each stage's order (spec.schedules) gives the
 messages it posts, sends never blocking and receives blocking, as the runtime's isend and recv.
@@ -40,13 +62,16 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from hethub.comm import Communicator
 from hethub.errors import HethubError
-from hethub.runtime.model import Stage, StageChunks
+from hethub.runtime.model import Stage, StageChunks, _CpuRmsNorm
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import (
@@ -56,27 +81,52 @@ from hethub.runtime.process_groups import (
     job_groups,
     rank_groups,
 )
+from hethub.runtime.tensor_parallel import tp_size
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.collectives import check_agreement, rank_transfers, stage_posts, walk_messages
+from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
-from hethub.spec.plan import Plan
-from hethub.spec.schedules import chunk_sequence, stage_model_chunks
+from hethub.spec.plan import Plan, Precision, Recompute
+from hethub.spec.schedules import chunk_sequence, in_flight_micro_batches, stage_model_chunks
 from hethub.spec.topology import Topology
 
 GB = 1e9
 FAKE_BACKEND = "fake"
-STATE_TOLERANCE = 0.05
-"""How far a stage's state may stand from the prediction's before its verdict says so."""
+MEMORY_TOLERANCE = 0.05
+"""How far a stage's memory may stand from the prediction's before its verdict says so (the
+issue's 5%)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTensors:
+    """What autograd saves for the backward of one micro-batch's forward of a stage, in bytes
+    (saved_inventory): its activations, as its own tensors say."""
+
+    layers: int
+    """Saved up to the end of the stage's layers, over its chunks: the embedding's, the layers'
+    (or, under full recomputation, each checkpointed layer's input). What stays in flight."""
+    head: int = 0
+    """Saved by the last stage's final norm and head, for the one micro-batch whose loss is
+    under way: the predictor counts them in its buffers (its loss moments), not here."""
+    rebuilt: int = 0
+    """Full recomputation: what one layer saves when its backward runs it again, less its input
+    (its checkpoint's, held already): the peak's one rebuilt layer."""
+
+    def activations(self, in_flight: float) -> float:
+        """The schedule's peak of activations, ``in_flight`` micro-batches of the stage held."""
+        return in_flight * self.layers + self.rebuilt
 
 
 @dataclass(frozen=True, slots=True)
 class RankState:
-    """What one rank's runtime holds across steps, in bytes, as its own tensors say."""
+    """What one rank's runtime holds across steps, in bytes, as its own tensors say; and, where
+    measured, its stage's saved-tensor inventory."""
 
     weights: int
     grads: int
     optimizer: int
+    saved: SavedTensors | None = None
 
     @property
     def total(self) -> int:
@@ -85,8 +135,8 @@ class RankState:
 
 @dataclass(slots=True)
 class StageReport:
-    """One stage of one pipeline layout over all its replicas: its ranks and the largest state
-    among them, against the prediction."""
+    """One stage of one pipeline layout over all its replicas: its ranks, the largest state
+    among them and its measured activations, against the prediction."""
 
     pipeline: int
     stage: int
@@ -94,22 +144,35 @@ class StageReport:
     ranks: list[int]
     device_gb: float
     predicted_state_gb: float
-    predicted_schedule_gb: float
+    predicted_activations_gb: float
+    predicted_buffers_gb: float
     state_gb: float = 0.0
+    activations_gb: float = 0.0
+    """The saved-tensor inventory of one micro-batch times the micro-batches in flight."""
 
     @property
     def memory_gb(self) -> float:
-        """The runtime's state and the predicted schedule peak above it."""
-        return self.state_gb + self.predicted_schedule_gb
+        """The runtime's state and activations, and the predicted buffers above them."""
+        return self.state_gb + self.activations_gb + self.predicted_buffers_gb
 
     @property
     def predicted_memory_gb(self) -> float:
-        return self.predicted_state_gb + self.predicted_schedule_gb
+        return self.predicted_state_gb + self.predicted_activations_gb + self.predicted_buffers_gb
 
     @property
     def verdict(self) -> str:
-        off = abs(self.state_gb - self.predicted_state_gb) / max(self.predicted_state_gb, 1e-12)
-        return "ok" if off <= STATE_TOLERANCE else f"state {100 * off:.1f}% off the prediction"
+        """ "ok" where the memory is within MEMORY_TOLERANCE of the prediction, else by how much
+        it is off and which part is (each part's share of the predicted memory)."""
+        off = abs(self.memory_gb - self.predicted_memory_gb) / max(self.predicted_memory_gb, 1e-12)
+        if off <= MEMORY_TOLERANCE:
+            return "ok"
+        parts = {
+            "state": self.state_gb - self.predicted_state_gb,
+            "activations": self.activations_gb - self.predicted_activations_gb,
+        }
+        part = max(parts, key=lambda name: abs(parts[name]))
+        share = 100 * parts[part] / max(self.predicted_memory_gb, 1e-12)
+        return f"{100 * off:.1f}% off the prediction: {part} {share:+.1f}% of it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +200,8 @@ class DryRun:
                     "predicted_memory_gb": s.predicted_memory_gb,
                     "state_gb": s.state_gb,
                     "predicted_state_gb": s.predicted_state_gb,
+                    "activations_gb": s.activations_gb,
+                    "predicted_activations_gb": s.predicted_activations_gb,
                     "verdict": s.verdict,
                 }
                 for s in self.stages
@@ -213,13 +278,176 @@ def fake_rank_groups(
     )
 
 
+class _DeviceKernels(TorchFunctionMode):
+    """A meta forward's attention and RMSNorm saving what the device's kernels save (the
+    module's docstring says why). F.scaled_dot_product_attention runs as ``kernel`` (an aten op
+    of flash attention's signature): causal, no mask, no dropout, as runtime.model's layers call
+    it; both kernels take k and v of fewer heads than q (grouped-query attention). F.rms_norm
+    runs as runtime.model's _CpuRmsNorm, which keeps what the fused kernel keeps."""
+
+    def __init__(self, kernel) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.rms_norm:
+            x, weight, eps = _rms_norm_arguments(*args, **kwargs)
+            return _CpuRmsNorm.apply(x, weight, eps)
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p"):
+            raise HethubError(
+                "the dry run's attention takes no mask and no dropout, as the stage's"
+            )
+        query, key, value = args[:3]
+        causal = kwargs.get("is_causal", False)
+        return self.kernel(query, key, value, 0.0, causal, scale=kwargs.get("scale"))[0]
+
+
+def _rms_norm_arguments(input, normalized_shape, weight=None, eps=None):
+    """F.rms_norm's arguments, however passed: runtime.model's norms pass a weight and an eps
+    and normalise over the last dimension, as _CpuRmsNorm does."""
+    return input, weight, eps
+
+
+def attention_kernel(kernels: Kernels, precision: Precision):
+    """The aten op spec.layer_ops names for a layer's attention on a device of ``kernels`` in
+    ``precision``: flash attention on an accelerator in bf16, the CPU's flash kernel otherwise
+    (fp32's memory-efficient kernel keeps what it keeps)."""
+    if kernels is Kernels.FUSED and precision is not Precision.FP32:
+        return torch.ops.aten._scaled_dot_product_flash_attention
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views: a view and its base are one allocation (meta tensors have
+    no data pointer, but a storage each)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _Saved:
+    """The storages autograd saves while it is entered (saved_tensors_hooks), each once, with
+    its bytes and whether it was saved in the stage's head (``in_head`` at the time)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[int, bool]] = {}
+        self.in_head = False
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.storages.setdefault(storage._cdata, (storage.nbytes(), self.in_head))
+        return tensor  # kept by the graph: its storage's identity stays its own meanwhile
+
+    def __enter__(self) -> Self:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def bytes(self, *, head: bool, leaving_out: set[int]) -> int:
+        return sum(
+            n
+            for key, (n, in_head) in self.storages.items()
+            if in_head == head and key not in leaving_out
+        )
+
+
+def saved_inventory(
+    stage: StageChunks,
+    inputs: Sequence[torch.Tensor],
+    recompute: Recompute,
+    kernels: Kernels,
+    precision: Precision,
+) -> SavedTensors:
+    """One micro-batch's forward of each of ``stage``'s chunks (chunk c on ``inputs[c]``), under
+    ``recompute`` as runtime.pipeline runs it, and the bytes autograd saves for its backward:
+    each storage once (a tensor saved twice, or with its views, is one allocation), the stage's
+    parameters and buffers left out (state, not activations). On the meta device the attention
+    and RMSNorm run as the device's kernels (_DeviceKernels); on the CPU as torch dispatches
+    them (runtime.model's RMSNorm is the fused kernel's already)."""
+    meta = any(x.device.type == "meta" for x in inputs)
+
+    def kernels_of_device():
+        if not meta:
+            return contextlib.nullcontext()
+        return _DeviceKernels(attention_kernel(kernels, precision))
+
+    saved = _Saved()
+    first_input: list[torch.Tensor] = []
+
+    def into_head(*_) -> None:
+        saved.in_head = True
+
+    def first_layer(_, args) -> None:
+        if not first_input:
+            first_input.append(args[0])
+
+    hooks = [c.final_norm.register_forward_pre_hook(into_head) for c in stage.chunks if c.is_last]
+    layers = [layer for c in stage.chunks for layer in c.layers.values()]
+    if layers:
+        hooks.append(layers[0].register_forward_pre_hook(first_layer))
+    try:
+        with saved, kernels_of_device():
+            outputs = [chunk(x, recompute=recompute) for chunk, x in zip(stage.chunks, inputs)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    state = {_storage_id(t) for t in [*stage.parameters(), *stage.buffers()]}
+    rebuilt = 0
+    if recompute is Recompute.FULL and first_input:
+        # A backward runs one layer again whole, keeping what it saves until that layer's
+        # backward ends: what it saves then, less its input (its checkpoint's, held already).
+        x = first_input[0].detach().requires_grad_()
+        with _Saved() as again, kernels_of_device():
+            rerun = layers[0](x)
+        rebuilt = again.bytes(head=False, leaving_out=state | {_storage_id(x)})
+        del rerun
+    inventory = SavedTensors(
+        layers=saved.bytes(head=False, leaving_out=state),
+        head=saved.bytes(head=True, leaving_out=state),
+        rebuilt=rebuilt,
+    )
+    del outputs
+    return inventory
+
+
+def stage_inputs(
+    stage: StageChunks, model: ModelSpec, micro_batch: int, dtype: torch.dtype, device
+) -> list[torch.Tensor]:
+    """One micro-batch's input to each chunk, as runtime.pipeline hands them: token ids (B, T)
+    to the model's first chunk, hidden states that take a gradient to the others, in the
+    compute dtype: (B, T, h), or a sequence-parallel chunk's shard of them (B, T/t, h)."""
+    inputs = []
+    for chunk in stage.chunks:
+        if chunk.is_first:
+            inputs.append(
+                torch.zeros((micro_batch, model.seq_len), dtype=torch.int64, device=device)
+            )
+            continue
+        tokens = model.seq_len // (tp_size(chunk.group) if chunk.sequence_parallel else 1)
+        hidden = torch.zeros((micro_batch, tokens, model.hidden), dtype=dtype, device=device)
+        inputs.append(hidden.requires_grad_())
+    return inputs
+
+
 def rank_state(
-    plan: Plan, topology: Topology, model: ModelSpec, groups: RankGroups, comm: Communicator
+    plan: Plan,
+    topology: Topology,
+    model: ModelSpec,
+    groups: RankGroups,
+    comm: Communicator,
+    *,
+    kernels: Kernels | None = None,
 ) -> RankState:
     """In a fake world: this rank's stage on the meta device, its flat buffers and optimizer as
-    the Engine lays them out, and their bytes. The stage is made by its constructor under the
-    meta device, as Stage.build begins; build's filling of the weights would draw each full
-    tensor on the CPU, which a dry run must not."""
+    the Engine lays them out, and their bytes; with ``kernels`` (its device's), its stage's
+    saved-tensor inventory besides (saved_inventory; TP collectives on the fake group move
+    nothing). The stage is made by its constructor under the meta device, as Stage.build
+    begins; build's filling of the weights would draw each full tensor on the CPU, which a dry
+    run must not."""
     me = topology.ranks[comm.rank]
     with torch.device("meta"):
         stage = StageChunks(
@@ -245,10 +473,16 @@ def rank_state(
     else:
         optimizer = PlainAdamW(weights, 0.0, 0.0)
     optimizer.adamw.step()  # AdamW makes its moments at its first step: on meta, sizes only
+    saved = None
+    if kernels is not None:
+        inputs = stage_inputs(stage, model, plan.micro_batch, weights.compute_dtype, "meta")
+        recompute = plan.pipelines[me.pipeline].stages[me.stage].recompute
+        saved = saved_inventory(stage, inputs, recompute, kernels, plan.precision)
     state = RankState(
         weights=weights.flat.nbytes,
         grads=weights.main_grads.nbytes,
         optimizer=optimizer.state_bytes(),
+        saved=saved,
     )
     weights.remove_hooks()  # else the rank's stage, buffers and optimizer outlive it
     return state
@@ -279,10 +513,15 @@ def dry_run(
     by_stage = {(p.pipeline, p.position): p for p in predicted}
     own = member_groups(job_groups(topology, model, vendors, vendors, data_parallel))
     reports: dict[tuple[int, int], StageReport] = {}
+    inventories: dict[tuple, SavedTensors] = {}
     for info in topology.ranks:
         if progress is not None:
             progress(info.rank)
         key = (info.pipeline, info.stage)
+        accelerator = cluster.group(info.group).accelerator
+        kernels = Kernels.of_vendor(accelerator.vendor)
+        shape = _inventory_key(plan, topology, info.rank, kernels)
+        measure = key not in reports and shape not in inventories
         if key not in reports:
             expected = by_stage[key].memory
             reports[key] = StageReport(
@@ -290,24 +529,57 @@ def dry_run(
                 stage=info.stage,
                 group=info.group,
                 ranks=[],
-                device_gb=cluster.group(info.group).accelerator.memory_gb,
+                device_gb=accelerator.memory_gb,
                 predicted_state_gb=expected.state_gb,
-                predicted_schedule_gb=expected.schedule_gb,
+                predicted_activations_gb=expected.activations_gb,
+                predicted_buffers_gb=expected.buffers_gb,
             )
         report = reports[key]
         with fake_world(info.rank, topology.world_size):
             groups = fake_rank_groups(
                 topology, model, vendors, own.get(info.rank, []), data_parallel
             )
-            state = rank_state(plan, topology, model, groups, Communicator(vendors))
+            state = rank_state(
+                plan,
+                topology,
+                model,
+                groups,
+                Communicator(vendors),
+                kernels=kernels if measure else None,
+            )
+        if state.saved is not None:
+            inventories[shape] = state.saved
+        if not report.ranks:
+            layout = plan.pipelines[info.pipeline]
+            in_flight = in_flight_micro_batches(
+                layout.schedule,
+                info.stage,
+                len(layout.stages),
+                layout.micro_batches,
+                tuple(chunk.layers for chunk in info.chunks),
+            )
+            report.activations_gb = inventories[shape].activations(in_flight) / GB
         report.ranks.append(info.rank)
         report.state_gb = max(report.state_gb, state.total / GB)
-        if state.total / GB + report.predicted_schedule_gb > report.device_gb:
+        above = report.activations_gb + report.predicted_buffers_gb
+        if state.total / GB + above > report.device_gb:
             raise HethubError(
                 f"rank {info.rank} (pipeline {info.pipeline}, stage {info.stage}, group "
-                f"{info.group}) needs {state.total / GB + report.predicted_schedule_gb:.1f} GB "
-                f"({state.total / GB:.1f} GB of state, "
-                f"{report.predicted_schedule_gb:.1f} GB predicted above it) on a device of "
-                f"{report.device_gb:g} GB: a rank must fit its device's memory"
+                f"{info.group}) needs {state.total / GB + above:.1f} GB "
+                f"({state.total / GB:.1f} GB of state, {report.activations_gb:.1f} GB of "
+                f"activations, {report.predicted_buffers_gb:.1f} GB of buffers predicted) on a "
+                f"device of {report.device_gb:g} GB: a rank must fit its device's memory"
             )
     return DryRun(topology.world_size, list(reports.values()), messages, collectives)
+
+
+def _inventory_key(plan: Plan, topology: Topology, rank: int, kernels: Kernels) -> tuple:
+    """What a stage's saved-tensor inventory depends on (the model and the micro-batch are the
+    plan's): its chunks' layers and ends, its TP degree, recomputation and device kernels."""
+    me = topology.ranks[rank]
+    return (
+        tuple((c.layers, c.is_first, c.is_last) for c in me.chunks),
+        len(topology.tp_group(rank)),
+        plan.pipelines[me.pipeline].stages[me.stage].recompute,
+        kernels,
+    )
