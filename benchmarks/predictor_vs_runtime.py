@@ -5,8 +5,11 @@ Usage: python benchmarks/predictor_vs_runtime.py [--steps N] [--rounds R] [--wor
 Target (issue 5): MAPE of predicted vs measured iteration time <= 10% (aim 5%) over at least 6
 plans on 2 and 4 ranks (PP splits, DP, TP, recomputation, an uneven batch split), worst case
 printed; issue 17's plans (interleaved 1F1B, a sharded optimizer, an overlapped gradient sync)
-and issue 28's per-stage recomputation and zero-bubble schedules each within 10%. Every
-prediction is made before its run, from profiles (`hethub validate`).
+and issue 28's per-stage recomputation and zero-bubble schedules each within 10%; issue 38's
+bridged plans (groups of two vendors, every message between them over the runtime's bridge)
+within 10%. Every prediction is made before its run, from profiles (`hethub validate`; for a
+bridged plan, which validate refuses, local_runs.validate_bridged: the same profiles of this
+CPU, stored under the vendors' names, and the run's steps must have moved bytes over the bridge).
 
 This shared machine's speed drifts by 20% and more over minutes, so a profile taken at one moment
 misprices a run a few minutes later. Each plan is therefore profiled afresh right before each of
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_runs import stage, validate
+from local_runs import stage, validate, validate_bridged
 
 MODEL = "local-llama"
 CPU = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 4}]}
@@ -35,6 +38,20 @@ EMULATED = {
         {"name": "slow", "accelerator": "cpu", "nodes": 1, "devices_per_node": 1, "speed": 0.5},
     ]
 }
+BRIDGED = {
+    "groups": [
+        {"name": "nv", "accelerator": "a100-80gb", "nodes": 1, "devices_per_node": 2},
+        {"name": "amd", "accelerator": "mi250x", "nodes": 1, "devices_per_node": 2},
+    ]
+}
+"""Two vendors whose groups a local run puts on this machine's CPU (comm.local_device): what
+crosses between them goes over the runtime's bridge."""
+
+
+def is_bridged(cluster: dict) -> bool:
+    """Whether ``cluster``'s groups are not this machine's CPU, so `hethub validate` refuses it
+    and local_runs.validate_bridged runs it."""
+    return any(g["accelerator"] != "cpu" for g in cluster["groups"])
 
 
 def plan(
@@ -220,6 +237,39 @@ PLANS = [
         ),
         "2 ranks: ZBV, chunks 3+2 and 2+1 layers (a V)",
     ),
+    # issue 38: plans across two vendors, over the bridge
+    (
+        "bridge-pp2",
+        BRIDGED,
+        plan(16, 2, [{"count": 1, "stages": [stage("nv", 1, 5), stage("amd", 1, 3)]}]),
+        "2 ranks: PP 5/3, the stage boundary over the bridge",
+    ),
+    (
+        "bridge-dp2",
+        BRIDGED,
+        plan(
+            16,
+            2,
+            [
+                {"count": 1, "stages": [stage("nv", 1, 8)]},
+                {"count": 1, "stages": [stage("amd", 1, 8)]},
+            ],
+        ),
+        "2 ranks: DP 2, a replica a vendor, bridged sync",
+    ),
+    (
+        "bridge-tp2-dp3",
+        BRIDGED,
+        plan(
+            24,
+            2,
+            [
+                {"count": 1, "stages": [stage("nv", 2, 8)]},
+                {"count": 2, "stages": [stage("amd", 1, 8)]},
+            ],
+        ),
+        "4 ranks: a TP 2 replica beside two TP 1, bridged",
+    ),
 ]
 
 
@@ -253,7 +303,8 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hethub-pvr-"))
     started = time.perf_counter()
     print(
-        f"model {MODEL}, fp32 and bf16 on CPU, 1 thread per rank; "
+        f"model {MODEL}, fp32 and bf16 on CPU (bridge-*: two vendors' groups run here), "
+        "1 thread per rank; "
         "predicted from this machine's profiles, measured "
         f"right before each run; measured: median of {args.steps - 1} steps after a warm-up; "
         f"{args.rounds} round(s) of every plan"
@@ -262,8 +313,9 @@ def main() -> int:
     for r in range(args.rounds):
         for name, cluster, plan_dict, _ in plans:
             folder = workdir / f"round-{r + 1}"
+            run = validate_bridged if is_bridged(cluster) else validate
             reports[name].append(
-                validate(folder, name, cluster, plan_dict, args.steps, folder / name / "profiles")
+                run(folder, name, cluster, plan_dict, args.steps, folder / name / "profiles")
             )
         print(
             f"round {r + 1} of {args.rounds} done, {time.perf_counter() - started:.0f} s",

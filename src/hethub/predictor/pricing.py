@@ -305,14 +305,18 @@ class ProfiledPricing(AnalyticPricing):
         return _measured_send(self.profiles, boundary) or super().send(boundary)
 
     def sync(self, group: DeviceGroup, shape: StageShape, peers: SyncPeers) -> SyncTimes:
-        """The runtime's collectives (profiled.sync_collectives) over the plan's link profile; the
-        analytic model's where the plan has none or a collective was not measured."""
-        link = _plan_link(self.profiles, peers.plan, peers.cluster)
-        if link is not None and link.device == group.accelerator.name:
+        """The runtime's collectives (profiled.sync_collectives): a vendor's own on its kind's
+        link profile, the bridge's over the measured links between the plan's kinds; the
+        analytic model's where a link or a collective was not measured."""
+        profiles, kind = self.profiles, group.accelerator.name
+        link = profiles.link_for(kind)
+        if link is not None:
             collectives = profiled.sync_collectives(
                 peers.plan, peers.cluster, shape.model, peers.pipeline, peers.stage
             )
-            measured = profiled.grad_sync_time(link, collectives)
+            kinds = _plan_kinds(peers.plan, peers.cluster) - {kind}
+            bridge = [profiles.link_between(kind, other) for other in sorted(kinds)]
+            measured = profiled.grad_sync_time(link, collectives, [b for b in bridge if b])
             if measured is not None:  # over every holder of each tensor, whatever its layout
                 # one class of layouts: its sums through the leaders (the tied head's) wait for
                 # no other layout's stages
@@ -543,9 +547,14 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
     return profiled.send_times(link, cut, element, b.tp_sender, b.tp_receiver)
 
 
+def _plan_kinds(plan: Plan, cluster: ClusterSpec) -> set[str]:
+    """The accelerator kinds the plan's stages run on."""
+    return {cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages}
+
+
 def _plan_link(profiles: Profiles, plan: Plan, cluster: ClusterSpec) -> LinkProfile | None:
-    """The link profile that prices the plan's gradient sync and loss all-reduce: every stage of
+    """The link profile that prices the plan's loss all-reduce over every rank: every stage of
     the plan on one kind of accelerator, which has a link profile (else the analytic model
-    prices them)."""
-    devices = {cluster.group(s.group).accelerator.name for p in plan.pipelines for s in p.stages}
+    prices it)."""
+    devices = _plan_kinds(plan, cluster)
     return profiles.link_for(devices.pop()) if len(devices) == 1 else None

@@ -31,7 +31,16 @@ from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTim
 from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import Kind, MessageCut, Phase, rank_transfers, shard_degrees
+from hethub.spec.collectives import (
+    BRIDGE,
+    NATIVE,
+    Kind,
+    MessageCut,
+    Phase,
+    rank_transfers,
+    ring_steps,
+    shard_degrees,
+)
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.topology import Topology, build_topology, parameter_holders
@@ -153,8 +162,10 @@ class Collective(NamedTuple):
     after_step: bool = False
     """A sharded optimizer's all-gather of the updated weights, after its step."""
     exchange: bool = False
-    """The sum among a bucket's holders through the stage leaders and its broadcast back to the
-    TP group: it waits for every holder's backwards."""
+    """The sum among a bucket's holders in its classes (spec.slices.sync_classes): it waits for
+    every holder's backwards."""
+    path: str = NATIVE
+    """NATIVE inside a vendor, BRIDGE across vendors (spec.collectives.path_of)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -177,24 +188,41 @@ def sync_collectives(
             len(t.ranks),
             after_step=t.phase is Phase.PARAM_GATHER,
             exchange=t.phase is Phase.GRAD_EXCHANGE,
+            path=t.path,
         )
         for t in transfers
         if t.phase in (Phase.GRAD_SYNC, Phase.GRAD_EXCHANGE, Phase.PARAM_GATHER)
     )
 
 
-def grad_sync_time(link: LinkProfile, collectives: Sequence[Collective]) -> SyncTimes | None:
-    """The measured time of a rank's gradient sync (sync_collectives); None where a collective
-    was not measured."""
+def grad_sync_time(
+    link: LinkProfile, collectives: Sequence[Collective], bridge: Sequence[LinkProfile] = ()
+) -> SyncTimes | None:
+    """The measured time of a rank's gradient sync (sync_collectives): a native collective on
+    its vendor's ``link``, a bridged one as a ring over the slowest of the ``bridge`` links
+    (the measured links between its kinds' nodes, point to point: ring_over); None where a
+    collective was not measured (a bridged one with no ``bridge`` link)."""
     reduce, gather, exchange = [], [], []
     for c in collectives:
-        time = _MEASURED[c.kind](link, c.nbytes, c.ranks)
+        if c.path == BRIDGE:
+            time = max((ring_over(b, c) for b in bridge), default=None)
+        else:
+            time = _MEASURED[c.kind](link, c.nbytes, c.ranks)
         (gather if c.after_step else reduce).append(time)
         if c.exchange:
             exchange.append(time)
     if None in reduce or None in gather:
         return None
     return SyncTimes(sum(reduce), sum(gather), sum(exchange))
+
+
+def ring_over(link: LinkProfile, collective: Collective) -> float:
+    """``collective`` as a ring runs it over a point-to-point ``link``: its ring_steps
+    messages one after the other, each a 1/n share of the tensor (the whole of it for a
+    broadcast), as the Communicator moves it (spec.collectives.moved_bytes)."""
+    kind, ranks = collective.kind, collective.ranks
+    share = collective.nbytes if kind is Kind.BROADCAST else collective.nbytes / ranks
+    return ring_steps(kind, ranks) * link.p2p_time(share)
 
 
 def optimizer_time(
