@@ -221,7 +221,7 @@ def test_a_model_too_big_for_this_machine_is_refused_before_planning(
 def test_a_stage_over_its_devices_memory_is_refused(here, capsys):
     cluster, plan = write("c.yaml", A100), write("p.yaml", OVER_ON_A100)
     line = refused(capsys, "--cluster", cluster, "--plan", plan)
-    assert "stage 0.0 (group nv) needs " in line and "its a100-40gb has 40 GB" in line
+    assert "stage 0.0 (group nv) needs " in line and "its a100-40gb has 40.3 GB usable" in line
 
 
 def test_a_plan_of_more_processes_than_the_cores_can_take_is_refused(here, capsys):
@@ -253,7 +253,7 @@ def test_force_turns_the_refusal_into_one_warning(here, capsys, case):
     assert job.plan.model == plan["model"]
     assert len(said) == 1 and said[0].startswith("warning: launching anyway (--force), although ")
     assert ("processes on this machine" in said[0]) == (case == "processes")
-    assert ("its a100-40gb has 40 GB" in said[0]) == (case == "memory")
+    assert ("its a100-40gb has 40.3 GB usable" in said[0]) == (case == "memory")
 
 
 def test_under_torchrun_there_is_no_pre_flight(here):

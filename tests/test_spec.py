@@ -219,7 +219,7 @@ def test_lookup_is_case_insensitive() -> None:
     acc = lookup("A100-80GB")
     assert acc.name == "a100-80gb"
     assert acc == catalog()["a100-80gb"]
-    assert acc.memory_gb == 80
+    assert acc.memory_bytes == 80 * 2**30  # the datasheet's 80 GB of HBM: 80 GiB
 
 
 @pytest.mark.parametrize(("miss", "meant"), [("a100-80", "a100-80gb"), ("h10", "h100")])

@@ -9,7 +9,7 @@ import dataclasses
 import json
 
 from hethub.report.terminal import render_table
-from hethub.spec.accelerator import AcceleratorSpec, DeviceEfficiency, catalog
+from hethub.spec.accelerator import GIB, AcceleratorSpec, DeviceEfficiency, catalog
 
 INHERITED = "*"
 """Marks a figure taken from the vendor's default, for want of a measurement of the device."""
@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _json(a: AcceleratorSpec) -> dict:
     fields = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.init}
     del fields["name"]
+    fields["memory_gib"] = a.memory_bytes / GIB
+    fields["usable_memory_gb"] = a.usable_memory_gb
     e: DeviceEfficiency = fields.pop("efficiency")
     fields["efficiency"] = {
         **{f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.init},
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         "name",
         "vendor",
         "bf16 TFLOP/s",
-        "memory GB",
+        "memory GiB",
+        "usable GB",
         "memory GB/s",
         "intra-node GB/s",
         "network Gb/s",
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 a.name,
                 a.vendor,
                 f"{a.bf16_tflops:g}",
-                f"{a.memory_gb:g}",
+                f"{a.memory_bytes / GIB:g}",
+                f"{a.usable_memory_gb:.1f}",
                 f"{a.memory_bw_gb_s:g}",
                 f"{a.intra_node_gb_s:g}",
                 f"{a.network_gbps:g}",
@@ -86,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nGEMM, sustained, attention and memory eff are the shares of the datasheet the "
         f"predictor prices each device at, from microbenchmarks (hethub catalog --json gives "
         f"each device's sources); {INHERITED} marks a figure no benchmark of the device "
-        f"measured, taken from its vendor's default."
+        f"measured, taken from its vendor's default. Usable GB: the memory a job may hold, "
+        f"in the predictor's decimal GB, the runtime's reserve kept (catalog.yaml, "
+        f"vendor_defaults)."
     )
     return 0

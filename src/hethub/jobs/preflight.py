@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hethub.errors import HethubError
 from hethub.predictor import Prediction
-from hethub.predictor.memory import GB, state_bytes
+from hethub.predictor.memory import GB, fits, state_bytes
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, Plan
 from hethub.spec.parameters import parameter_count
@@ -147,14 +147,15 @@ def _device_memory_excess(cluster: ClusterSpec, prediction: Prediction) -> str |
         (stage, cluster.group(stage.group).accelerator)
         for stage in prediction.stages
         if cluster.group(stage.group).accelerator.vendor != "cpu"
-        and stage.memory.total_gb > cluster.group(stage.group).accelerator.memory_gb
+        and not fits(stage.memory, cluster.group(stage.group).accelerator)
     ]
     if not over:
         return None
-    stage, accelerator = max(over, key=lambda o: o[0].memory.total_gb / o[1].memory_gb)
+    stage, accelerator = max(over, key=lambda o: o[0].memory.total_gb / o[1].usable_memory_gb)
     others = f" ({len(over)} stages over, this the most)" if len(over) > 1 else ""
     return (
         f"stage {stage.pipeline}.{stage.position} (group {stage.group}) needs "
         f"{stage.memory.total_gb:,.1f} GB a device, its {accelerator.name} has "
-        f"{accelerator.memory_gb:g} GB{others}"
+        f"{accelerator.usable_memory_gb:,.1f} GB usable ({accelerator.memory_gb:,.1f} GB less "
+        f"its runtime's reserve){others}"
     )

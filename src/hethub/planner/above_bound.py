@@ -59,19 +59,23 @@ def why_above(bound: UpperBound, best: Ranked, cluster: ClusterSpec) -> list[str
                 room.append(
                     f"at most {mixed.most_layers} layers a stage, {single.most_layers} alone"
                 )
-            memory = cluster.group(name).accelerator.memory_gb
+            memory = cluster.group(name).accelerator.usable_memory_gb
             lines.append(
                 f"{name} runs TP {_degrees(mixed.tps)} in it, TP {_degrees(single.tps)} alone "
                 f"(less time in TP all-reduces)"
-                + (f": its {memory:g} GB devices hold " + " and ".join(room) if room else "")
+                + (
+                    f": its devices' {memory:.1f} usable GB hold " + " and ".join(room)
+                    if room
+                    else ""
+                )
             )
         spread = _uneven(best, name), _uneven(solo, name)
         if spread[1] is not None and spread[0] is not None and spread[1][0] > spread[0][0]:
             (_, mixed_low, mixed_high, _), (_, low, high, fewest) = spread
-            memory = cluster.group(name).accelerator.memory_gb
+            memory = cluster.group(name).accelerator.usable_memory_gb
             lines.append(
                 f"{name}'s stages alone hold {low} to {high} layers (its {low}-layer stage "
-                f"{fewest.memory.total_gb:.1f} of {memory:g} GB), in it {mixed_low} to "
+                f"{fewest.memory.total_gb:.1f} of {memory:.1f} usable GB), in it {mixed_low} to "
                 f"{mixed_high}: alone, its stages are less even"
             )
         if plan.micro_batch > solo.plan.micro_batch:

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from hethub.predictor.calibration import Calibration
+from hethub.predictor.memory import headroom_gb
 from hethub.predictor.memory import stage_position as _stage_position
 from hethub.predictor.pricing import Pricing, StageShape, pricing_for
 from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
@@ -162,7 +163,7 @@ def _layer_cap(
 
     fixed = gb(0)
     per_layer = gb(1) - fixed  # memory is linear in the layers
-    room = group.accelerator.memory_gb - fixed
+    room = headroom_gb(fixed, group.accelerator)
     if room < per_layer:
         return 0
     return min(setting.model.layers, int(room / per_layer + 1e-9))

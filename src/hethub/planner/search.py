@@ -47,6 +47,7 @@ from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction, default_calibration, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
+from hethub.predictor.memory import fits, headroom_gb
 from hethub.predictor.profiled import core_sharing, for_precision
 from hethub.predictor.schedule import collector_paused
 from hethub.predictor.stage import StagePosition
@@ -406,7 +407,7 @@ def _stage_fits(
 ) -> bool:
     shape = setting.shape(tp, layers, position)
     memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
-    return memory.total_gb <= group.accelerator.memory_gb
+    return fits(memory, group.accelerator)
 
 
 def _setting_of(state: _Search, plan: Plan, recompute: Recompute | None = None) -> Setting:
@@ -940,7 +941,7 @@ def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:
     """Remember by how much the closest candidate overflows which device."""
 
     def over(stage) -> float:
-        return stage.memory.total_gb - state.cluster.group(stage.group).accelerator.memory_gb
+        return -headroom_gb(stage.memory, state.cluster.group(stage.group).accelerator)
 
     worst = max(prediction.stages, key=over)
     if state.closest is None or over(worst) < state.closest.over_gb:
@@ -953,7 +954,7 @@ def _note_overflow(state: _Search, plan: Plan, prediction: Prediction) -> None:
             worst.memory.total_gb,
             worst.group,
             worst.accelerator,
-            state.cluster.group(worst.group).accelerator.memory_gb,
+            state.cluster.group(worst.group).accelerator.usable_memory_gb,
             f"{summary}, micro-batch {plan.micro_batch}, recompute {plan.recompute}",
         )
 

@@ -17,7 +17,7 @@ from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32, peak_tflops
-from hethub.predictor.memory import stage_params, stage_position
+from hethub.predictor.memory import fits, stage_params, stage_position
 from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
 from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.schedule import (
@@ -351,7 +351,7 @@ def _assemble_step(
         / 1e12,
         mean_peak_tflops=peak / devices,
         peak_memory_gb=max(s.memory.total_gb for s in stages),
-        fits=all(s.memory.total_gb <= cluster.group(s.group).accelerator.memory_gb for s in stages),
+        fits=all(fits(s.memory, cluster.group(s.group).accelerator) for s in stages),
         devices=devices,
         bubble_fraction=1.0 - busy / span,
         pipeline_time_s=tuple(run.time_s for run in runs),

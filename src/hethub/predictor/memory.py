@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from hethub.predictor.stage import StagePosition
+from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameter_count
@@ -75,6 +76,20 @@ class StageMemory:
     @property
     def total_gb(self) -> float:
         return self.state_gb + self.schedule_gb
+
+
+def headroom_gb(memory: StageMemory | float, device: AcceleratorSpec) -> float:
+    """What ``device`` has left beside ``memory`` (a stage's, or its GB): its usable memory
+    (AcceleratorSpec.usable_memory_gb: the runtime's reserve kept) less the stage's; negative
+    where the stage does not fit."""
+    need = memory.total_gb if isinstance(memory, StageMemory) else memory
+    return device.usable_memory_gb - need
+
+
+def fits(memory: StageMemory | float, device: AcceleratorSpec) -> bool:
+    """Whether a stage's ``memory`` fits one ``device``: the one answer the predictor, the
+    planner, the pre-flight and the dry run give."""
+    return headroom_gb(memory, device) >= 0
 
 
 @functools.lru_cache(maxsize=65536)

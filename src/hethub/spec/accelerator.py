@@ -13,6 +13,12 @@ from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
 
+GB = 10**9
+"""The predictor's unit of memory (StageMemory's figures): decimal gigabytes."""
+GIB = 2**30
+"""A gibibyte: the unit device memory is built in (HBM and GDDR capacities are binary), whatever
+a datasheet's "80 GB" says."""
+
 EFFICIENCY_FIELDS = ("gemm", "sustained", "attention", "memory", "launch_us")
 """The figures of a device's `efficiency:` in the catalog, each measured by a microbenchmark."""
 
@@ -72,8 +78,13 @@ class AcceleratorSpec:
     bridge."""
     bf16_tflops: float
     """Dense bf16 tensor TFLOP/s (fp16 where the device has no bf16)."""
-    memory_gb: float
-    """Device memory, GB."""
+    memory_bytes: int
+    """Device memory, bytes: the catalog's ``memory_gib`` or ``memory_gb``, whichever unit the
+    figure is in."""
+    memory_reserve_bytes: int = 0
+    """What the device's runtime keeps of that memory, never the job's: what the driver does not
+    expose, the runtime's context, the collective library's buffers and the allocator's slack
+    (``memory_reserve_gib``, by default its vendor's in catalog.yaml's vendor_defaults)."""
     memory_bw_gb_s: float
     """Device memory bandwidth, GB/s."""
     intra_node_gb_s: float
@@ -89,6 +100,18 @@ class AcceleratorSpec:
     """The public document the figures come from."""
     efficiency: DeviceEfficiency
     """How much of those figures its kernels reach (microbenchmarks, or the vendor's default)."""
+
+    @property
+    def memory_gb(self) -> float:
+        """Device memory, decimal GB (the predictor's unit)."""
+        return self.memory_bytes / GB
+
+    @property
+    def usable_memory_gb(self) -> float:
+        """What a job may hold of the device's memory, decimal GB: its memory less the
+        runtime's reserve. Whether a stage fits is asked of this alone
+        (predictor.memory.fits)."""
+        return (self.memory_bytes - self.memory_reserve_bytes) / GB
 
 
 @functools.cache
@@ -130,6 +153,8 @@ _INLINE_FIELDS = (
     "vendor",
     "bf16_tflops",
     "memory_gb",
+    "memory_gib",
+    "memory_reserve_gib",
     "memory_bw_gb_s",
     "intra_node_gb_s",
     "host_link_gb_s",
@@ -152,7 +177,10 @@ def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
         name=f.string("name"),
         vendor=vendor,
         bf16_tflops=f.positive_number("bf16_tflops"),
-        memory_gb=f.positive_number("memory_gb"),
+        memory_bytes=_memory_bytes(f),
+        memory_reserve_bytes=round(
+            GIB * f.non_negative_number("memory_reserve_gib", defaults["memory_reserve_gib"])
+        ),
         memory_bw_gb_s=f.positive_number("memory_bw_gb_s", defaults["memory_bw_gb_s"]),
         intra_node_gb_s=f.positive_number("intra_node_gb_s", defaults["intra_node_gb_s"]),
         host_link_gb_s=f.positive_number("host_link_gb_s", defaults["host_link_gb_s"]),
@@ -161,6 +189,28 @@ def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
         source=str(f.raw("source", "inline in the cluster file")),
         efficiency=parse_efficiency(f.raw("efficiency", {}), vendor, source, f.path("efficiency")),
     )
+
+
+def _memory_bytes(f: Fields) -> int:
+    """The device's memory from ``memory_gib`` or ``memory_gb``: one of them, in the unit its
+    figure is (a datasheet's "80 GB" of HBM is 80 GiB: say memory_gib)."""
+    if f.has("memory_gib") and f.has("memory_gb"):
+        raise f.error(
+            "memory_gb",
+            f.raw("memory_gb"),
+            "give the device's memory once: memory_gib (binary, as HBM and GDDR are built) or "
+            "memory_gb (decimal), not both",
+        )
+    if f.has("memory_gib"):
+        return round(GIB * f.positive_number("memory_gib"))
+    if not f.has("memory_gb"):
+        raise f.error(
+            "memory_gib",
+            None,
+            "is required: the device's memory, as memory_gib (binary, as HBM and GDDR are "
+            "built) or memory_gb (decimal)",
+        )
+    return round(GB * f.positive_number("memory_gb"))
 
 
 def parse_efficiency(value: Any, vendor: str, source: str, field: str) -> DeviceEfficiency:

@@ -171,6 +171,12 @@ class Fields:
             raise self.error(key, value, "must be a positive number")
         return float(value)
 
+    def non_negative_number(self, key: str, default: Any = _MISSING) -> float:
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise self.error(key, value, "must be a number >= 0")
+        return float(value)
+
     def fraction(self, key: str, default: Any = _MISSING) -> float:
         value = self.positive_number(key, default)
         if value > 1:
