@@ -49,7 +49,6 @@ from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
 from hethub.predictor.memory import fits, headroom_gb
 from hethub.predictor.profiled import core_sharing, for_precision
-from hethub.predictor.schedule import collector_paused
 from hethub.predictor.stage import StagePosition
 from hethub.profiles.store import Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
@@ -169,7 +168,6 @@ class _Search:
         return self.timed_out
 
 
-@collector_paused()  # a search allocates much and leaves no cycles: each collection was a tenth
 def search(
     cluster: ClusterSpec,
     model: ModelSpec,

@@ -83,10 +83,11 @@ class ScheduleOrder:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cycle collector off for a while (and back as it was after), where much is
-    allocated and nothing collectable: an order is tens of thousands of small tuples and lists,
-    no cycles, and each full collection they set off walks every order cached before (a third
-    of a planner's time building orders went to it)."""
+    """Python's cycle collector off for one pure-Python build (and back as it was after), where
+    much is allocated and nothing collectable: an order is tens of thousands of small tuples and
+    lists, no cycles, and each collection they set off walks every order cached before. Scoped
+    to one order's build, which calls no one else's code: a search, or a library user's process
+    around it, keeps its collector."""
     was_on = gc.isenabled()
     gc.disable()
     try:
