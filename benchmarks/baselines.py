@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 
 from hethub.planner.candidates import Layout, combinations, homogeneous, mixed, tp_degrees
-from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES, VIRTUAL_STAGES, chunks_allowed
+from hethub.planner.drafts import VIRTUAL_STAGES, chunks_allowed
+from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES
 from hethub.predictor import Prediction, predict
 from hethub.spec import ClusterSpec, ModelSpec
 from hethub.spec.plan import PipelineLayout, Plan, StageSpec, stage_chunk_layers, uniform_layers

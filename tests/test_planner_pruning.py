@@ -5,19 +5,21 @@ by is at most what it stands for."""
 from __future__ import annotations
 
 import itertools
-import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hethub.planner import search, upper_bound
+from hethub.planner.candidates import homogeneous, mixed
+from hethub.planner.drafts import make_draft
+from hethub.planner.floors import Floor, compute_floor, setting_floor, structure_floor
 from hethub.planner.partition import least_bottleneck, relaxed_bottleneck, stage_times
+from hethub.planner.search_state import SearchState, setting_of
 from hethub.predictor import predict
 from hethub.spec import parse_cluster, parse_model
 
 # hethub.planner re-exports search(), which hides the module of that name from attribute access
-planner_search = sys.modules["hethub.planner.search"]
 
 LLAMA = {
     "arch": "llama",
@@ -91,28 +93,23 @@ def test_pruning_names_the_same_closest_overflow_when_nothing_fits():
 def test_floors_are_at_most_the_drafts_bounds_and_the_predicted_steps():
     cluster, model = _scenario(*SCENARIOS[2][1::2])
     result = search(cluster, model, 16, model_ref="m")
-    state = planner_search._Search(
-        cluster, model, "m", 16, float("inf"), None, result.query.calibration
-    )
+    state = SearchState(cluster, model, "m", 16, float("inf"), None, result.query.calibration)
     jobs = [
         (setting, structure)
-        for setting in {planner_search._setting_of(state, r.plan) for r in result.ranked}
+        for setting in {setting_of(state, r.plan) for r in result.ranked}
         for structure in itertools.chain(
-            *(
-                [(layout,) for layout in planner_search.homogeneous(g, model, 8)]
-                for g in cluster.groups
-            ),
-            planner_search.mixed(cluster, model, {g.name: [1, 2] for g in cluster.groups}, 8, {}),
+            *([(layout,) for layout in homogeneous(g, model, 8)] for g in cluster.groups),
+            mixed(cluster, model, {g.name: [1, 2] for g in cluster.groups}, 8, {}),
         )
     ]
     drafted = 0
     for setting, structure in jobs:
-        tiers = planner_search._Floor
-        floors = [planner_search._setting_floor(state, setting)] + [
-            planner_search._structure_floor(state, setting, structure, known)
+        tiers = Floor
+        floors = [setting_floor(state, setting)] + [
+            structure_floor(state, setting, structure, known)
             for known in (tiers.RELAXED, tiers.WHOLE, tiers.CAPPED)
         ]
-        draft = planner_search._draft(state, setting, structure, 1)
+        draft = make_draft(state, setting, structure, 1)
         if draft is None:
             continue
         assert all(floor <= draft.interleaved_bound for floor in floors)
@@ -121,7 +118,7 @@ def test_floors_are_at_most_the_drafts_bounds_and_the_predicted_steps():
         drafted += 1
     assert drafted >= 50
     for ranked in result.ranked:  # interleaved, unlike layouts side by side, mixed replicas
-        floor = planner_search._compute_floor(state, ranked.plan)
+        floor = compute_floor(state, ranked.plan)
         busiest = max(stage.compute_s for stage in ranked.prediction.stages)
         assert busiest * (1 - 1e-9) <= floor <= ranked.prediction.iteration_time_s
         assert ranked.prediction == predict(ranked.plan, cluster, model)

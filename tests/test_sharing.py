@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hethub.planner import search
 from hethub.planner.candidates import homogeneous
 from hethub.planner.costs import Setting
-from hethub.planner.search import VIRTUAL_STAGES, _draft, _Search
+from hethub.planner.drafts import VIRTUAL_STAGES, make_draft
+from hethub.planner.search_state import SearchState
 from hethub.predictor import default_calibration, predict
 from hethub.predictor.profiled import core_sharing, missing_profiles
 from hethub.predictor.schedule import schedule_order, simulate
@@ -215,7 +216,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
         )
         .select(concurrent_ranks=4)
     )
-    state = _Search(
+    state = SearchState(
         CPU4, TINY, "tiny-llama", 16, float("inf"), None, default_calibration(), profiles
     )
     checked = 0
@@ -230,7 +231,7 @@ def test_the_planners_bound_stays_below_the_shared_prediction():
         )
         for layout in homogeneous(CPU4.groups[0], TINY, 4):
             for chunks in VIRTUAL_STAGES:
-                draft = _draft(state, setting, (layout,), chunks)
+                draft = make_draft(state, setting, (layout,), chunks)
                 if draft is not None:
                     step = predict(draft.plan, CPU4, TINY, profiles=profiles).iteration_time_s
                     assert draft.interleaved_bound <= draft.bound <= step

@@ -2,6 +2,7 @@
 runtime."""
 
 from hethub.planner.bound import GroupShare, UpperBound, upper_bound
-from hethub.planner.search import Ranked, SearchResult, search
+from hethub.planner.search import SearchResult, search
+from hethub.planner.search_state import Ranked
 
 __all__ = ["GroupShare", "Ranked", "SearchResult", "UpperBound", "search", "upper_bound"]

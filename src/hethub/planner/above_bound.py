@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.planner.bound import UpperBound
-from hethub.planner.search import Ranked
+from hethub.planner.search_state import Ranked
 from hethub.predictor.results import StagePrediction
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.plan import Plan, Recompute

@@ -41,16 +41,10 @@ from dataclasses import dataclass
 
 from hethub.planner.candidates import Layout
 from hethub.planner.costs import Setting, StageSlot
-from hethub.planner.search import (
-    Ranked,
-    SearchQuery,
-    SearchResult,
-    _compute_floor,
-    _draft,
-    _predict,
-    _Search,
-    search,
-)
+from hethub.planner.drafts import make_draft
+from hethub.planner.floors import compute_floor
+from hethub.planner.search import SearchQuery, SearchResult, search
+from hethub.planner.search_state import Ranked, SearchState, predict_and_keep
 from hethub.spec.plan import Plan
 
 MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
@@ -163,7 +157,7 @@ def _search_alone(query: SearchQuery, name: str, global_batch: int) -> SearchRes
 
 @dataclass(frozen=True, slots=True)
 class _Recipe:
-    """A plan without its batch: what _draft makes concrete at any share."""
+    """A plan without its batch: what make_draft makes concrete at any share."""
 
     setting: Setting
     structure: tuple[Layout, ...]
@@ -235,27 +229,27 @@ class _StandIn:
     def _made(self, name: str, share: int) -> Ranked | None:
         """The best of the group's recipes made concrete at ``share`` (None: none applies).
         Those not weighed there yet are drafted and predicted most promising first; one whose
-        step cannot be shorter than the best's (_compute_floor) cannot be the best, and is not
+        step cannot be shorter than the best's (compute_floor) cannot be the best, and is not
         predicted."""
         best, weighed = self.made.get((name, share), (None, 0))
         recipes = self.recipes[name]
         q = self.query
         cluster = dataclasses.replace(q.cluster, groups=(q.cluster.group(name),))
-        state = _Search(
+        state = SearchState(
             cluster, q.model, q.model_ref, share, float("inf"), None, q.calibration, q.profiles
         )
         drafts = []
         for index, recipe in enumerate(recipes[weighed:]):
             if share % recipe.setting.micro_batch:
                 continue
-            draft = _draft(state, recipe.setting, recipe.structure, recipe.chunks)
+            draft = make_draft(state, recipe.setting, recipe.structure, recipe.chunks)
             if draft is not None:
-                floor = _compute_floor(state, draft.plan) if q.prune else 0.0
+                floor = compute_floor(state, draft.plan) if q.prune else 0.0
                 drafts.append((floor, index, draft.plan))
         for floor, _, plan in sorted(drafts, key=lambda d: d[:2]):
             if best is not None and floor >= best.prediction.iteration_time_s:
                 break
-            ranked = _predict(state, plan)
+            ranked = predict_and_keep(state, plan)
             if ranked is not None and (best is None or _speed(ranked) > _speed(best)):
                 best = ranked
         self.made[name, share] = best, len(recipes)
