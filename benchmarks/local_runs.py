@@ -76,12 +76,12 @@ def validate_bridged(
     (LinkProfile.peer) taken from the CPU's own link. That is what the bridge is on one machine:
     gloo between two processes of it, the transport the CPU's link profile measured. They are
     selected as for a local run (every rank computing at once on these cores), which
-    profiles.store.local_concurrency grants only to an all-CPU cluster.
+    profiles.selection.local_concurrency grants only to an all-CPU cluster.
 
     Refuses (SystemExit) a run whose steps moved no bytes over the bridge: it would not be a
     bridged plan. Returns validate's keys that the benchmarks read, and ``bridge_bytes``."""
     from hethub.predictor import predict
-    from hethub.profiles.store import load_profiles
+    from hethub.profiles.files import load_profiles
     from hethub.runtime.rundir import RunDir
     from hethub.spec import load_model, parse_cluster, parse_plan
 
@@ -153,30 +153,23 @@ def measure_cpu(folder: Path, twin, model, plan) -> None:
     the all-CPU cluster ``twin`` (hethub.jobs.prepare: every rank at once, and each TP group
     alone where the ranks outnumber the cores)."""
     from hethub.jobs.prepare import local_measurements
-    from hethub.profiler.measure import available_cores, ensure_profiles
+    from hethub.profiler.conditions import available_cores
+    from hethub.profiler.ensure import ProfileRequest, ensure_profiles
 
     wanted = local_measurements(twin, model, plan, available_cores())
-    common = {"threads": 1, "dtype": plan.precision.value}
-    ensure_profiles(
-        folder,
-        model,
-        "cpu",
-        wanted.tps,
-        wanted.micro_batches,
+    request = ProfileRequest(
+        model=model,
+        device_name="cpu",
+        tps=wanted.tps,
+        micro_batches=wanted.micro_batches,
+        threads=1,
         concurrent_ranks=wanted.together,
-        **common,
+        dtype=plan.precision.value,
     )
+    ensure_profiles(folder, request)
     for tp in wanted.alone:
-        ensure_profiles(
-            folder,
-            model,
-            "cpu",
-            [tp],
-            wanted.micro_batches,
-            concurrent_ranks=tp,
-            links=False,
-            **common,
-        )
+        alone = dataclasses.replace(request, tps=[tp], concurrent_ranks=tp)
+        ensure_profiles(folder, alone, links=False)
 
 
 def profiles_for_kinds(cpu: Path, out: Path, kinds: list[str]) -> Path:
@@ -184,7 +177,7 @@ def profiles_for_kinds(cpu: Path, out: Path, kinds: list[str]) -> Path:
     and for every two kinds their link between nodes (LinkProfile.peer) from the CPU's link at
     each concurrency: the groups of those kinds run on this CPU, and the bridge between them is
     gloo between its processes. Returns ``out``."""
-    from hethub.profiles.store import load_profiles, save_profile
+    from hethub.profiles.files import load_profiles, save_profile
 
     measured = load_profiles(cpu)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ same plan (hethub.predictor.predict), term by term:
   schedule   above the state at the schedule's peak: the layers' saved activations of the
              micro-batches in flight, the stage's boundary tensors, the loss's buffers and the
              backward's gradients then (measured: the first window's peak less the state);
-             "layers" is its part the layers save (measured: profiler.measure.saved_bytes of one
+             "layers" is its part the layers save (measured: profiler.layers.saved_bytes of one
              of the stage's layers, times its layers and the micro-batches in flight)
   update     above the state at the optimizer step's peak (measured: the second window's)
 """
@@ -134,8 +134,8 @@ class Held:
 def measure_rank(rank: int, world: int, model: str | ModelSpec, fields: dict) -> Held:
     """Run by each rank (run_ranks): one step to make the optimizer's state, then one counted.
     ``model``: a preset's name, or the model itself."""
+    from hethub.profiler.layers import saved_bytes
     from hethub.profiler.live_bytes import LiveBytes
-    from hethub.profiler.measure import saved_bytes
     from hethub.runtime.engine import Engine
     from hethub.spec.topology import build_topology
 

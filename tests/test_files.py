@@ -79,7 +79,7 @@ write_atomic(folder / "profile.json", "{}")
 
 
 def test_write_atomic_gives_the_mode_open_gives(tmp_path):
-    # Every writer of a run folder and of profiles (profiles.store.save_profile) goes through
+    # Every writer of a run folder and of profiles (profiles.files.save_profile) goes through
     # write_atomic. In a child process: the umask is the whole process's.
     for umask in (0o022, 0o027, 0o077):
         folder = tmp_path / f"umask-{umask:o}"

@@ -239,17 +239,17 @@ def test_the_first_run_profiles_plans_and_trains_in_bf16_only_where_the_cpu_has_
     import hethub.cli.train
     import hethub.runtime.precision
     from hethub.jobs import prepare
-    from hethub.profiler import measure
+    from hethub.profiler import ensure
 
     measured = []
 
-    def ensure_profiles(folder, model, device, tps, micro_batches, **kwargs):
-        measured.append(kwargs["dtype"])
+    def ensure_profiles(folder, request, **kwargs):
+        measured.append(request.dtype)
         folder.mkdir(parents=True, exist_ok=True)  # nothing measured: priced analytically
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(hethub.runtime.precision, "cpu_has_bf16_kernels", lambda: bf16_kernels)
-    monkeypatch.setattr(measure, "ensure_profiles", ensure_profiles)
+    monkeypatch.setattr(ensure, "ensure_profiles", ensure_profiles)
     parser = argparse.ArgumentParser()
     hethub.cli.train.add_parser(parser.add_subparsers())
     said = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hethub.profiles.store import DTYPE_BYTES
+from hethub.profiles.types import DTYPE_BYTES
 from hethub.spec.buckets import MAIN_GRAD_BYTES
 from hethub.spec.plan import Precision
 

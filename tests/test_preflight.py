@@ -22,7 +22,7 @@ import hethub.runtime.precision
 from hethub.cli import main
 from hethub.errors import HethubError
 from hethub.jobs import preflight, prepare
-from hethub.profiler.measure import available_cores
+from hethub.profiler.conditions import available_cores
 from hethub.profiles.machine import default_profiles_dir
 
 CPU = {"groups": [{"name": "cpu", "accelerator": "cpu", "nodes": 1, "devices_per_node": 2}]}

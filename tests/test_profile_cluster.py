@@ -19,14 +19,9 @@ import pytest
 from test_nodes import environment, run_agents
 
 from hethub.predictor.iteration import predict
-from hethub.profiles.store import (
-    LayerKey,
-    LayerProfile,
-    LinkProfile,
-    Profiles,
-    load_profiles,
-    save_profile,
-)
+from hethub.profiles.files import load_profiles, save_profile
+from hethub.profiles.selection import Profiles
+from hethub.profiles.types import LayerKey, LayerProfile, LinkProfile
 from hethub.spec import load_model, parse_cluster, parse_plan
 
 CLUSTER = """groups:
@@ -209,7 +204,7 @@ def _cluster_data() -> dict:
 def test_the_predictor_and_the_planner_import_no_torch():
     code = (
         "import sys; import hethub.predictor.iteration, hethub.planner.search, "
-        "hethub.profiles.store; assert 'torch' not in sys.modules, 'torch imported'"
+        "hethub.profiles.files; assert 'torch' not in sys.modules, 'torch imported'"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=environment(), capture_output=True, text=True, check=False

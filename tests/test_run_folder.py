@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import hethub.cli.train
-import hethub.profiler.measure
+import hethub.profiler.ensure
 from hethub.cli import main
 
 UNWRITABLE_FOLDER = "/proc/1"
@@ -32,7 +32,7 @@ def here(tmp_path, monkeypatch):
         pytest.fail("a process was started (torchrun)")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hethub.profiler.measure, "ensure_profiles", measuring)
+    monkeypatch.setattr(hethub.profiler.ensure, "ensure_profiles", measuring)
     monkeypatch.setattr(hethub.cli.train, "launch", launching)
     return tmp_path
 

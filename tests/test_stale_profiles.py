@@ -22,10 +22,11 @@ from test_profile import TINY, key_of, layer_profile, link_profile
 from hethub.cli import build_parser, main
 from hethub.jobs.prepare import prepare
 from hethub.predictor.profiled import missing_profiles
-from hethub.profiler.measure import measure_layers
+from hethub.profiler.layers import measure_layers
 from hethub.profiles import load_profiles, machine, read_profile, save_profile, select_for_run
+from hethub.profiles.files import profile_path, to_json
 from hethub.profiles.provenance import differences_from_here, plan_layer_profiles, provenance
-from hethub.profiles.store import MEASURED_TIMES, MeasuredOn, profile_path, to_json
+from hethub.profiles.types import MEASURED_TIMES, MeasuredOn
 from hethub.report import prediction_check
 from hethub.report.prediction_check import PredictionCheck
 

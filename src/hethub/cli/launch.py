@@ -17,7 +17,7 @@ from hethub.launchers import Launch, agent_nodes, host_scripts, jobset_manifest,
 from hethub.launchers.environment import group_environment
 from hethub.launchers.jobset import FILES_MOUNT, JobSetJob
 from hethub.launchers.slurm import DEFAULT_SIGNAL_S, SlurmJob
-from hethub.profiles.store import all_cpu
+from hethub.profiles.selection import all_cpu
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.spec.cluster import ClusterSpec, SlurmSettings, load_cluster
 from hethub.spec.topology import build_topology

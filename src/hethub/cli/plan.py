@@ -12,7 +12,7 @@ import yaml
 from hethub.cli.args import positive_int
 from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
-from hethub.planner import Ranked, search, upper_bound
+from hethub.planner import PricedPlan, search, upper_bound
 from hethub.planner.above_bound import why_above
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
@@ -192,7 +192,7 @@ def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> s
 
 
 def _write(
-    out: Path, best: Ranked, model: ModelSpec, model_ref: str, args: argparse.Namespace
+    out: Path, best: PricedPlan, model: ModelSpec, model_ref: str, args: argparse.Namespace
 ) -> None:
     p = best.prediction
     header = (
@@ -212,7 +212,7 @@ def _write(
         ) from None
 
 
-def _distinct(ranked: list[Ranked], count: int) -> list[Ranked]:
+def _distinct(ranked: list[PricedPlan], count: int) -> list[PricedPlan]:
     """The first ``count`` plans, each plan once (refinement can reach one plan twice)."""
     seen, out = set(), []
     for r in ranked:

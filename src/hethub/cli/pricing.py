@@ -8,13 +8,9 @@ import sys
 
 from hethub.predictor import Prediction
 from hethub.predictor.profiled import missing_profiles
+from hethub.profiles.files import load_profiles
 from hethub.profiles.machine import default_profiles_dir
-from hethub.profiles.store import (
-    Profiles,
-    all_cpu,
-    load_profiles,
-    select_for_run,
-)
+from hethub.profiles.selection import Profiles, all_cpu, select_for_run
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, Plan

@@ -19,15 +19,10 @@ from hethub.jobs.prepare import (
     planned_precision,
 )
 from hethub.planner.search import MICRO_BATCH_SIZES
+from hethub.profiles.files import load_profiles, profile_path, to_json
 from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
-from hethub.profiles.store import (
-    LayerProfile,
-    LinkProfile,
-    Profiles,
-    load_profiles,
-    profile_path,
-    to_json,
-)
+from hethub.profiles.selection import Profiles
+from hethub.profiles.types import LayerProfile, LinkProfile
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_cluster, load_model
@@ -141,30 +136,14 @@ def run(args: argparse.Namespace) -> int:
         )
     model = load_model(args.model, source="--model")
     device = _device(args.device)
-    from hethub.profiler.measure import (  # torch: only to measure
-        LINK_REPEATS,
-        REPEATS,
-        available_cores,
-        check_layer_request,
-        describe_device,
-        ensure_profiles,
-        measuring_device,
-    )
+    # torch: only to measure
+    from hethub.profiler.conditions import describe_device, measuring_device
+    from hethub.profiler.ensure import ensure_profiles
+    from hethub.profiler.layers import REPEATS
+    from hethub.profiler.links import LINK_REPEATS
 
     where = measuring_device(device)
-    if where.type == "cpu":
-        _default_to_local_run(args, model, available_cores())
-    tps, micro, threads, concurrency = _measuring_options(_default_to_one_rank(args))
-    for c in concurrency:
-        check_layer_request(
-            model,
-            tps,
-            micro,
-            threads=threads[0],
-            concurrent_ranks=c,
-            dtype=args.dtype,
-            device=where,
-        )
+    requests = _requests(args, model, device, where)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise HethubError(f"--out = {args.out!r}: not a directory")
@@ -175,34 +154,23 @@ def run(args: argparse.Namespace) -> int:
         else (lambda message: print(f"hethub profile: {message}", file=sys.stderr, flush=True))
     )
     started = time.perf_counter()
-    for c in concurrency:
+    for request in requests:
         if args.again and before is not None:
-            _forget(before, model, device, tps, micro, threads[0], c, args.dtype)
+            _forget(before, request)
         profiles = ensure_profiles(
             out,
-            model,
-            device,
-            tps,
-            micro,
-            threads=threads[0],
-            concurrent_ranks=c,
+            request,
             progress=say,
-            dtype=args.dtype,
             repeats=args.repeats or REPEATS,
             link_repeats=args.repeats or LINK_REPEATS,
         )
     elapsed = time.perf_counter() - started
     layers = [
-        profiles.layer(
-            profiles.select(dtype=args.dtype, threads=threads[0], concurrent_ranks=c).layer_key(
-                device, model, tp, b
-            )
-        )
-        for c in concurrency
-        for tp in tps
-        for b in micro
+        profiles.layer(r.key(tp, b)) for r in requests for tp in r.tps for b in r.micro_batches
     ]
-    links = [profiles.link(device, c) for c in concurrency] if where.type == "cpu" else []
+    links = (
+        [profiles.link(device, r.concurrent_ranks) for r in requests] if where.type == "cpu" else []
+    )
     wanted = [p for p in [*layers, *links] if p is not None]
     measured = [p for p in wanted if before is None or args.again or _is_new(before, p)]
     if args.json:
@@ -235,6 +203,33 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _requests(args: argparse.Namespace, model, device: str, where) -> list:
+    """What to measure, one ProfileRequest per number of ranks at once: the flags given, the rest
+    as a local run (on a CPU) or one rank alone would have them; each refused in one line where it
+    cannot be measured on ``where``."""
+    from hethub.profiler.conditions import available_cores
+    from hethub.profiler.ensure import ProfileRequest
+
+    if where.type == "cpu":
+        _default_to_local_run(args, model, available_cores())
+    tps, micro, threads, concurrency = _measuring_options(_default_to_one_rank(args))
+    requests = [
+        ProfileRequest(
+            model=model,
+            device_name=device,
+            tps=tps,
+            micro_batches=micro,
+            threads=threads[0],
+            concurrent_ranks=c,
+            dtype=args.dtype,
+        )
+        for c in concurrency
+    ]
+    for request in requests:
+        request.check(where)
+    return requests
 
 
 def _default_to_local_run(args: argparse.Namespace, model, cores: int) -> None:
@@ -487,7 +482,7 @@ def _positive_list(text: str, flag: str) -> list[int]:
 
 
 def _device(name: str) -> str:
-    """The device label: any name (where it is measured: profile.measure.measuring_device)."""
+    """The device label: any name (where it is measured: profiler.conditions.measuring_device)."""
     name = name.strip()
     if not name:
         raise HethubError(
@@ -502,23 +497,13 @@ def _is_new(before: Profiles, profile: LayerProfile | LinkProfile) -> bool:
     return before.link(profile.device, profile.concurrent_ranks) != profile
 
 
-def _forget(
-    before: Profiles,
-    model,
-    device: str,
-    tps: list[int],
-    micro: list[int],
-    threads: int,
-    concurrency: int,
-    dtype: str,
-) -> None:
-    """Remove the files of what is to be measured anew."""
-    selected = before.select(dtype=dtype, threads=threads, concurrent_ranks=concurrency)
-    for tp in tps:
-        for b in micro:
-            profile = selected.layer(selected.layer_key(device, model, tp, b))
+def _forget(before: Profiles, request) -> None:
+    """Remove the files of what ``request`` (a profiler.ensure.ProfileRequest) measures anew."""
+    for tp in request.tps:
+        for b in request.micro_batches:
+            profile = before.layer(request.key(tp, b))
             if profile is not None:
                 profile_path(before.source, profile).unlink(missing_ok=True)
-    link = before.link(device, concurrency)
+    link = before.link(request.device_name, request.concurrent_ranks)
     if link is not None:
         profile_path(before.source, link).unlink(missing_ok=True)

@@ -50,7 +50,7 @@ class Machine:
 
 def this_machine() -> Machine:
     """This machine's cores and available memory, read from the machine itself."""
-    from hethub.profiler.measure import available_cores  # torch: prepare loaded it for the data
+    from hethub.profiler.conditions import available_cores  # torch: prepare loaded it for the data
 
     memory_gb, source = _available_memory_gb()
     return Machine(cores=available_cores(), memory_gb=memory_gb, memory_source=source)

@@ -26,14 +26,9 @@ from hethub.errors import HethubError
 from hethub.jobs import preflight
 from hethub.predictor import Prediction, predict
 from hethub.predictor.traffic import predicted_traffic
+from hethub.profiles.files import load_profiles
 from hethub.profiles.provenance import provenance
-from hethub.profiles.store import (
-    Profiles,
-    all_cpu,
-    load_profiles,
-    local_concurrency,
-    select_for_run,
-)
+from hethub.profiles.selection import Profiles, all_cpu, local_concurrency, select_for_run
 from hethub.report.text import plural
 from hethub.runtime.checkpoint_folders import (
     latest_checkpoint,
@@ -507,7 +502,7 @@ class LocalMeasurements:
     tps: tuple[int, ...]
     micro_batches: tuple[int, ...]
     together: int
-    """Ranks computing at once: the job's (profiles.store.local_concurrency)."""
+    """Ranks computing at once: the job's (profiles.selection.local_concurrency)."""
     alone: tuple[int, ...]
     """TP degrees also measured as one TP group alone, where the job's ranks outnumber the
     cores (predictor.sharing prices a shared machine from both)."""
@@ -548,41 +543,27 @@ def _profiles(
         return None, "the analytic model (the cluster's accelerators are not this machine's CPU)"
     devices = plan_devices(plan) if plan else cluster.devices
     if measure:
-        from hethub.profiler.measure import (
-            available_cores,
-            ensure_profiles,
-        )  # torch: only when measuring
+        # torch: only when measuring
+        from hethub.profiler.conditions import available_cores
+        from hethub.profiler.ensure import ProfileRequest, ensure_profiles
 
         given = getattr(args, "repeats", None)  # hethub validate --repeats
         repeats = {"repeats": given, "link_repeats": given} if given else {}
         wanted = local_measurements(cluster, model, plan, available_cores())
         for device in sorted({g.accelerator.name for g in cluster.groups}):
-            ensure_profiles(
-                folder,
-                model,
-                device,
-                wanted.tps,
-                wanted.micro_batches,
+            request = ProfileRequest(
+                model=model,
+                device_name=device,
+                tps=wanted.tps,
+                micro_batches=wanted.micro_batches,
                 threads=1,
                 concurrent_ranks=wanted.together,
-                progress=say,
                 dtype=dtype,
-                **repeats,
             )
+            ensure_profiles(folder, request, progress=say, **repeats)
             for tp in wanted.alone:
-                ensure_profiles(
-                    folder,
-                    model,
-                    device,
-                    [tp],
-                    wanted.micro_batches,
-                    threads=1,
-                    concurrent_ranks=tp,
-                    links=False,
-                    progress=say,
-                    dtype=dtype,
-                    **repeats,
-                )
+                alone = dataclasses.replace(request, tps=[tp], concurrent_ranks=tp)
+                ensure_profiles(folder, alone, links=False, progress=say, **repeats)
     elif not folder.is_dir():
         return None, f"the analytic model (no profiles in {folder})"
     return select_for_run(

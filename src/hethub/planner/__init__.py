@@ -3,6 +3,6 @@ runtime."""
 
 from hethub.planner.bound import GroupShare, UpperBound, upper_bound
 from hethub.planner.search import SearchResult, search
-from hethub.planner.search_state import Ranked
+from hethub.planner.search_state import PricedPlan
 
-__all__ = ["GroupShare", "Ranked", "SearchResult", "UpperBound", "search", "upper_bound"]
+__all__ = ["GroupShare", "PricedPlan", "SearchResult", "UpperBound", "search", "upper_bound"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hethub.planner.bound import UpperBound
-from hethub.planner.search_state import Ranked
+from hethub.planner.search_state import PricedPlan
 from hethub.predictor.results import StagePrediction
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.plan import Plan, Recompute
@@ -33,7 +33,7 @@ class _GroupIn:
     """The most layers on any of its stages."""
 
 
-def why_above(bound: UpperBound, best: Ranked, cluster: ClusterSpec) -> list[str]:
+def why_above(bound: UpperBound, best: PricedPlan, cluster: ClusterSpec) -> list[str]:
     """How ``best`` can beat ``bound``: what its replicas are and what each group alone does,
     then every advantage of the plan over the groups alone that the plans show."""
     plan, alone = best.plan, {n: s.best for n, s in bound.groups.items() if s.best is not None}
@@ -99,7 +99,7 @@ def why_above(bound: UpperBound, best: Ranked, cluster: ClusterSpec) -> list[str
     return lines
 
 
-def _uneven(ranked: Ranked, name: str) -> tuple[float, int, int, StagePrediction] | None:
+def _uneven(ranked: PricedPlan, name: str) -> tuple[float, int, int, StagePrediction] | None:
     """How unevenly the plan loads the group's devices (most over fewest layers a device), its
     fewest and most layers a stage, and the stage with the fewest a device; None where the
     group has no stage."""
@@ -112,7 +112,7 @@ def _uneven(ranked: Ranked, name: str) -> tuple[float, int, int, StagePrediction
     return spread, min(s.layers for s in stages), max(s.layers for s in stages), fewest
 
 
-def _idle_alone(alone: dict[str, Ranked]) -> float:
+def _idle_alone(alone: dict[str, PricedPlan]) -> float:
     """The groups' bubble alone, weighted by the devices each plan uses (as a plan's is)."""
     devices = {name: solo.prediction.devices for name, solo in alone.items()}
     total = sum(devices.values()) or 1

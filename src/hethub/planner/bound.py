@@ -44,7 +44,7 @@ from hethub.planner.costs import Setting, StageSlot
 from hethub.planner.drafts import make_draft
 from hethub.planner.floors import compute_floor
 from hethub.planner.search import SearchQuery, SearchResult, search
-from hethub.planner.search_state import Ranked, SearchState, predict_and_keep
+from hethub.planner.search_state import PricedPlan, SearchState, predict_and_keep
 from hethub.spec.plan import Plan
 
 MAX_ROUNDS = 4  # climbs, each followed by the search at its shares; two or three agree
@@ -61,7 +61,7 @@ class GroupShare:
     global_batch: int
     """Sequences per step this group trains alone (0: it is left idle)."""
     tokens_per_s: float
-    best: Ranked | None
+    best: PricedPlan | None
     """The planner's best plan for the group alone at that share (None at 0)."""
 
 
@@ -164,7 +164,7 @@ class _Recipe:
     chunks: int
 
 
-def _add_recipes(known: list[_Recipe], ranked: list[Ranked], query: SearchQuery) -> None:
+def _add_recipes(known: list[_Recipe], ranked: list[PricedPlan], query: SearchQuery) -> None:
     """Add the best RECIPES_PER_SEARCH distinct recipes of ``ranked`` that ``known`` lacks."""
     added = 0
     for r in sorted(ranked, key=_speed, reverse=True):
@@ -200,13 +200,15 @@ class _StandIn:
 
     def __init__(self, query: SearchQuery) -> None:
         self.query = query
-        self.planned: dict[tuple[str, int], Ranked | None] = {}
+        self.planned: dict[tuple[str, int], PricedPlan | None] = {}
         self.recipes: dict[str, list[_Recipe]] = {g.name: [] for g in query.cluster.groups}
-        self.made: dict[tuple[str, int], tuple[Ranked | None, int]] = {}
+        self.made: dict[tuple[str, int], tuple[PricedPlan | None, int]] = {}
         """Per group and share: the best of its recipes made concrete there, and how many of
         its recipes (the first ones: a group's recipes only grow) that is the best of."""
 
-    def note(self, name: str, share: int, best: Ranked | None, ranked: list[Ranked]) -> None:
+    def note(
+        self, name: str, share: int, best: PricedPlan | None, ranked: list[PricedPlan]
+    ) -> None:
         """The search's best for ``name`` alone at ``share`` and its other plans (recipes)."""
         self.planned[name, share] = best
         _add_recipes(self.recipes[name], [best, *ranked] if best else ranked, self.query)
@@ -226,7 +228,7 @@ class _StandIn:
             self.plan(name, share)
         return _speed(self.planned[name, share])
 
-    def _made(self, name: str, share: int) -> Ranked | None:
+    def _made(self, name: str, share: int) -> PricedPlan | None:
         """The best of the group's recipes made concrete at ``share`` (None: none applies).
         Those not weighed there yet are drafted and predicted most promising first; one whose
         step cannot be shorter than the best's (compute_floor) cannot be the best, and is not
@@ -358,5 +360,5 @@ def _devices_used(plan: Plan, group: str) -> int:
     return sum(p.count * sum(s.tp for s in p.stages if s.group == group) for p in plan.pipelines)
 
 
-def _speed(ranked: Ranked | None) -> float:
+def _speed(ranked: PricedPlan | None) -> float:
     return ranked.prediction.tokens_per_s if ranked else 0.0

@@ -26,7 +26,7 @@ from hethub.planner.partition import (
     partition_chunks,
     stage_times,
 )
-from hethub.planner.search_state import Ranked, SearchState, predict_and_keep
+from hethub.planner.search_state import PricedPlan, SearchState, predict_and_keep
 from hethub.planner.split import ReplicaTiming, split_micro_batches
 from hethub.predictor import Prediction
 from hethub.predictor.profiled import core_sharing
@@ -63,7 +63,7 @@ class Draft:
 
 def evaluate_jobs(
     state: SearchState, jobs: list[tuple[Setting, Structure]], phase: str
-) -> list[tuple[Ranked, int]]:
+) -> list[tuple[PricedPlan, int]]:
     """Predict the jobs' plans (one chunk a stage), most promising first, skipping those that
     cannot beat the bar, then interleave those that came near it (_interleave). Returns the
     fitting plans, each with its job's index.
@@ -99,7 +99,7 @@ def evaluate_jobs(
         if draft is not None:
             queue.append((draft.interleaved_bound, index, Floor.DRAFTED, draft.plan))
     heapq.heapify(queue)
-    results: list[Ranked | None] = [None] * len(jobs)
+    results: list[PricedPlan | None] = [None] * len(jobs)
     done, drafted = 0, set()
     while queue and not state.out_of_time():
         bound, index, known, plan = heapq.heappop(queue)
@@ -144,8 +144,8 @@ def evaluate_jobs(
 
 
 def _interleave(
-    state: SearchState, jobs: list[tuple[Setting, Structure]], plain: list[Ranked | None]
-) -> list[tuple[Ranked, int]]:
+    state: SearchState, jobs: list[tuple[Setting, Structure]], plain: list[PricedPlan | None]
+) -> list[tuple[PricedPlan, int]]:
     """The predicted structures again over 2, 4, ... chunks a stage, and under the zero-bubble
     schedules (ZB-H1 on one chunk a stage, ZBV on two), most promising first.
 

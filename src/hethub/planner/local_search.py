@@ -8,7 +8,7 @@ import dataclasses
 
 from hethub.planner.floors import compute_floor
 from hethub.planner.search_state import (
-    Ranked,
+    PricedPlan,
     SearchState,
     plan_speed,
     plan_step_s,
@@ -28,7 +28,7 @@ REFINE_BUDGET = 300  # predictions a phase may spend polishing its best plans
 REFINE_ROUNDS = 6
 
 
-def refine_best(state: SearchState, found: list[Ranked]) -> Ranked | None:
+def refine_best(state: SearchState, found: list[PricedPlan]) -> PricedPlan | None:
     """Polish a phase's plans, best first (each setting's best early on), by moving single layers
     across stage boundaries, judged by the predictor itself: the partitioner's objective leaves
     out communication, gradient sync and the optimizer step, which matter for short steps.

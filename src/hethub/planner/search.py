@@ -28,9 +28,9 @@ from hethub.planner.costs import (
 from hethub.planner.drafts import evaluate_jobs
 from hethub.planner.local_search import refine_best
 from hethub.planner.search_state import (
-    Overflow,
+    ClosestMiss,
+    PricedPlan,
     Progress,
-    Ranked,
     SearchState,
     closest_unplaceable,
     plan_speed,
@@ -39,7 +39,7 @@ from hethub.predictor import default_calibration
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.iteration import check_precision
 from hethub.predictor.profiled import for_precision
-from hethub.profiles.store import Profiles
+from hethub.profiles.selection import Profiles
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import (
@@ -79,18 +79,18 @@ class SearchQuery:
 
 @dataclass(slots=True)
 class SearchResult:
-    ranked: list[Ranked]
+    ranked: list[PricedPlan]
     """Fitting plans, fastest first (each structure and setting at most once)."""
-    group_best: dict[str, Ranked | None]
+    group_best: dict[str, PricedPlan | None]
     """Each group's best plan alone with the whole global batch (phase 1)."""
     candidates_evaluated: int
     search_time_s: float
     query: SearchQuery
-    closest: Overflow | None = None
+    closest: ClosestMiss | None = None
     timed_out: bool = False
 
     @property
-    def best(self) -> Ranked | None:
+    def best(self) -> PricedPlan | None:
         return self.ranked[0] if self.ranked else None
 
 
@@ -174,10 +174,10 @@ def _settings(state: SearchState, precision: Precision) -> list[Setting]:
 
 def _groups_alone(
     state: SearchState, settings: list[Setting]
-) -> tuple[dict[str, Ranked | None], dict[Setting, dict[str, list[Layout]]]]:
+) -> tuple[dict[str, PricedPlan | None], dict[Setting, dict[str, list[Layout]]]]:
     """Phase 1: each group alone with the whole batch. Returns each group's best plan and, per
     setting, each group's best layouts (the seeds of phase 2)."""
-    group_best: dict[str, Ranked | None] = {}
+    group_best: dict[str, PricedPlan | None] = {}
     seeds: dict[Setting, dict[str, list[Layout]]] = {s: {} for s in settings}
     for group in state.cluster.groups:
         # Each group is searched exactly as a cluster of that group alone would be: the same jobs,
@@ -203,7 +203,7 @@ def _groups_alone(
 def _mixes(
     state: SearchState,
     settings: list[Setting],
-    group_best: dict[str, Ranked | None],
+    group_best: dict[str, PricedPlan | None],
     seeds: dict[Setting, dict[str, list[Layout]]],
 ) -> None:
     """Phases 2 and 3: the heterogeneous structures (combinations of the groups' best layouts,

@@ -20,7 +20,7 @@ from hethub.predictor import Prediction, predict
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.memory import fits, headroom_gb
 from hethub.predictor.stage import StagePosition
-from hethub.profiles.store import Profiles
+from hethub.profiles.selection import Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import (
@@ -44,13 +44,15 @@ Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
-class Ranked:
+class PricedPlan:
+    """A candidate plan and the predictor's answer for it: what the search ranks."""
+
     plan: Plan
     prediction: Prediction
 
 
 @dataclass(slots=True)
-class Overflow:
+class ClosestMiss:
     """The candidate that came closest to fitting, for the error when none fits."""
 
     over_gb: float
@@ -73,8 +75,8 @@ class SearchState:
     profiles: Profiles | None = None
     evaluated: int = 0
     timed_out: bool = False
-    ranked: list[Ranked] = field(default_factory=list)
-    closest: Overflow | None = None
+    ranked: list[PricedPlan] = field(default_factory=list)
+    closest: ClosestMiss | None = None
     best_time: float = float("inf")
     """The fastest fitting step predicted so far in this phase: the bar a candidate must beat."""
     unplaceable: list[tuple[Setting, Structure]] = field(default_factory=list)
@@ -91,11 +93,11 @@ class SearchState:
         return self.timed_out
 
 
-def plan_speed(ranked: Ranked) -> float:
+def plan_speed(ranked: PricedPlan) -> float:
     return ranked.prediction.tokens_per_s
 
 
-def plan_step_s(ranked: Ranked) -> float:
+def plan_step_s(ranked: PricedPlan) -> float:
     return ranked.prediction.iteration_time_s
 
 
@@ -144,7 +146,7 @@ def _stage_fits(
     return fits(memory, group.accelerator)
 
 
-def predict_and_keep(state: SearchState, plan: Plan) -> Ranked | None:
+def predict_and_keep(state: SearchState, plan: Plan) -> PricedPlan | None:
     """The plan predicted and kept, if it fits. Once a plan fits, one that plan_fits shows does not
     is not predicted: it would not be kept, and the closest overflow only matters while none
     fits."""
@@ -160,7 +162,7 @@ def predict_and_keep(state: SearchState, plan: Plan) -> Ranked | None:
     if not prediction.fits:
         note_overflow(state, plan, prediction)
         return None
-    ranked = Ranked(plan, prediction)
+    ranked = PricedPlan(plan, prediction)
     state.ranked.append(ranked)
     state.best_time = min(state.best_time, prediction.iteration_time_s)
     return ranked
@@ -178,7 +180,7 @@ def note_overflow(state: SearchState, plan: Plan, prediction: Prediction) -> Non
             f"{p.count}x[{'+'.join(f'{s.group}:tp{s.tp}x{s.layers}' for s in p.stages)}]"
             for p in plan.pipelines
         )
-        state.closest = Overflow(
+        state.closest = ClosestMiss(
             over(worst),
             worst.memory.total_gb,
             worst.group,

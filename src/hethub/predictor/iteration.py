@@ -31,7 +31,7 @@ from hethub.predictor.schedule import (
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.stage import StagePosition
 from hethub.predictor.weight_split import split_backward, weight_gradient_share
-from hethub.profiles.store import Profiles
+from hethub.profiles.selection import Profiles
 from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.layer_ops import Kernels
@@ -130,7 +130,7 @@ def predict(
         runs, orders = _simulate_shared(plan, costs, sharing)
     else:
         runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
-    step = _Step(
+    step = _StepPricing(
         plan=plan,
         cluster=cluster,
         model=model,
@@ -214,7 +214,7 @@ def _sync_classes(
 
 
 @dataclass(frozen=True, slots=True)
-class _Step:
+class _StepPricing:
     """What pricing every stage's part of the step needs, the same for all of them."""
 
     plan: Plan
@@ -241,7 +241,7 @@ class _PricedStage:
         return self.prediction.param_gather_s - self.gather_hidden_s
 
 
-def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
+def _price_stage(step: _StepPricing, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
     """Stage ``s`` of layout ``index``: its simulated compute, its gradient sync and optimizer
     step, and its memory."""
     plan, sync = step.plan, step.sync
@@ -316,7 +316,7 @@ def _price_stage(step: _Step, runs: list[_LayoutRun], index: int, s: int) -> _Pr
 
 
 def _assemble_step(
-    step: _Step,
+    step: _StepPricing,
     runs: list[_LayoutRun],
     priced: list[_PricedStage],
     schedule_events: list[TimelineEvent] | None,

@@ -26,7 +26,8 @@ from hethub.predictor.compute import (
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
-from hethub.profiles.store import LayerProfile, LinkProfile, Profiles
+from hethub.profiles.selection import Profiles
+from hethub.profiles.types import LayerProfile, LinkProfile
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.collectives import (
     Kind,

@@ -28,7 +28,8 @@ from typing import NamedTuple
 from hethub.predictor.memory import stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
-from hethub.profiles.store import METHOD, LayerKey, LayerProfile, LinkProfile, Profiles
+from hethub.profiles.selection import Profiles
+from hethub.profiles.types import METHOD, LayerKey, LayerProfile, LinkProfile
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.collectives import (

@@ -2,10 +2,10 @@
 under the user's torchrun (one agent per node), each node placed as `hethub train` places it
 (hethub.runtime.nodes: --this-node GROUP:INDEX or the cluster's hosts).
 
-Who measures what, keeping to what the predictor looks up (profile.store's keys):
+Who measures what, keeping to what the predictor looks up (profiles.types' keys):
 
 - layers: the first node of each accelerator kind, its first process (the kind's *leader*):
-  the local profiler's measurement (measure.measure_layers: the group's TP degrees of --tp that
+  the local profiler's measurement (layers.measure_layers: the group's TP degrees of --tp that
   divide its devices_per_node, each --micro-batch, each --concurrent-ranks, in fresh processes
   bound and in sessions of their own as a run's workers), on the device the runtime would run
   the group on there (its accelerator, else the CPU). The kinds measure at the same time, each
@@ -21,7 +21,7 @@ Who measures what, keeping to what the predictor looks up (profile.store's keys)
   A link between nodes is stored by the pair of kinds (LinkProfile.peer).
 
 Everything measured travels to rank 0 (gather_object over gloo), which writes ONE profile folder
-(profile.store's files, load_profiles reads it). Every refusal (a node unknown, an option a
+(profiles.files' files, load_profiles reads it). Every refusal (a node unknown, an option a
 group cannot measure, --out not writable, a measurement that failed) is agreed on by every
 process before the next phase, so each node exits with the same one line; every wait is bounded
 by --timeout (the process group's timeout).
@@ -42,22 +42,19 @@ import torch.distributed as dist
 
 from hethub.comm import local_device
 from hethub.errors import HethubError
-from hethub.profiler.measure import (
+from hethub.profiler.conditions import describe_device, measured_here, timestamp
+from hethub.profiler.layers import REPEATS, check_layer_request, measure_layers
+from hethub.profiler.links import (
     LINK_REPEATS,
     LINK_SIZES,
-    REPEATS,
-    _now,
-    _repeats,
-    check_layer_request,
-    describe_device,
     fit_latency_bandwidth,
-    measure_layers,
     measure_links,
-    measured_here,
     non_decreasing,
+    repeats_for_size,
 )
+from hethub.profiles.files import load_profiles, save_profile
 from hethub.profiles.machine import load_average
-from hethub.profiles.store import LayerProfile, LinkProfile, load_profiles, node_pair, save_profile
+from hethub.profiles.types import LayerProfile, LinkProfile, node_pair
 from hethub.runtime.nodes import Node, node_name, node_ranks, take_place
 from hethub.runtime.supervision import init_process_group
 from hethub.spec.cluster import ClusterSpec
@@ -368,7 +365,7 @@ def _pair_link(job: _Job, first: int, second: int, repeats: int | None) -> LinkP
                 dist.send(buffer, peer)
 
         op()  # warms up, and the two meet
-        count = _repeats(n, repeats or LINK_REPEATS)
+        count = repeats_for_size(n, repeats or LINK_REPEATS)
         started = time.perf_counter()
         for _ in range(count):
             op()
@@ -384,7 +381,7 @@ def _pair_link(job: _Job, first: int, second: int, repeats: int | None) -> LinkP
         allreduce={},
         broadcast={},
         allgather={},
-        measured_at=_now(),
+        measured_at=timestamp(),
         points={("p2p", 2): non_decreasing(points)},
         # This end's host: the link's other end is the peer group's node.
         measured_on=measured_here(torch.device("cpu"), load_before),

@@ -13,7 +13,8 @@ import statistics
 from typing import Any
 
 from hethub.profiles.machine import cpu_model, host_name, torch_version
-from hethub.profiles.store import LayerProfile, MeasuredOn, Profiles
+from hethub.profiles.selection import Profiles
+from hethub.profiles.types import LayerProfile, MeasuredOn
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec, preset_names
 from hethub.spec.plan import Plan

@@ -40,7 +40,7 @@ from hethub.spec.topology import Topology
 
 
 @dataclass(slots=True)
-class _Step:
+class _InFlightTensors:
     """What one step's schedule holds between its operations, by (chunk, micro-batch)."""
 
     shape: tuple[int, ...]
@@ -94,11 +94,6 @@ class Pipeline:
         """Chunk 1 flows back from the last stage to the first (spec.schedules.model_chunk)."""
         # Per chunk, the weights a zero-bubble WEIGHT gives gradients (split_backward).
         self._weights = [list(chunk.parameters()) for chunk in stage.chunks]
-        self.peak_in_flight = 0.0
-        """Micro-batches of the whole stage's activations held at once in the last step, at its
-        peak (a chunk's forward holds its layers' until its backward, under a zero-bubble
-        schedule until its WEIGHT): what the predictor's memory reads from
-        spec.schedules.in_flight_micro_batches, measured as the step ran."""
 
     def run(
         self, tokens: torch.Tensor, before_last_backward: Callable[[int], None] | None = None
@@ -118,30 +113,24 @@ class Pipeline:
         # the operation that gives a chunk's weights their gradients and frees its activations
         gives_weights = WEIGHT if schedule.splits_backward else BACKWARD
         last_gradients = {c: i for i, (kind, c, _) in enumerate(order) if kind == gives_weights}
-        step = _Step(shape)
-        held = peak = 0  # layers' activations awaiting the operation that frees them
+        step = _InFlightTensors(shape)
         for i, (kind, c, j) in enumerate(order):
             if before_last_backward is not None and i == last_gradients[c]:
                 before_last_backward(c)
             if kind == FORWARD:
                 self._forward_op(step, c, j, micro, total)
-                held += chunks[c].layers
-                peak = max(peak, held)
             elif kind == BACKWARD:
                 self._backward_op(step, c, j)
             else:
                 with self.timeline.timed("backward", j, self.stretch):
                     step.weight_passes.pop((c, j)).run()
-            if kind == gives_weights:  # W frees the graph B kept (split_backward)
-                held -= chunks[c].layers
-        self.peak_in_flight = peak / sum(c.layers for c in chunks)
         with self.timeline.timed("send_wait"):
             waits = [w for ws in step.activation_sends.values() for w in ws]
             self.links.wait(step.sends + waits)
         return step.loss_sum if step.loss_sum is not None else torch.zeros((), device=self.device)
 
     def _forward_op(
-        self, step: _Step, c: int, j: int, micro: list[torch.Tensor], total: int
+        self, step: _InFlightTensors, c: int, j: int, micro: list[torch.Tensor], total: int
     ) -> None:
         """Chunk c's forward of micro-batch j: its input received (tokens on the first chunk;
         the V's turn on the last stage, chunk 0's output, here), its output sent on or its loss
@@ -177,7 +166,7 @@ class Pipeline:
                 )
         step.inputs[key] = x
 
-    def _backward_op(self, step: _Step, c: int, j: int) -> None:
+    def _backward_op(self, step: _InFlightTensors, c: int, j: int) -> None:
         """Chunk c's backward of micro-batch j (under a zero-bubble schedule its input's
         gradient only, its weights' kept for its WEIGHT), the input's gradient sent back."""
         chunk, key = self.me.chunks[c], (c, j)

@@ -167,7 +167,8 @@ _PRELOADED = (
     "torch._dynamo",
     "hethub.runtime.engine",
     "hethub.runtime.checkpoint",
-    "hethub.profiler.measure",
+    "hethub.profiler.layers",
+    "hethub.profiler.links",
 )
 
 

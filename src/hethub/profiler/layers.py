@@ -1,6 +1,6 @@
 """Measure what the runtime executes: its own stage modules (hethub.runtime.model) forward and
-backward, in fp32 or bf16, on this machine's CPU or its GPU, and gloo messages and collectives
-between local processes.
+backward, in fp32 or bf16, on this machine's CPU or its GPU (links: profiler.links; what is
+measured afresh and what is reused: profiler.ensure).
 
 bf16 is the Megatron-LM recipe: the stage's weights and activations in bf16, the loss in fp32, and
 AdamW on fp32 master weights (the optimizer time is the gradients copied into the fp32 masters,
@@ -22,42 +22,31 @@ measurement together and then repeat it back to back, as the runtime runs its op
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from hethub.comm import local_device
 from hethub.errors import HethubError
-from hethub.profiles.machine import cpu_model, host_name, load_average
-from hethub.profiles.store import (
-    COLLECTIVES,
-    MEASURED_TIMES,
-    METHOD,
-    LayerKey,
-    LayerProfile,
-    LinkProfile,
-    MeasuredOn,
-    Profiles,
-    empty_profiles,
-    load_profiles,
-    save_profile,
+from hethub.profiler.conditions import (
+    available_cores,
+    block_group,
+    describe_device,
+    measured_here,
+    measuring_device,
+    timestamp,
 )
-from hethub.report.text import plural
+from hethub.profiles.machine import load_average
+from hethub.profiles.types import MEASURED_TIMES, LayerKey, LayerProfile
 from hethub.runtime.model import Stage
 from hethub.runtime.optimizer import PlainAdamW
 from hethub.runtime.precision import COMPUTE_DTYPE, MasterWeights
-from hethub.runtime.process_groups import GroupSpec, Role, blocks, create_groups
+from hethub.runtime.process_groups import Role
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.runtime.spawn import run_ranks
 from hethub.runtime.timeline import DeviceClock, HostClock, step_clock
-from hethub.spec.accelerator import catalog
 from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Recompute
 
@@ -74,58 +63,6 @@ LAYERS_TIMED = 8
 run several layers back to back, whose weights do not all stay in cache. Measured here with the
 local model (1.8 MB of weights a layer, 4 MB of L2 a core): 8 chained layers took 2-11% longer
 each than 4, and a run's 8-layer stage matched the 8-layer profile within 1%."""
-LINK_SIZES = tuple(kib << 10 for kib in (4, 16, 64, 256, 512, 1024, 2048, 4096, 16384))
-"""Message sizes measured (bytes): denser where a small model's gradient tensors are."""
-LINK_REPEATS = 15
-SMALL_MESSAGE = 1 << 20  # below it a message costs little to repeat, and its latency is noisy
-
-
-# --- where ---------------------------------------------------------------------------------------
-
-
-def measuring_device(device_name: str) -> torch.device:
-    """Where profiles named ``device_name`` are measured on this machine: its CUDA (or ROCm) GPU
-    when the name is a catalog accelerator of NVIDIA (AMD), else its CPU (``cpu``, an inline CPU
-    accelerator's name, an emulated group's label). An accelerator this machine lacks, or one of
-    a vendor the profiler cannot drive, is an error in one line."""
-    known = catalog().get(device_name.strip().lower())
-    vendor = known.vendor if known is not None else "cpu"
-    if vendor == "cpu":
-        return torch.device("cpu")
-    kind = _VENDOR_PHRASE.get(vendor, f"a {vendor}")
-    if vendor not in ("nvidia", "amd"):
-        raise HethubError(
-            f"--device = {device_name!r}: {kind} accelerator; hethub profile measures this "
-            f"machine's CPU or its NVIDIA/AMD GPU (CUDA or ROCm)"
-        )
-    device = local_device(vendor)
-    if device.type == "cpu":
-        api = "ROCm" if vendor == "amd" else "CUDA"
-        raise HethubError(
-            f"--device = {device_name!r}: {kind} accelerator, and this machine has no {api} "
-            f"GPU to measure it on (torch.cuda.is_available() is "
-            f"{torch.cuda.is_available()}); profile it on a machine that has one"
-        )
-    return device
-
-
-_VENDOR_PHRASE = {
-    "nvidia": "an NVIDIA",
-    "amd": "an AMD",
-    "intel": "an Intel",
-    "huawei": "a Huawei",
-    "other": "an other vendor's",
-}
-
-
-def describe_device(device: torch.device) -> str:
-    """'CPU', or 'GPU (NVIDIA H200)'."""
-    if device.type == "cpu":
-        return "CPU"
-    return f"GPU ({torch.cuda.get_device_name(device)})"
-
-
-# --- layers ------------------------------------------------------------------------------------
 
 
 def check_layer_request(
@@ -207,7 +144,7 @@ def measure_layers(
         dtype=dtype,
         device=where,
     )
-    stamp, load_before = _now(), load_average()
+    stamp, load_before = timestamp(), load_average()
     measured: list[tuple[LayerKey, dict[str, float]]] = []
     for tp in dict.fromkeys(tps):
         world = max(concurrent_ranks, tp)
@@ -258,32 +195,9 @@ def measure_layers(
     ]
 
 
-def measured_here(where: torch.device, load_before: float | None) -> MeasuredOn:
-    """This machine, its torch, and the load average at a measurement's start (``load_before``)
-    and now, its end: where a profile measured on ``where`` came from."""
-    builds = (("cuda", torch.version.cuda), ("hip", getattr(torch.version, "hip", None)))
-    return MeasuredOn(
-        host=host_name(),
-        cpu=cpu_model(),
-        gpu=torch.cuda.get_device_name(where) if where.type == "cuda" else None,
-        torch=torch.__version__,
-        torch_build=next((f"{name} {version}" for name, version in builds if version), "cpu"),
-        load_before=load_before,
-        load_after=load_average(),
-    )
-
-
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
-
-
-def available_cores() -> int:
-    """CPU cores this process (and the measuring processes it starts) may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _in_this_process(fn: Callable, threads: int, *args):
@@ -293,13 +207,6 @@ def _in_this_process(fn: Callable, threads: int, *args):
         return fn(0, 1, *args)
     finally:
         torch.set_num_threads(previous)
-
-
-def _block_group(world: int, size: int, role: Role):
-    """Collective: the groups of consecutive blocks of ``size`` ranks (process_groups.blocks);
-    this rank's, or None when it is in none or alone in its block."""
-    specs = [GroupSpec(role, ranks, "gloo") for ranks in blocks(world, size)]
-    return next((group.handle for group in create_groups(specs).values()), None)
 
 
 def _measure_rank(
@@ -315,7 +222,7 @@ def _measure_rank(
     """On one rank: the mean costs of each micro-batch size (all ranks measure at once), with the
     stage's weights and activations in ``dtype`` on device ``where``."""
     device, floating = torch.device(where), DTYPES[dtype]
-    group = _block_group(world, tp, Role.TENSOR) if world > 1 else None
+    group = block_group(world, tp, Role.TENSOR) if world > 1 else None
     together = _Together(group) if world > 1 else _Alone()
     clock = step_clock(device)
     timed = min(model.layers, LAYERS_TIMED)
@@ -373,10 +280,6 @@ def _measure_rank(
     for costs in out.values():
         costs["optimizer_s_per_param"] = optimizer
     return out
-
-
-def _nothing() -> None:
-    return None
 
 
 class _Alone:
@@ -525,282 +428,3 @@ def _optimizer_seconds_per_param(
     together.stay_until_all_done(step)
     clock.wait(ended)
     return clock.seconds(started, ended) / repeats / sum(p.numel() for p in params)
-
-
-# --- links -------------------------------------------------------------------------------------
-
-
-def measure_links(
-    device_name: str,
-    ranks_list: Sequence[int] = (2,),
-    sizes: Sequence[int] = LINK_SIZES,
-    *,
-    concurrent_ranks: int = 1,
-    repeats: int = LINK_REPEATS,
-    timeout_s: float = 600.0,
-) -> LinkProfile:
-    """Point-to-point, all-reduce, broadcast, all-gather and reduce-scatter speed between gloo
-    processes of this machine: the time at each of ``sizes`` (bytes), and latency + bytes /
-    bandwidth fitted to them.
-
-    ``max(concurrent_ranks, max(ranks_list))`` processes take part: messages go between pairs of
-    them, each collective of r ranks runs in as many disjoint groups of r as fit, all at once.
-    """
-    ranks_list = tuple(sorted(set(ranks_list)))
-    if (
-        not ranks_list
-        or min(ranks_list) < 2
-        or concurrent_ranks <= 0
-        or not sizes
-        or min(sizes) < 64
-    ):
-        raise HethubError(
-            f"link profile: ranks {ranks_list} must be at least 2, concurrent ranks "
-            f"{concurrent_ranks} positive, sizes at least 64 bytes"
-        )
-    world, load_before = max(concurrent_ranks, *ranks_list), load_average()
-    per_rank = run_ranks(_link_rank, world, ranks_list, tuple(sizes), repeats, timeout_s=timeout_s)
-    fits: dict[tuple[str, int], tuple[float, float]] = {}
-    measured: dict[tuple[str, int], tuple[tuple[int, float], ...]] = {}
-    for kind, ranks in {k for rank in per_rank for k in rank}:
-        leaders = [rank[(kind, ranks)] for rank in per_rank if (kind, ranks) in rank]
-        points = [
-            (n, statistics.fmean(leader[n] for leader in leaders)) for n in sorted(set(sizes))
-        ]
-        fits[(kind, ranks)] = fit_latency_bandwidth(points)
-        measured[(kind, ranks)] = non_decreasing(points)
-    latency, bandwidth = fits[("p2p", 2)]
-    return LinkProfile(
-        device=device_name,
-        concurrent_ranks=concurrent_ranks,
-        p2p_latency_s=latency,
-        p2p_bytes_per_s=bandwidth,
-        **{kind: {r: fits[(kind, r)] for r in ranks_list} for kind in COLLECTIVES},
-        measured_at=_now(),
-        points=measured,
-        measured_on=measured_here(torch.device("cpu"), load_before),
-    )
-
-
-def non_decreasing(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """(bytes, seconds) by increasing size, each time at most that of any larger size: a message
-    never takes longer than a larger one, so a small size's slower time is noise (a stall)."""
-    out, fastest = [], float("inf")
-    for n, t in sorted(points, reverse=True):
-        fastest = min(fastest, t)
-        out.append((n, fastest))
-    return tuple(reversed(out))
-
-
-def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(latency_s, bytes_per_s) of t = latency + bytes / bandwidth, least squares on the relative
-    error (small messages count as much as large ones); the latency is never negative."""
-    rows = [(1.0 / t, n / t) for n, t in points]  # each equation divided by its own time
-    s11 = sum(a * a for a, _ in rows)
-    s12 = sum(a * b for a, b in rows)
-    s22 = sum(b * b for _, b in rows)
-    y1, y2 = sum(a for a, _ in rows), sum(b for _, b in rows)  # right-hand side: t / t = 1
-    det = s11 * s22 - s12 * s12
-    latency, per_byte = (
-        ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, 0.0)
-    )
-    if per_byte <= 0:  # no size dependence measurable: a constant time
-        per_byte = _FASTEST_PER_BYTE
-        latency = max((y1 - per_byte * s12) / s11, 0.0)
-    elif latency < 0:  # no latency measurable: bandwidth alone
-        latency, per_byte = 0.0, y2 / s22
-    return latency, 1.0 / per_byte
-
-
-_FASTEST_PER_BYTE = 1e-15  # 1 PB/s: "too fast to measure" as a finite bandwidth
-
-
-def _link_rank(
-    rank: int, world: int, ranks_list: tuple[int, ...], sizes: tuple[int, ...], repeats: int
-) -> dict[tuple[str, int], dict[int, float]]:
-    """On one rank: mean seconds per size of each measurement this rank leads. Every group
-    starts each size together and then repeats its operation back to back, as the runtime's
-    gradient sync does."""
-    out: dict[tuple[str, int], dict[int, float]] = {}
-    pairs = world // 2 * 2
-    for n in sizes:
-        buffer = torch.zeros(n // 4)
-        peer = rank ^ 1
-        if rank >= pairs:
-            op = _nothing
-        elif rank % 2 == 0:  # ping-pong: half the round trip is one message
-
-            def op(buffer=buffer, peer=peer):
-                dist.send(buffer, peer)
-                dist.recv(buffer, peer)
-        else:
-
-            def op(buffer=buffer, peer=peer):
-                dist.recv(buffer, peer)
-                dist.send(buffer, peer)
-
-        seconds = _series(op, _repeats(n, repeats)) / 2
-        if rank < pairs and rank % 2 == 0:
-            out.setdefault(("p2p", 2), {})[n] = seconds
-    for r in ranks_list:
-        group = _block_group(world, r, Role.MEASURE)
-        members = dist.get_process_group_ranks(group) if group is not None else None
-        for kind in COLLECTIVES:
-            for n in sizes:
-                op = _collective(kind, n, r, group, members) if group is not None else _nothing
-                seconds = _series(op, _repeats(n, repeats))
-                if members is not None and rank == members[0]:
-                    out.setdefault((kind, r), {})[n] = seconds
-    return out
-
-
-def _series(op: Callable[[], None], repeats: int) -> float:
-    """Every rank starts together, then ``op`` runs back to back: its mean seconds, stalls
-    included. Not a trimmed mean: a gloo collective of a few hundred microseconds stalls for
-    milliseconds every few dozen calls, and a gradient sync of ~75 tensors meets those stalls.
-    (Measured here: 40 all-reduces of 768 bytes, 0.27 ms each without the extremes, 0.38 ms
-    each over the whole series.)"""
-    dist.barrier()
-    op()  # warms up
-    started = time.perf_counter()
-    for _ in range(repeats):
-        op()
-    return (time.perf_counter() - started) / repeats
-
-
-def _repeats(nbytes: int, repeats: int) -> int:
-    return 8 * repeats if nbytes < SMALL_MESSAGE else repeats
-
-
-def _collective(
-    kind: str, nbytes: int, ranks: int, group, members: list[int]
-) -> Callable[[], None]:
-    if kind == "allgather":
-        piece = torch.zeros(max(1, nbytes // 4 // ranks))
-        pieces = [torch.empty_like(piece) for _ in range(ranks)]
-        return lambda: dist.all_gather(pieces, piece, group=group)
-    if kind == "reducescatter":
-        # As a sharded optimizer's sync reduces a bucket (runtime.engine): the gradients copied
-        # into one flat buffer, padded to a multiple of the ranks; each keeps its slice of the sum.
-        flat = torch.zeros(max(1, nbytes // 4 // ranks) * ranks)
-        mine = torch.empty(flat.numel() // ranks)
-        return lambda: dist.reduce_scatter_single(mine, torch.cat([flat]), group=group)
-    tensor = torch.zeros(nbytes // 4)
-    if kind == "broadcast":
-        return lambda: dist.broadcast(tensor, members[0], group=group)
-
-    def bucket_allreduce() -> None:
-        # As the runtime's gradient sync reduces a bucket: the gradients copied into one flat
-        # buffer, reduced, copied back. The copies cost a quarter of a 14 MB bucket's sync here.
-        flat = torch.cat([tensor.view(-1)])
-        dist.all_reduce(flat, group=group)
-        tensor.copy_(flat)
-
-    return bucket_allreduce
-
-
-# --- both, incrementally -----------------------------------------------------------------------
-
-
-def ensure_profiles(
-    directory: str | Path,
-    model: ModelSpec,
-    device_name: str,
-    tps: Sequence[int],
-    micro_batches: Sequence[int],
-    *,
-    threads: int = 1,
-    concurrent_ranks: int = 1,
-    ranks_list: Sequence[int] | None = None,
-    repeats: int = REPEATS,
-    link_repeats: int = LINK_REPEATS,
-    links: bool = True,
-    progress: Callable[[str], None] | None = None,
-    dtype: str = DTYPE,
-) -> Profiles:
-    """Measure what ``directory`` lacks of these layer profiles (in ``dtype``, where
-    measuring_device says) and (with ``links``, on a CPU only) of the link profile (with
-    collectives over ``ranks_list``, default 2 .. max(concurrent_ranks, 2)), save it there, and
-    return the directory's profiles. ``repeats`` and ``link_repeats``: timed repeats of each
-    layer pass and of each link message size."""
-    where = measuring_device(device_name)
-    check_layer_request(
-        model,
-        tps,
-        micro_batches,
-        threads=threads,
-        concurrent_ranks=concurrent_ranks,
-        dtype=dtype,
-        device=where,
-    )
-    links = links and where.type == "cpu"  # gloo between CPU processes is not a GPU's link
-    folder = Path(directory)
-    have = load_profiles(folder) if folder.is_dir() else empty_profiles(str(folder))
-    for tp in dict.fromkeys(tps):
-        keys = {
-            b: LayerKey.of(
-                model,
-                device=device_name,
-                dtype=dtype,
-                threads=threads,
-                concurrent_ranks=concurrent_ranks,
-                tp=tp,
-                micro_batch=b,
-            )
-            for b in micro_batches
-        }
-        # A file written before recomputation was measured, or by an older method, counts as
-        # missing: measured anew.
-        missing = [
-            b
-            for b, key in keys.items()
-            if key not in have.layers
-            or have.layers[key].layer_recompute_backward_s is None
-            or have.layers[key].method < METHOD
-        ]
-        if missing:
-            if progress:
-                # fp32 on a CPU: the line as it always was (the README quotes it).
-                how = "" if dtype == "fp32" else f", {dtype}"
-                how += "" if where.type == "cpu" else f", on the {describe_device(where)}"
-                progress(
-                    f"measuring layers: tp {tp}, micro-batch {','.join(map(str, missing))}, "
-                    f"{plural(max(concurrent_ranks, tp), 'rank')} at once{how}"
-                )
-            for profile in measure_layers(
-                model,
-                device_name,
-                [tp],
-                missing,
-                threads=threads,
-                concurrent_ranks=concurrent_ranks,
-                repeats=repeats,
-                dtype=dtype,
-            ):
-                save_profile(folder, profile)
-    ranks_list = tuple(ranks_list or range(2, max(concurrent_ranks, 2) + 1))
-    link = have.link(device_name, concurrent_ranks)
-    if links and (
-        link is None
-        or link.method < METHOD
-        or any(r not in link.allreduce or r not in link.reducescatter for r in ranks_list)
-    ):
-        if progress:
-            progress(
-                f"measuring links: collectives over {','.join(map(str, ranks_list))} ranks, "
-                f"{max(concurrent_ranks, *ranks_list)} processes"
-            )
-        wanted = sorted(
-            set(ranks_list) | set(link.allreduce if link and link.method == METHOD else ())
-        )
-        save_profile(
-            folder,
-            measure_links(
-                device_name, wanted, concurrent_ranks=concurrent_ranks, repeats=link_repeats
-            ),
-        )
-    return load_profiles(folder)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
