@@ -12,6 +12,8 @@ import torch
 
 from hethub.comm import BRIDGE, NATIVE
 from hethub.errors import HethubError
+from hethub.predictor import predict
+from hethub.profiler.live_bytes import LiveBytes
 from hethub.runtime.engine import Engine
 from hethub.runtime.model import Stage, shard
 from hethub.runtime.precision import MasterWeights
@@ -76,7 +78,9 @@ def reference(preset, global_batch, precision="fp32"):
     return losses, grads
 
 
-def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
+def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES, count_held=False):
+    """The losses and first gradients of STEPS steps of one rank; ``count_held``: with the
+    bytes its second step held above the state at their peak (profiler.live_bytes)."""
     spec = load_model(preset)
     plan = parse_plan(plan_dict)
     topology = build_topology(plan, CLUSTER)
@@ -89,9 +93,15 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
         lr=LR,
         bucket_bytes=bucket_bytes,
     )
-    losses, grads = [], None
-    for tokens in batches(spec, plan.global_batch):
-        losses.append(engine.gradients(tokens))
+    losses, grads, held = [], None, None
+    for step, tokens in enumerate(batches(spec, plan.global_batch)):
+        if count_held and step == 1:  # the optimizer's state exists, as in every later step
+            with LiveBytes() as live:
+                state = live.current
+                losses.append(engine.gradients(tokens))
+            held = live.peak - state
+        else:
+            losses.append(engine.gradients(tokens))
         if grads is None:
             with engine.comm.not_counted():  # the test's look, not the step's traffic
                 grads = {name: g.clone() for name, g in engine.optimizer.gradients().items()}
@@ -105,13 +115,8 @@ def _rank(rank, world, preset, plan_dict, bucket_bytes=BUCKET_BYTES):
         "overlapped_buckets": engine.overlapped_buckets,
         "peers": len(engine.peers),
         "buckets": len(engine.sync_buckets),
+        "held_above_state": held,
     }
-    # The activations the step held at its peak are what the predictor's memory prices.
-    stages = topology.replica_stages(me.replica)
-    chunks = tuple(c.layers for c in me.chunks)
-    schedule = plan.pipelines[me.pipeline].schedule  # its layout's own
-    priced = in_flight_micro_batches(schedule, me.stage, stages, me.micro_batches, chunks)
-    assert engine.pipeline.peak_in_flight == pytest.approx(priced, rel=1e-12), (rank, chunks)
     return losses, grads, me.tp_rank, me.tp, computed_in, moved
 
 
@@ -330,7 +335,10 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
     loss_rtol = BF16_LOSS_RTOL if precision == "bf16" else 1e-5
     fell = (ref_losses[0] - ref_losses[-1]) / ref_losses[0]
     assert fell > LOSS_MOVES_BY_TOLERANCES * loss_rtol, (ref_losses, loss_rtol)
-    results = run_ranks(_rank, world, preset, plan_dict, bucket_bytes, timeout_s=120)
+    count_held = precision == "fp32" and name in HELD_AS_PRICED
+    results = run_ranks(_rank, world, preset, plan_dict, bucket_bytes, count_held, timeout_s=120)
+    if count_held:
+        assert_held_as_priced(plan, load_model(preset), [moved for *_, moved in results])
     vendors = {
         CLUSTER.group(s["group"]).accelerator.vendor
         for p in fields["pipelines"]
@@ -356,7 +364,7 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
         return results
     for *_, moved in results:
         if plan.overlap_grad_sync:  # every bucket of a layout's peers syncs during the backwards
-            assert moved["overlapped_buckets"] > 0
+            assert moved["overlapped_buckets"] == moved["buckets"]
         d = moved["peers"] if plan.shard_optimizer else 1
         # fp32 AdamW keeps its 8 bytes of moments a parameter; sharded, 8 / d (it steps its
         # shard of the weights themselves), and at most one element more per bucket, padded to
@@ -371,6 +379,52 @@ def check_against_reference(name, bucket_bytes, precision="fp32"):
                 grad, shard(table[full_name], ref_grads[full_name], tp_rank, tp), msg=full_name
             )
     return results
+
+
+HELD_AS_PRICED = {
+    "pp 5/3",
+    "tp 2",
+    "pp x tp, tp 2 then 1",
+    "unlike replicas, uneven split, across vendors",
+    "two identical replicas (dp 2) of pp 4/4",
+    "interleaved v 2 over pp 2, non-uniform chunks",
+    "interleaved, tp 2 on one stage, across vendors",
+    "an interleaved replica and a plain one",
+    "sharded optimizer, overlapped sync, tp 2, two replicas",
+    "sharded and overlapped, interleaved, tied embedding, uneven replicas",
+}
+"""The fp32 layouts without recomputation, whose ranks' held bytes assert_held_as_priced checks.
+With recomputation a micro-batch in flight keeps only its layers' inputs, less than the error of
+the rest of the schedule's peak (the layer rebuilt for its backward), so the count of micro-batches
+in flight does not show in the peak; test_memory_vs_runtime checks those against the total."""
+
+IN_FLIGHT_TOLERANCE = 0.5
+"""How far, in micro-batches of the stage's activations, a rank's measured schedule peak may be
+from the predicted one. What the prediction prices roughly (the boundary tensors awaiting their
+sends, the backward's transient gradients, the last stage's logits) came to at most 0.23 of a
+micro-batch on these layouts (the most: an interleaved last stage); a count of micro-batches in
+flight off by one is a whole micro-batch off, beyond it either way."""
+
+
+def assert_held_as_priced(plan, spec, moved):
+    """Each rank's second step held above its state, at its peak (profiler.live_bytes, what the
+    tensors really occupied), what the predictor's stage memory says the schedule holds:
+    its layers' activations for the micro-batches in flight (spec.schedules.in_flight_micro_batches)
+    and its buffers, within IN_FLIGHT_TOLERANCE of a micro-batch."""
+    topology = build_topology(plan, CLUSTER)
+    priced = {(s.pipeline, s.position): s for s in predict(plan, CLUSTER, spec).stages}
+    for rank, counted in enumerate(moved):
+        me = topology.ranks[rank]
+        stage = priced[(me.pipeline, me.stage)]
+        chunks = tuple(c.layers for c in me.chunks)
+        schedule = plan.pipelines[me.pipeline].schedule  # its layout's own
+        stages = topology.replica_stages(me.replica)
+        in_flight = in_flight_micro_batches(schedule, me.stage, stages, me.micro_batches, chunks)
+        one_micro_batch = stage.memory.activations_gb * 1e9 / in_flight
+        predicted = stage.memory.schedule_gb * 1e9
+        assert abs(counted["held_above_state"] - predicted) <= (
+            IN_FLIGHT_TOLERANCE * one_micro_batch
+        ), (rank, in_flight, counted["held_above_state"], predicted)
 
 
 def assert_moved_as_planned(plan, spec, moved, bucket_bytes):
@@ -431,7 +485,6 @@ def test_the_bf16_gradient_tolerance_rejects_a_zero_gradient(preset):
 
 def _dies_or_trains(rank, world, preset, plan_dict):
     import os
-    import time as clock
 
     import torch.distributed as dist
 
@@ -442,23 +495,19 @@ def _dies_or_trains(rank, world, preset, plan_dict):
     dist.barrier()
     if rank == 1:
         os._exit(3)  # a worker dies mid-job
-    started = clock.perf_counter()
     try:
         engine.step(batches(spec, plan.global_batch)[0])
     except RuntimeError as error:  # what gloo raises once the peer is gone or the wait times out
-        return "stopped", clock.perf_counter() - started, str(error).splitlines()[0]
-    return "trained", clock.perf_counter() - started, ""
+        return "stopped", str(error).splitlines()[0]
+    return "trained", ""
 
 
 @pytest.mark.slow
 def test_a_dead_rank_stops_the_others_within_the_timeout_instead_of_hanging():
-    import time as clock
-
     preset, fields = PLANS["pp 5/3"]
     plan_dict = {"model": preset, "micro_batch": 1, **fields}
-    started = clock.perf_counter()
-    # A hang would end in run_ranks' "still running" error after minutes; instead rank 0 stops
-    # on the broken connection and the job reports the rank that died.
+    # A hang would end in run_ranks' "still running" error after its 90 s, which the match
+    # rejects: no clock of the test's own is needed. Instead rank 0 stops on the broken
+    # connection and the job reports the rank that died.
     with pytest.raises(HethubError, match="rank 1 exited without a result"):
         run_ranks(_dies_or_trains, 2, preset, plan_dict, timeout_s=90)
-    assert clock.perf_counter() - started < 90

@@ -63,6 +63,24 @@ def _rank(rank, world, precision):
     return losses, grads, engine.comm.bytes[BRIDGE]
 
 
+def planned_bridge_bytes(precision, rank):
+    """What ``rank`` moves over the bridge in a step, in the plan of a step's transfers
+    (spec.collectives.rank_transfers, which the predictor reports): the boundary's messages."""
+    from hethub.comm import BRIDGE
+    from hethub.spec import load_model, parse_cluster, parse_plan
+    from hethub.spec.buckets import BUCKET_BYTES
+    from hethub.spec.collectives import comm_bytes, rank_transfers
+    from hethub.spec.topology import build_topology
+
+    cluster, plan = parse_cluster(CLUSTER, "gpu test"), parse_plan(_plan(precision))
+    topology = build_topology(plan, cluster)
+    transfers = rank_transfers(
+        plan, topology, load_model("tiny-llama"), topology.vendors(cluster), rank,
+        grad_norm=False, cap=BUCKET_BYTES,
+    )  # fmt: skip
+    return comm_bytes(transfers)[BRIDGE]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
@@ -71,6 +89,7 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
     from test_engine import (
         BF16_LOSS_RTOL,
         LOSS_MOVES_BY_TOLERANCES,
+        STEPS,
         assert_within_bf16_rounding,
         reference,
     )
@@ -80,8 +99,9 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
     fell = (ref_losses[0] - ref_losses[-1]) / ref_losses[0]
     assert fell > LOSS_MOVES_BY_TOLERANCES * loss_rtol, (ref_losses, loss_rtol)
     exact = reference("tiny-llama", 4, "fp32")[1]
-    for losses, grads, bridged in run_ranks(_rank, 2, precision, timeout_s=180, purpose="test"):
-        assert bridged > 0
+    results = run_ranks(_rank, 2, precision, timeout_s=180, purpose="test")
+    for rank, (losses, grads, bridged) in enumerate(results):
+        assert bridged == STEPS * planned_bridge_bytes(precision, rank)
         if precision == "bf16":
             # GPU and CPU bf16 kernels round differently, each within bf16's rounding error of
             # the exact gradient, as the layouts' ranks do: the same tolerance holds.
@@ -96,14 +116,19 @@ def test_cuda_and_cpu_groups_in_one_job_match_the_reference(precision):
 
 @pytest.mark.slow
 def test_the_profiler_measures_the_gpu_in_bf16_and_fp32(tmp_path):
-    from hethub.profiler.measure import ensure_profiles, measure_layers
+    from hethub.profiler.ensure import ProfileRequest, ensure_profiles
+    from hethub.profiler.layers import measure_layers
     from hethub.spec import load_model
 
     gpt = load_model("tiny-gpt")  # runs in bf16 whatever the runtime's Llama rotary does
-    profiles = ensure_profiles(tmp_path, gpt, "h100", [1], [1, 2], repeats=3, dtype="bf16")
+    request = ProfileRequest(
+        model=gpt, device_name="h100", tps=[1], micro_batches=[1, 2], dtype="bf16"
+    )
+    profiles = ensure_profiles(tmp_path, request, repeats=3)
     assert len(profiles.layers) == 2 and not profiles.links  # no links measured on a GPU
     for profile in profiles.layers.values():
         assert profile.key.device == "h100" and profile.key.dtype == "bf16"
+        # measured times: no figure to match, but a time of 0 is no measurement
         assert profile.layer_forward_s > 0 and profile.optimizer_s_per_param > 0
         assert profile.layer_param_bytes == parameter_counts(gpt).layer * 2
     (fp32,) = measure_layers(load_model("tiny-llama"), "h100", [1], [1], repeats=3)

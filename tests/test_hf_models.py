@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from hethub.errors import HethubError, SpecError
 from hethub.predictor import predict
-from hethub.profiles.store import LayerKey
+from hethub.profiles.types import LayerKey
 from hethub.runtime.model import Stage, fuse, rotary_inverse_frequencies
 from hethub.spec import check_plan, load_model, parse_cluster, parse_plan
 from hethub.spec.hf_config import hf_config_from_model, model_from_hf_config
@@ -337,7 +337,7 @@ def test_the_predictor_prices_a_model_named_by_its_config_json(tmp_path):
         seq_len=SEQ_LEN,
     )
     priced, plain = predict(plan, cluster, model), predict(plan, cluster, unbiased)
-    assert priced.fits and priced.iteration_time_s > 0
+    assert priced.fits
     # the biases are priced: their memory and the GEMMs that add them
     assert priced.peak_memory_gb > plain.peak_memory_gb
     assert priced.iteration_time_s > plain.iteration_time_s

@@ -92,7 +92,7 @@ def test_every_catalog_device_has_its_efficiency_and_says_what_it_inherited():
         e = device.efficiency
         for figure in ("gemm", "sustained", "attention", "memory"):
             assert 0 < getattr(e, figure) <= 1, (name, figure)
-        assert e.launch_us > 0 and e.source, name
+        assert e.launch_us > 0 and e.source, name  # a measured figure: its source says whose
     # Measured devices have their own GEMM figure; one with none inherits its vendor's, and its
     # source says so.
     assert "gemm" not in lookup("h100").efficiency.inherited

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import statistics
 import subprocess
 import sys
 
@@ -58,15 +59,24 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["tolerance"] == 10 and report["within_tolerance"]
-    assert report["predicted_iteration_s"] > 0 and report["measured_iteration_s"] > 0
     assert report["steps_measured"] == 2  # the warm-up step is left out
     assert report["run_dir"] == "runs/two-stages"  # named after the plan file
     assert report["basis"].startswith("this machine's profiles")
     assert [(s["stage"], s["layers"]) for s in report["stages"]] == [(0, 5), (1, 3)]
+    # The measured figures are the medians of what the workers logged, warm-up step left out.
+    logged = (tmp_path / report["run_dir"] / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in logged]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    measured = statistics.median(r["iteration_time_s"] for r in records[1:])
+    assert report["measured_iteration_s"] == measured
+    predicted = report["predicted_iteration_s"]
+    assert report["error"] == pytest.approx((predicted - measured) / measured)
     for s in report["stages"]:
-        assert s["measured"]["compute_s"] > 0 and s["predicted"]["compute_s"] > 0
+        times = [next(x for x in r["stages"] if x["stage"] == s["stage"]) for r in records[1:]]
+        for k in ("compute_s", "comm_s", "idle_s"):
+            assert s["measured"][k] == statistics.median(t[k] for t in times), (s["stage"], k)
     # The prediction rests on the profiles alone: predict on them, after the run, gives the same
-    # figure.
+    # figures, the iteration's and each stage's compute.
     again = hethub(
         tmp_path,
         "predict",
@@ -79,7 +89,11 @@ def test_validate_predicts_from_profiles_before_the_run_and_compares_per_stage(t
         "--json",
     )
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["iteration_time_s"] == report["predicted_iteration_s"]
+    predicted_again = json.loads(again.stdout)
+    assert predicted_again["iteration_time_s"] == predicted
+    assert [(s["stage"], s["compute_s"]) for s in predicted_again["stages"]] == [
+        (s["stage"], s["predicted"]["compute_s"]) for s in report["stages"]
+    ]
     trace = json.loads((tmp_path / report["run_dir"] / "trace.json").read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert {n.split(" · ")[0] for n in names} == {"predicted", "measured"}
