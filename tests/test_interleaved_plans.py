@@ -8,7 +8,7 @@ import pytest
 from hethub.errors import SpecError
 from hethub.predictor import predict
 from hethub.predictor.memory import stage_memory_at
-from hethub.predictor.stage import MIDDLE, StagePosition
+from hethub.predictor.stage import MIDDLE, StagePosition, StageShape
 from hethub.spec import load_model, parse_cluster
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, parse_plan, uniform_plan
@@ -177,9 +177,11 @@ def test_in_flight_memory_is_read_from_the_order() -> None:
 
 def test_a_sharded_optimizer_keeps_six_plus_twelve_over_d_bytes_per_parameter() -> None:
     position = StagePosition.of(1, 3)
-    whole = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", Precision.BF16)
+    whole = stage_memory_at(StageShape(MODEL, 4, 1, position, 1, "none", Precision.BF16), 1)
     for d in (2, 4, 8):
-        sharded = stage_memory_at(MODEL, 4, 1, position, 1, 1, "none", Precision.BF16, d)
+        sharded = stage_memory_at(
+            StageShape(MODEL, 4, 1, position, 1, "none", Precision.BF16), 1, d
+        )
         params = 4 * parameter_counts(MODEL).layer
         assert sharded.weights_gb + sharded.grads_gb == pytest.approx(6 * params / 1e9)
         assert sharded.optimizer_gb == pytest.approx(12 * params / d / 1e9)
@@ -231,8 +233,8 @@ def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_bf16_and_eight_in_fp3
     # copy of it (12/d); in fp32 it steps the shard of the weights themselves (8/d).
     model = load_model("tiny-llama")
     for precision, state in ((Precision.BF16, 12), (Precision.FP32, 8)):
-        alone = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 1)
-        shared = stage_memory_at(model, 2, 1, MIDDLE, 1, 1, "none", precision, 4)
+        alone = stage_memory_at(StageShape(model, 2, 1, MIDDLE, 1, "none", precision), 1, 1)
+        shared = stage_memory_at(StageShape(model, 2, 1, MIDDLE, 1, "none", precision), 1, 4)
         params = alone.weights_gb / (2 if precision == "bf16" else 4)
         assert shared.optimizer_gb == pytest.approx(params * state / 4)
         assert shared.weights_gb == alone.weights_gb and shared.grads_gb == alone.grads_gb

@@ -12,8 +12,8 @@ from benchmark_scripts import load_benchmark
 from hethub.errors import HethubError
 from hethub.predictor import compute, predict
 from hethub.predictor.calibration import default_calibration
-from hethub.predictor.pricing import AnalyticPricing, StageShape
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.pricing import AnalyticPricing
+from hethub.predictor.stage import LayerShape, StagePosition, StageShape
 from hethub.spec import lookup, parse_model
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, megatron_fused_softmax
@@ -171,9 +171,11 @@ def test_a_pricing_told_megatron_prices_its_layer_and_its_activations():
     group = DeviceGroup(
         name="a100", accelerator=lookup("a100-80gb"), nodes=1, devices_per_node=8, network_gbps=800
     )
-    own = compute.layer_cost(model, group.accelerator, cal, 1, 2, Recompute.NONE, 0, BF16)
+    own = compute.layer_cost(
+        LayerShape(model, 1, 2, Recompute.NONE, BF16), group.accelerator, cal, 0
+    )
     told = compute.layer_cost(
-        model, group.accelerator, cal, 1, 2, Recompute.NONE, 0, BF16, MEGATRON
+        LayerShape(model, 1, 2, Recompute.NONE, BF16), group.accelerator, cal, 0, MEGATRON
     )
     assert told.forward_s > own.forward_s  # the scores are written, read, dropped out
     shape = StageShape(model, 2, 1, StagePosition.of(0, 2), 2, Recompute.NONE, BF16)

@@ -9,6 +9,7 @@ import pytest
 from hethub.errors import SpecError
 from hethub.predictor import comm, compute, memory
 from hethub.predictor.calibration import Calibration, default_calibration, fitted_bounds
+from hethub.predictor.stage import LayerShape
 from hethub.spec import lookup, parse_cluster, parse_model
 from hethub.spec.accelerator import catalog, parse_accelerator
 from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, trainer_bytes
@@ -227,9 +228,9 @@ def test_a_layer_told_its_kernels_is_priced_by_them():
     # gradient accumulation: Megatron-LM's 16-bit in place, hethub's into fp32 main gradients).
     slow_host = dataclasses.replace(CAL, dispatch_us=999)
     told = compute.layer_cost(
-        GPT, ROUND, slow_host, 1, 1, Recompute.NONE, 0.0, BF16, Kernels.MEGATRON_LM
+        LayerShape(GPT, 1, 1, Recompute.NONE, BF16), ROUND, slow_host, 0.0, Kernels.MEGATRON_LM
     )
-    own = compute.layer_cost(GPT, ROUND, slow_host, 1, 1, Recompute.NONE, 0.0, BF16)
+    own = compute.layer_cost(LayerShape(GPT, 1, 1, Recompute.NONE, BF16), ROUND, slow_host, 0.0)
     assert (told.forward_s, told.backward_s) == pytest.approx(
         (14e-3, 31e-3 + _accumulate_s(GPT, Kernels.MEGATRON_LM))
     )
@@ -245,16 +246,20 @@ def test_layer_takes_the_larger_of_host_and_device_time():
         {"arch": "gpt", "hidden": 64, "layers": 1, "heads": 4, "vocab": 100, "seq_len": 16}, "", "t"
     )
     slow_host = dataclasses.replace(CAL, dispatch_us=999)
-    cost = compute.layer_cost(tiny, ROUND, slow_host, 1, 1, Recompute.NONE, 0.0, BF16)
+    cost = compute.layer_cost(LayerShape(tiny, 1, 1, Recompute.NONE, BF16), ROUND, slow_host, 0.0)
     # Launch-bound. Forward: 2 norms, QKV, attention, projection, 2 adds, fc1, GELU, fc2: 10.
     # Backward: 2 norms, 4 GEMMs each x 2 and their 4 bias sums, attention, the QKV
     # gradients' concatenation, GELU, 2 gradient sums: 19.
     accumulate = _accumulate_s(tiny, Kernels.FUSED)
     assert cost.forward_s == pytest.approx(10 * 1000e-6)
     assert cost.backward_s == pytest.approx(19 * 1000e-6 + accumulate)
-    recomputed = compute.layer_cost(tiny, ROUND, slow_host, 1, 1, Recompute.FULL, 0.0, BF16)
+    recomputed = compute.layer_cost(
+        LayerShape(tiny, 1, 1, Recompute.FULL, BF16), ROUND, slow_host, 0.0
+    )
     assert recomputed.backward_s == pytest.approx(29 * 1000e-6 + accumulate)
-    big = compute.layer_cost(GPT, ROUND, CAL, 1, 8, Recompute.NONE, 0.0, BF16)  # device-bound
+    big = compute.layer_cost(
+        LayerShape(GPT, 1, 8, Recompute.NONE, BF16), ROUND, CAL, 0.0
+    )  # device-bound
     ops = layer_ops(GPT, 1, 8, BF16, Kernels.FUSED)
     passes = (
         (big.forward_s, ops.forward, 0.0),
@@ -282,7 +287,7 @@ def test_a_cpu_prices_its_own_kernels():
     cpu = lookup("cpu")
     assert compute.kernels_of(cpu) is Kernels.CPU and compute.kernels_of(A100) is Kernels.FUSED
     slow_host = dataclasses.replace(CAL, dispatch_us=1000)
-    on_cpu = compute.layer_cost(LLAMA, cpu, slow_host, 1, 1, Recompute.NONE, 0.0, BF16)
+    on_cpu = compute.layer_cost(LayerShape(LLAMA, 1, 1, Recompute.NONE, BF16), cpu, slow_host, 0.0)
     cpu_ops = layer_ops(LLAMA, 1, 1, BF16, Kernels.CPU)
     assert on_cpu.forward_s >= len(cpu_ops.forward) * 1000e-6
     assert len(cpu_ops.forward) > len(layer_ops(LLAMA, 1, 1, BF16, Kernels.FUSED).forward)
@@ -360,7 +365,7 @@ def test_stage_memory_by_hand():
     shape = {"layers": 2, "tp": t, "stages": 2, "micro_batches": 8, "micro_batch": b}
     shape["precision"] = BF16
     mem = memory.stage_memory(
-        GPT, position=0, recompute=Recompute.NONE, schedule=Schedule.ONE_F_ONE_B, **shape
+        GPT, stage=0, recompute=Recompute.NONE, schedule=Schedule.ONE_F_ONE_B, **shape
     )
     params = (2 * parameter_counts(GPT).layer + parameter_counts(GPT).embedding) / t
     assert mem.weights_gb == pytest.approx(params * 2 / 1e9)
@@ -375,15 +380,15 @@ def test_stage_memory_by_hand():
     # first stage's first: the embedding's output), and a backward rebuilds one layer, whose
     # activations include its input, kept already.
     recomputed = memory.stage_memory(
-        GPT, position=0, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
+        GPT, stage=0, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
     )
     assert recomputed.activations_gb == pytest.approx((2 * 2 * hidden + per_layer - hidden) / 1e9)
     later = memory.stage_memory(
-        GPT, position=1, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
+        GPT, stage=1, recompute=Recompute.FULL, schedule=Schedule.ONE_F_ONE_B, **shape
     )
     assert later.activations_gb == pytest.approx((2 * hidden + per_layer - hidden) / 1e9)
     gpipe = memory.stage_memory(
-        GPT, position=0, recompute=Recompute.NONE, schedule=Schedule.GPIPE, **shape
+        GPT, stage=0, recompute=Recompute.NONE, schedule=Schedule.GPIPE, **shape
     )
     assert gpipe.activations_gb == pytest.approx(8 * 2 * per_layer / 1e9)
     assert mem.total_gb == pytest.approx(mem.state_gb + mem.activations_gb + mem.buffers_gb)

@@ -18,9 +18,9 @@ from hethub.errors import HethubError
 from hethub.planner import search
 from hethub.predictor import default_calibration, predict
 from hethub.predictor.memory import layer_activation_bytes
-from hethub.predictor.pricing import AnalyticPricing, StageShape
+from hethub.predictor.pricing import AnalyticPricing
 from hethub.predictor.profiled import missing_profiles
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.stage import StagePosition, StageShape
 from hethub.profiles import (
     LayerKey,
     LayerProfile,

@@ -16,8 +16,8 @@ from test_pricing import CAL, _layer, _profiles
 from hethub.errors import HethubError
 from hethub.predictor import comm, predict
 from hethub.predictor.compute import tp_collective_time
-from hethub.predictor.pricing import StageShape, pricing_for
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.pricing import pricing_for
+from hethub.predictor.stage import StagePosition, StageShape
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
 from hethub.spec.layer_ops import ALL_REDUCE, Kernels, OpKind, layer_ops

@@ -152,10 +152,10 @@ def test_selective_recomputation_is_priced_as_the_rerun_attention_analytically_a
     assert analytic[Recompute.SELECTIVE].forward_s == analytic[Recompute.NONE].forward_s
     added = analytic[Recompute.SELECTIVE].backward_s - analytic[Recompute.NONE].backward_s
     costs = {
-        r: layer_cost(SHAPE.model, GROUP.accelerator, CAL, 1, 1, r, 0.0, SHAPE.precision)
+        r: layer_cost(SHAPE.layer._replace(recompute=r), GROUP.accelerator, CAL, 0.0)
         for r in Recompute
     }
-    share = selective_rerun_share(SHAPE.model, GROUP.accelerator, CAL, 1, 1, 0.0, SHAPE.precision)
+    share = selective_rerun_share(SHAPE.layer, GROUP.accelerator, CAL, 0.0)
     assert added == pytest.approx(SHAPE.layers * share * costs[Recompute.NONE].forward_s)
     # The inner attention is some of the forward, not all of it (full recomputation's rerun).
     full_share = (costs[Recompute.FULL].backward_s - costs[Recompute.NONE].backward_s) / (

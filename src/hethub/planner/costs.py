@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.memory import headroom_gb
 from hethub.predictor.memory import stage_position as _stage_position
-from hethub.predictor.pricing import Pricing, StageShape, pricing_for
-from hethub.predictor.stage import MIDDLE, StagePosition, StageTimes
+from hethub.predictor.pricing import Pricing, pricing_for
+from hethub.predictor.stage import MIDDLE, StagePosition, StageShape, StageTimes
 from hethub.profiles.selection import Profiles
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
 from hethub.spec.hashing import hashed_once

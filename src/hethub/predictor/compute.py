@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from hethub.errors import HethubError
 from hethub.predictor import comm
 from hethub.predictor.calibration import Calibration
+from hethub.predictor.stage import LayerShape
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.cluster import DeviceGroup
 from hethub.spec.layer_ops import (
@@ -145,30 +146,26 @@ def pass_time(
 
 @functools.lru_cache(maxsize=65536)
 def layer_cost(
-    model: ModelSpec,
+    layer: LayerShape,
     accelerator: AcceleratorSpec,
     cal: Calibration,
-    tp: int,
-    micro_batch: int,
-    recompute: Recompute,
     tp_allreduce_s: float,
-    precision: Precision,
     kernels: Kernels | None = None,
     *,
     tp_group: DeviceGroup | None = None,
-    sequence_parallel: bool = False,
 ) -> WorkCost:
-    """One transformer layer, one micro-batch, on one of ``tp`` devices: spec.layer_ops'
-    inventory of the layer, priced pass by pass (pass_time). With full recomputation the
-    backward runs the forward again first; with selective, the attention's rotations, v's copy
-    and kernel (Megatron-LM's layer: its core attention). ``kernels``: the layer that ran
-    (Kernels.MEGATRON_LM for Megatron-LM's runs); None, the runtime's on the device's own
-    (kernels_of).
+    """One transformer layer of ``layer``'s shape, one micro-batch, on one of its ``tp``
+    devices: spec.layer_ops' inventory of the layer, priced pass by pass (pass_time). With full
+    recomputation the backward runs the forward again first; with selective, the attention's
+    rotations, v's copy and kernel (Megatron-LM's layer: its core attention). ``kernels``: the
+    layer that ran (Kernels.MEGATRON_LM for Megatron-LM's runs); None, the runtime's on the
+    device's own (kernels_of).
 
     Its TP collectives: each all-reduce ``tp_allreduce_s`` (the layer's are all of its (B, T, h)
-    activation), or, on ``tp_group`` (needed under ``sequence_parallel``, whose layer also
+    activation), or, on ``tp_group`` (needed under sequence parallelism, whose layer also
     all-reduces its norms' weight gradients), each priced on its own bytes (tp_collective_time).
     """
+    model, tp, micro_batch, recompute, precision, sequence_parallel = layer
     kernels = kernels or kernels_of(accelerator)
     ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute, sequence_parallel)
     if tp_group is None:
@@ -192,20 +189,18 @@ def layer_cost(
 
 
 def selective_rerun_share(
-    model: ModelSpec,
+    layer: LayerShape,
     accelerator: AcceleratorSpec,
     cal: Calibration,
-    tp: int,
-    micro_batch: int,
     tp_allreduce_s: float,
-    precision: Precision,
     kernels: Kernels | None = None,
 ) -> float:
     """What selective recomputation adds to a layer's backward, as a share of the layer's
-    forward, as layer_cost prices both: a measured forward times it prices the rerun from a
-    profile (predictor.profiled), which measures a layer's times without it."""
+    forward, as layer_cost prices both (``layer``'s own recomputation aside): a measured
+    forward times it prices the rerun from a profile (predictor.profiled), which measures a
+    layer's times without it."""
     plain, selective = (
-        layer_cost(model, accelerator, cal, tp, micro_batch, r, tp_allreduce_s, precision, kernels)
+        layer_cost(layer._replace(recompute=r), accelerator, cal, tp_allreduce_s, kernels)
         for r in (Recompute.NONE, Recompute.SELECTIVE)
     )
     return (selective.backward_s - plain.backward_s) / plain.forward_s

@@ -18,7 +18,7 @@ from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32, peak_tflops
 from hethub.predictor.memory import fits, stage_params, stage_position
-from hethub.predictor.pricing import Boundary, Pricing, StageShape, SyncPeers, pricing_for
+from hethub.predictor.pricing import Boundary, Pricing, SyncPeers, pricing_for
 from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.schedule import (
     BACKWARD,
@@ -29,7 +29,7 @@ from hethub.predictor.schedule import (
     stage_end_times,
 )
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.stage import StagePosition, StageShape
 from hethub.predictor.weight_split import split_backward, weight_gradient_share
 from hethub.profiles.selection import Profiles
 from hethub.report.timeline import OPERATION_KINDS, TimelineEvent

@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hethub.predictor.stage import StagePosition
+from hethub.predictor.stage import StagePosition, StageShape
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.layer_ops import Kernels, layer_ops
 from hethub.spec.model import ModelSpec
@@ -127,9 +127,10 @@ def selective_saving_bytes(
 
 def stage_memory(
     model: ModelSpec,
+    *,
     layers: int,
     tp: int,
-    position: int,
+    stage: int,
     stages: int,
     micro_batches: int,
     micro_batch: int,
@@ -137,18 +138,12 @@ def stage_memory(
     schedule: Schedule,
     precision: Precision,
 ) -> StageMemory:
-    """Peak memory of one device of the stage at ``position`` (0-based) of a pipeline."""
-    in_flight = in_flight_micro_batches(schedule, position, stages, micro_batches)
-    return stage_memory_at(
-        model,
-        layers,
-        tp,
-        stage_position(schedule, position, stages),
-        in_flight,
-        micro_batch,
-        recompute,
-        precision,
-    )
+    """Peak memory of one device of stage ``stage`` (0-based) of a pipeline of ``stages``
+    under ``schedule``, ``micro_batches`` of ``micro_batch`` sequences a step."""
+    in_flight = in_flight_micro_batches(schedule, stage, stages, micro_batches)
+    where = stage_position(schedule, stage, stages)
+    shape = StageShape(model, layers, tp, where, micro_batch, recompute, precision)
+    return stage_memory_at(shape, in_flight)
 
 
 def stage_position(schedule: Schedule, stage: int, stages: int) -> StagePosition:
@@ -333,25 +328,17 @@ def _layer_backward_bytes(
 
 
 def late_backward_bytes(
-    model: ModelSpec,
-    *,
-    per_layer: float,
-    layers: int,
-    params: float,
-    tp: int,
-    position: StagePosition,
-    in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision,
-    split: int = 1,
+    shape: StageShape, *, per_layer: float, params: float, in_flight: float
 ) -> float:
     """What a stage holds above its state as a micro-batch's backward reaches its first layer:
     the other micro-batches in flight (each its layers' activations, or under full
     recomputation their inputs), that layer's activations and backward peak, autograd's
     gradients of the stage's ``params`` (this rank's) in the weights' dtype, and the boundary
     tensors (the outputs sent; the last stage sends none, and its loss's tensors are gone by
-    then; under sequence parallelism this rank's shards). ``split``: as layers_bytes'."""
+    then; under sequence parallelism this rank's shards)."""
+    model, layers, tp, position = shape.model, shape.layers, shape.tp, shape.position
+    micro_batch, recompute, precision = shape.micro_batch, shape.recompute, shape.precision
+    split = _sequence_split(shape)
     layer_input = layer_input_bytes(model, micro_batch, precision.element_bytes)
     one = layers * (layer_input / split if recompute == Recompute.FULL else per_layer)
     others = (in_flight - 1) * one
@@ -429,65 +416,53 @@ def buffer_bytes(
 
 @functools.lru_cache(maxsize=65536)
 def stage_memory_at(
-    model: ModelSpec,
-    layers: int,
-    tp: int,
-    position: StagePosition,
+    shape: StageShape,
     in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
-    *,
-    sequence_parallel: bool = False,
 ) -> StageMemory:
-    """Peak memory of one device of a stage holding ``in_flight`` micro-batches' activations,
-    its optimizer state split over ``optimizer_shards`` ranks (a sharded optimizer), on a
-    device of ``kernels`` (spec.layer_ops: compute.kernels_of its accelerator);
-    ``sequence_parallel``: the stage runs so (tp > 1)."""
+    """Peak memory of one device of a stage of ``shape`` holding ``in_flight`` micro-batches'
+    activations, its optimizer state split over ``optimizer_shards`` ranks (a sharded
+    optimizer), on a device of ``kernels`` (spec.layer_ops: compute.kernels_of its
+    accelerator)."""
+    layer = shape.layer
+    per_layer = layer_activation_bytes(
+        layer.model, layer.tp, layer.micro_batch, layer.precision, kernels, layer.sequence_parallel
+    )
     return stage_memory_of(
-        model,
-        per_layer=layer_activation_bytes(
-            model, tp, micro_batch, precision, kernels, sequence_parallel
-        ),
-        layers=layers,
-        tp=tp,
-        position=position,
+        shape,
+        per_layer=per_layer,
         in_flight=in_flight,
-        micro_batch=micro_batch,
-        recompute=recompute,
-        precision=precision,
         optimizer_shards=optimizer_shards,
         kernels=kernels,
-        sequence_parallel=sequence_parallel,
     )
 
 
+def _sequence_split(shape: StageShape) -> int:
+    """The ranks a layer's input is split over along the sequence: the stage's TP degree under
+    sequence parallelism, else 1."""
+    return shape.tp if shape.split_sequence else 1
+
+
 def stage_memory_of(
-    model: ModelSpec,
+    shape: StageShape,
     *,
     per_layer: float,
-    layers: int,
-    tp: int,
-    position: StagePosition,
     in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision,
     optimizer_shards: int = 1,
     kernels: Kernels = Kernels.FUSED,
-    sequence_parallel: bool = False,
 ) -> StageMemory:
     """stage_memory_at's, from what one layer keeps for its backward, one micro-batch, without
     recomputation (``per_layer`` bytes: layer_activation_bytes, or a profile's measure)."""
+    model, layers, tp, position = shape.model, shape.layers, shape.tp, shape.position
+    micro_batch, recompute, precision = shape.micro_batch, shape.recompute, shape.precision
     params = stage_params(model, layers, position) / tp
     if recompute is Recompute.SELECTIVE:
         # A layer then keeps less and is otherwise held as without recomputation: its attention's
         # rebuilt inner part lives only while the backward is past the MLP, whose activations,
         # larger, are freed by then.
         per_layer -= selective_saving_bytes(model, tp, micro_batch, precision, kernels)
-    split = tp if sequence_parallel else 1
+    split = _sequence_split(shape)
     activations = layers_bytes(
         model,
         per_layer=per_layer,
@@ -516,19 +491,7 @@ def stage_memory_of(
     # stage, made during it, wait for its end to join the main gradients (runtime.precision),
     # while its first layer is still in its backward. Under full recomputation, where little
     # else is held, that is the peak.
-    late = late_backward_bytes(
-        model,
-        per_layer=per_layer,
-        layers=layers,
-        params=params,
-        tp=tp,
-        position=position,
-        in_flight=in_flight,
-        micro_batch=micro_batch,
-        recompute=recompute,
-        precision=precision,
-        split=split,
-    )
+    late = late_backward_bytes(shape, per_layer=per_layer, params=params, in_flight=in_flight)
     buffers = max(buffers, late - activations)
     return StageMemory(
         weights_gb=params * precision.weight_bytes / GB,

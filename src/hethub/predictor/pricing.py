@@ -25,7 +25,7 @@ from hethub.predictor.compute import (
 )
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
-from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
+from hethub.predictor.stage import SendTimes, StagePosition, StageShape, StageTimes, SyncTimes
 from hethub.profiles.selection import Profiles
 from hethub.profiles.types import LayerProfile, LinkProfile
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
@@ -44,26 +44,6 @@ OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
 REDUCE_SCATTER_SHARE = ring_steps(Kind.REDUCE_SCATTER, 2) / ring_steps(Kind.ALL_REDUCE, 2)
 """A ring reduce-scatter of the gradients over a ring all-reduce of them: half the steps (the
 ring factors of spec.collectives, which the runtime counts by)."""
-
-
-class StageShape(NamedTuple):
-    """What a stage's (or one of its chunks') costs depend on besides its devices (a tuple:
-    made for every stage of every prediction, and a key of the caches below)."""
-
-    model: ModelSpec
-    layers: int
-    tp: int
-    position: StagePosition
-    micro_batch: int
-    recompute: Recompute
-    precision: Precision
-    sequence_parallel: bool = False
-    """The plan's sequence parallelism, which a stage runs where tp > 1."""
-
-    @property
-    def split_sequence(self) -> bool:
-        """This stage runs sequence-parallel: the plan asks for it and tp > 1."""
-        return self.sequence_parallel and self.tp > 1
 
 
 class Boundary(NamedTuple):
@@ -242,19 +222,7 @@ class AnalyticPricing(Pricing):
     def memory(
         self, group: DeviceGroup, shape: StageShape, *, in_flight: float, optimizer_shards: int
     ) -> StageMemory:
-        return stage_memory_at(
-            shape.model,
-            shape.layers,
-            shape.tp,
-            shape.position,
-            in_flight,
-            shape.micro_batch,
-            shape.recompute,
-            shape.precision,
-            optimizer_shards,
-            self.kernels_on(group),
-            sequence_parallel=shape.split_sequence,
-        )
+        return stage_memory_at(shape, in_flight, optimizer_shards, self.kernels_on(group))
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
         return None
@@ -292,13 +260,10 @@ class ProfiledPricing(AnalyticPricing):
         """The analytic model's share of a layer's forward that selective recomputation runs
         again in its backward (compute.selective_rerun_share), on ``group``'s kernels."""
         return selective_rerun_share(
-            shape.model,
+            shape.layer,
             group.accelerator,
             self.calibration,
-            shape.tp,
-            shape.micro_batch,
             _tp_allreduce_s(group, self.calibration, shape),
-            shape.precision,
             self.kernels_on(group),
         )
 
@@ -341,18 +306,11 @@ class ProfiledPricing(AnalyticPricing):
         # The measured layer's activations; around them, what the runtime holds as the analytic
         # model prices it (the state, the stage's buffers on the device's kernels).
         return stage_memory_of(
-            shape.model,
+            shape,
             per_layer=profile.layer_activation_bytes,
-            layers=shape.layers,
-            tp=shape.tp,
-            position=shape.position,
             in_flight=in_flight,
-            micro_batch=shape.micro_batch,
-            recompute=shape.recompute,
-            precision=shape.precision,
             optimizer_shards=optimizer_shards,
             kernels=self.kernels_on(group),
-            sequence_parallel=shape.split_sequence,
         )
 
     def loss_sync_s(self, plan: Plan, cluster: ClusterSpec) -> float | None:
@@ -408,19 +366,7 @@ def _analytic_work(
     model, tp, micro_batch, precision = shape.model, shape.tp, shape.micro_batch, shape.precision
     acc = group.accelerator
     tp_allreduce = _tp_allreduce_s(group, cal, shape)
-    layer = layer_cost(
-        model,
-        acc,
-        cal,
-        tp,
-        micro_batch,
-        shape.recompute,
-        tp_allreduce,
-        precision,
-        kernels,
-        tp_group=group,
-        sequence_parallel=shape.split_sequence,
-    )
+    layer = layer_cost(shape.layer, acc, cal, tp_allreduce, kernels, tp_group=group)
     forward, backward = shape.layers * layer.forward_s, shape.layers * layer.backward_s
     if shape.split_sequence:
         edges = _sequence_parallel_edges(group, cal, shape)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hethub.spec.hashing import hashed_once
+from hethub.spec.model import ModelSpec
+from hethub.spec.plan import Precision, Recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,52 @@ _POSITIONS = {
 }
 MIDDLE = StagePosition.of(1, 3)
 """A stage with layers alone: what one more layer costs any stage."""
+
+
+class LayerShape(NamedTuple):
+    """What one transformer layer's costs depend on besides its device: a key of the caches of
+    compute.layer_cost and memory.layer_activation_bytes."""
+
+    model: ModelSpec
+    tp: int
+    micro_batch: int
+    recompute: Recompute
+    precision: Precision
+    sequence_parallel: bool = False
+    """The layer runs sequence-parallel (the plan asks for it and tp > 1)."""
+
+
+class StageShape(NamedTuple):
+    """What a stage's (or one of its chunks') costs depend on besides its devices (a tuple:
+    made for every stage of every prediction, and a key of the caches of the pricing and the
+    memory model, which take it whole)."""
+
+    model: ModelSpec
+    layers: int
+    tp: int
+    position: StagePosition
+    micro_batch: int
+    recompute: Recompute
+    precision: Precision
+    sequence_parallel: bool = False
+    """The plan's sequence parallelism, which a stage runs where tp > 1."""
+
+    @property
+    def split_sequence(self) -> bool:
+        """This stage runs sequence-parallel: the plan asks for it and tp > 1."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def layer(self) -> LayerShape:
+        """One of its layers' shape."""
+        return LayerShape(
+            self.model,
+            self.tp,
+            self.micro_batch,
+            self.recompute,
+            self.precision,
+            self.split_sequence,
+        )
 
 
 class StageTimes(NamedTuple):
