@@ -34,7 +34,7 @@ def _collective_seconds(sequence_parallel: bool, tp: int) -> tuple[float, float]
     """(the activation collectives', the replicated weights' gradient sums') seconds of one
     layer's forward and backward at ``tp``."""
     ops = layer_ops(
-        LLAMA_7B, tp, 1, Precision.BF16, Kernels.FUSED, Recompute.NONE, sequence_parallel
+        LLAMA_7B, tp, 1, Precision.BF16, Kernels.FUSED, sequence_parallel=sequence_parallel
     )
     activation = LLAMA_7B.seq_len * LLAMA_7B.hidden * Precision.BF16.element_bytes
     big = small = 0.0
@@ -67,7 +67,7 @@ def test_the_sequence_parallel_layer_keeps_the_norms_and_residual_on_a_shard(tp)
     # dropout masks); with it, their inputs (and rstd) on the shard, 4 / t, and the gathered
     # outputs the next GEMMs keep, 4: the rest (about 24/t) is the TP regions'.
     def saved(sp: bool) -> float:
-        ops = layer_ops(LLAMA_7B, tp, 1, Precision.BF16, Kernels.FUSED, Recompute.NONE, sp)
+        ops = layer_ops(LLAMA_7B, tp, 1, Precision.BF16, Kernels.FUSED, sequence_parallel=sp)
         return ops.saved_bytes / (LLAMA_7B.seq_len * LLAMA_7B.hidden)
 
     rstd = 2 * 4 / LLAMA_7B.hidden  # the two RMSNorms' fp32 rstd, one float a token

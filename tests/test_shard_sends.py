@@ -201,10 +201,12 @@ def test_under_sequence_parallelism_each_rank_sends_its_tokens_and_nothing_is_ga
     assert kept.forward_s < flat.forward_s and kept.backward_s < flat.backward_s
     assert kept.forward_s == kept.backward_s
     link = link_profile()
-    measured = send_times(link, cut, 4, 2, 2)
+    measured = send_times(link, cut, 4, tp_sender=2, tp_receiver=2)
     assert measured.forward_s == pytest.approx(link.p2p_time(cut.numel * 4 / 2))
     # a stage of TP 1 holds every token: it sends them all, re-cut for the two receivers
-    assert send_times(link, cut, 4, 1, 2).forward_s == pytest.approx(link.p2p_time(cut.numel * 4))
+    assert send_times(link, cut, 4, tp_sender=1, tp_receiver=2).forward_s == pytest.approx(
+        link.p2p_time(cut.numel * 4)
+    )
 
 
 def test_the_profiled_pricing_prices_the_shards_then_the_all_gather() -> None:
@@ -212,11 +214,13 @@ def test_the_profiled_pricing_prices_the_shards_then_the_all_gather() -> None:
     numel, element = 250_000, 4
     nbytes = numel * element
     cut = MessageCut(numel, 1, gathered=True)
-    sent = send_times(link, cut, element, 2, 2)
+    sent = send_times(link, cut, element, tp_sender=2, tp_receiver=2)
     expected = link.p2p_time(nbytes / 2) + link.allgather_time(nbytes, 2)
     assert sent.forward_s == pytest.approx(expected)
     assert sent.backward_s == pytest.approx(expected)
-    recut = send_times(link, cut, element, 1, 2)
+    recut = send_times(link, cut, element, tp_sender=1, tp_receiver=2)
     assert recut.forward_s == pytest.approx(link.p2p_time(nbytes) + link.allgather_time(nbytes, 2))
     assert recut.backward_s == pytest.approx(link.p2p_time(nbytes))  # a TP-1 sender gathers none
-    assert send_times(link, cut, element, 4, 4) is None  # an all-gather over 4 not measured
+    assert (
+        send_times(link, cut, element, tp_sender=4, tp_receiver=4) is None
+    )  # an all-gather over 4 not measured

@@ -126,7 +126,9 @@ def plan_fits(state: SearchState, plan: Plan) -> bool:
             in_flight = in_flight_micro_batches(pipeline.schedule, s, p, m, stage.chunks)
             group = state.cluster.group(stage.group)
             where = stage_position(pipeline.schedule, s, p)
-            if not _stage_fits(setting, group, stage.tp, stage.layers, where, in_flight, shard):
+            if not _stage_fits(
+                setting, group, stage.tp, stage.layers, where, in_flight=in_flight, shards=shard
+            ):
                 return False
     return True
 
@@ -138,9 +140,12 @@ def _stage_fits(
     tp: int,
     layers: int,
     position: StagePosition,
+    *,
     in_flight: float,
     shards: int,
 ) -> bool:
+    """Whether a stage of ``tp``, ``layers`` at ``position`` under ``setting`` fits its devices
+    with ``in_flight`` micro-batches held and its optimizer over ``shards`` ranks."""
     shape = setting.shape(tp, layers, position)
     memory = setting.pricing.memory(group, shape, in_flight=in_flight, optimizer_shards=shards)
     return fits(memory, group.accelerator)

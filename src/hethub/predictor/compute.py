@@ -167,7 +167,9 @@ def layer_cost(
     """
     model, tp, micro_batch, recompute, precision, sequence_parallel = layer
     kernels = kernels or kernels_of(accelerator)
-    ops = layer_ops(model, tp, micro_batch, precision, kernels, recompute, sequence_parallel)
+    ops = layer_ops(
+        model, tp, micro_batch, precision, kernels, recompute, sequence_parallel=sequence_parallel
+    )
     if tp_group is None:
         if sequence_parallel and tp > 1:
             raise HethubError("a sequence-parallel layer is priced on its TP group: give tp_group")

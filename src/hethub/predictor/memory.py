@@ -109,7 +109,7 @@ def layer_activation_bytes(
     """Activations one layer keeps for its backward, one micro-batch, no recomputation: what
     spec.layer_ops says the runtime's layer saves on ``kernels`` (an accelerator's unless told:
     a CPU's RMSNorm keeps fp32 copies besides), sequence-parallel where told."""
-    ops = layer_ops(model, tp, micro_batch, precision, kernels, Recompute.NONE, sequence_parallel)
+    ops = layer_ops(model, tp, micro_batch, precision, kernels, sequence_parallel=sequence_parallel)
     return float(ops.saved_bytes)
 
 
@@ -382,25 +382,16 @@ def _attention_parameters(model: ModelSpec, tp: int) -> int:
 _ATTENTION_PARTS = ("norm1", "qkv", "o")
 
 
-def buffer_bytes(
-    model: ModelSpec,
-    tp: int,
-    position: StagePosition,
-    in_flight: float,
-    micro_batch: int,
-    recompute: Recompute,
-    precision: Precision,
-    *,
-    rebuilt: float,
-    kernels: Kernels,
-    split: int = 1,
-) -> float:
-    """What a stage holds at the schedule's peak besides its layers' activations and its state:
-    its boundary tensors for the micro-batches in flight (runtime.pipeline; under sequence
-    parallelism, ``split`` its TP degree, this rank's token shards) and the peak of a backward
-    (the last stage's loss, head and final norm: loss_bytes; a layer's: _layer_backward_bytes).
+def buffer_bytes(shape: StageShape, in_flight: float, *, rebuilt: float, kernels: Kernels) -> float:
+    """What a stage of ``shape`` holds at the schedule's peak besides its layers' activations
+    and its state: its boundary tensors for the ``in_flight`` micro-batches (runtime.pipeline;
+    under sequence parallelism this rank's token shards) and the peak of a backward (the last
+    stage's loss, head and final norm: loss_bytes; a layer's: _layer_backward_bytes).
     ``rebuilt``: under full recomputation, what a backward rebuilds above the layers' inputs
     (rebuilt_layer_bytes)."""
+    model, tp, position = shape.model, shape.tp, shape.position
+    micro_batch, recompute, precision = shape.micro_batch, shape.recompute, shape.precision
+    split = _sequence_split(shape)
     hidden = layer_input_bytes(model, micro_batch, precision.element_bytes)
     boundary = 0.0
     if position.last:
@@ -473,20 +464,10 @@ def stage_memory_of(
         recompute=recompute,
         split=split,
     )
-    buffers = buffer_bytes(
-        model,
-        tp,
-        position,
-        in_flight,
-        micro_batch,
-        recompute,
-        precision,
-        rebuilt=rebuilt_layer_bytes(
-            per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes) / split
-        ),
-        kernels=kernels,
-        split=split,
+    rebuilt = rebuilt_layer_bytes(
+        per_layer, layer_input_bytes(model, micro_batch, precision.element_bytes) / split
     )
+    buffers = buffer_bytes(shape, in_flight, rebuilt=rebuilt, kernels=kernels)
     # A backward's last moment may hold more: autograd's gradients of every parameter of the
     # stage, made during it, wait for its end to join the main gradients (runtime.precision),
     # while its first layer is still in its backward. Under full recomputation, where little

@@ -25,7 +25,7 @@ from hethub.predictor.compute import (
 )
 from hethub.predictor.memory import StageMemory, stage_memory_at, stage_memory_of, stage_params
 from hethub.predictor.sharing import CoreSharing
-from hethub.predictor.stage import SendTimes, StagePosition, StageShape, StageTimes, SyncTimes
+from hethub.predictor.stage import SendTimes, StageShape, StageTimes, SyncTimes
 from hethub.profiles.selection import Profiles
 from hethub.profiles.types import LayerProfile, LinkProfile
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
@@ -178,16 +178,8 @@ class AnalyticPricing(Pricing):
         hierarchically, each of a layout's replicas carrying an equal slice of it across."""
         cal, precision = self.calibration, shape.precision
         grad_bytes = trainer_bytes(self.kernels_on(group), precision).grad_sync
-        reduce = _analytic_sync_s(
-            group,
-            cal,
-            shape.model,
-            shape.tp,
-            shape.layers,
-            shape.position,
-            peers.replicas,
-            grad_bytes,
-        )
+        params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
+        reduce = _analytic_sync_s(group, cal, params, shape.tp, peers.replicas, grad_bytes)
         gather = 0.0
         if peers.sharded:
             # Identical layouts alone reduce-scatter their buckets; with unlike layouts the sum
@@ -198,7 +190,6 @@ class AnalyticPricing(Pricing):
                 reduce *= REDUCE_SCATTER_SHARE
         exchange = 0.0
         if peers.classes > 1:  # a layer's gradient is the mean over every layout's replicas
-            params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
             exchange = comm.ring_allreduce_time(
                 params * grad_bytes / peers.fewest,
                 peers.classes,
@@ -208,15 +199,9 @@ class AnalyticPricing(Pricing):
         return SyncTimes(reduce + exchange, gather, exchange)
 
     def optimizer_s(self, group: DeviceGroup, shape: StageShape) -> float:
+        params = stage_params(shape.model, shape.layers, shape.position) / shape.tp
         return _analytic_optimizer_s(
-            group,
-            self.calibration,
-            shape.model,
-            shape.tp,
-            shape.layers,
-            shape.position,
-            shape.precision,
-            self.kernels_on(group),
+            group, self.calibration, params, shape.precision, self.kernels_on(group)
         )
 
     def memory(
@@ -418,36 +403,21 @@ def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageS
 
 @functools.lru_cache(maxsize=65536)
 def _analytic_sync_s(
-    group: DeviceGroup,
-    cal: Calibration,
-    model: ModelSpec,
-    tp: int,
-    layers: int,
-    position: StagePosition,
-    replicas: int,
-    grad_bytes: int,
+    group: DeviceGroup, cal: Calibration, params: float, tp: int, replicas: int, grad_bytes: int
 ) -> float:
-    """All-reduce of one rank's gradients, ``grad_bytes`` a parameter, among its stage's
-    ``replicas``, stage-major: a stage's replicas share nodes."""
-    params = stage_params(model, layers, position) / tp
+    """All-reduce of one rank's gradients (``params`` parameters of a stage of TP ``tp``,
+    ``grad_bytes`` each) among its stage's ``replicas``, stage-major: a stage's replicas share
+    nodes."""
     replicas_per_node = max(1, group.devices_per_node // tp)
     return comm.group_allreduce_time(params * grad_bytes, replicas, group, cal, replicas_per_node)
 
 
 @functools.lru_cache(maxsize=65536)
 def _analytic_optimizer_s(
-    group: DeviceGroup,
-    cal: Calibration,
-    model: ModelSpec,
-    tp: int,
-    layers: int,
-    position: StagePosition,
-    precision: Precision,
-    kernels: Kernels,
+    group: DeviceGroup, cal: Calibration, params: float, precision: Precision, kernels: Kernels
 ) -> float:
-    """The optimizer step over one rank's parameters, as the trainer that runs it
+    """The optimizer step over one rank's ``params`` parameters, as the trainer that runs it
     (spec.layer_ops.trainer_bytes): memory-bound, or its launches where they take longer."""
-    params = stage_params(model, layers, position) / tp
     return max(
         compute.memory_time(
             params * trainer_bytes(kernels, precision).optimizer, group.accelerator
@@ -483,15 +453,15 @@ def _measured_send(profiles: Profiles, boundary: Boundary) -> SendTimes | None:
             profiles.link_for(kind_b),
             cut,
             element,
-            b.tp_sender,
-            b.tp_receiver,
+            tp_sender=b.tp_sender,
+            tp_receiver=b.tp_receiver,
         )
     if kind_a != kind_b:
         return None
     link = profiles.link_for(kind_a)
     if link is None:
         return None
-    return profiled.send_times(link, cut, element, b.tp_sender, b.tp_receiver)
+    return profiled.send_times(link, cut, element, tp_sender=b.tp_sender, tp_receiver=b.tp_receiver)
 
 
 def _plan_kinds(plan: Plan, cluster: ClusterSpec) -> set[str]:

@@ -96,13 +96,15 @@ def profiled_work(
 
 
 def send_times(
-    link: LinkProfile, cut: MessageCut, element_bytes: int, tp_sender: int, tp_receiver: int
+    link: LinkProfile, cut: MessageCut, element_bytes: int, *, tp_sender: int, tp_receiver: int
 ) -> SendTimes | None:
     """(activation forward, its gradient backward) over one stage boundary on one link profile:
     each TP rank's run of the message cut as ``cut`` says (spec.collectives.message_cut,
     shard_pieces), then, cut flat, the receiving stage's all-gather of the runs; None where an
     all-gather was not measured."""
-    return cross_send_times(link, link, link, cut, element_bytes, tp_sender, tp_receiver)
+    return cross_send_times(
+        link, link, link, cut, element_bytes, tp_sender=tp_sender, tp_receiver=tp_receiver
+    )
 
 
 def cross_send_times(
@@ -111,6 +113,7 @@ def cross_send_times(
     link_b: LinkProfile | None,
     cut: MessageCut,
     element_bytes: int,
+    *,
     tp_sender: int,
     tp_receiver: int,
 ) -> SendTimes | None:

@@ -269,6 +269,7 @@ def stage_end_times(
     send_forward_s: list[float],
     send_backward_s: list[float],
     micro_batches: int,
+    *,
     chunks: int = 1,
     weight_s: list[float] | None = None,
 ) -> list[float]:

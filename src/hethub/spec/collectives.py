@@ -371,9 +371,10 @@ def rank_transfers(
             phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
             key = (post.peer, post.sends, phase)
             if key not in made:
+                peers = topology.stage_ranks(me.replica, post.peer)
                 made[key] = _post_transfers(
-                    rank, tp, topology.stage_ranks(me.replica, post.peer), post.sends, cut,
-                    element, vendors, phase,
+                    rank, tp, peers, post.sends, cut=cut, element=element, vendors=vendors,
+                    phase=phase,
                 )  # fmt: skip
             done += made[key]
 
@@ -430,6 +431,7 @@ def _post_transfers(
     tp: tuple[int, ...],
     peers: tuple[int, ...],
     sends: bool,
+    *,
     cut: MessageCut,
     element: int,
     vendors: Sequence[str],

@@ -554,6 +554,7 @@ def layer_ops(
     precision: Precision,
     kernels: Kernels,
     recompute: Recompute = Recompute.NONE,
+    *,
     sequence_parallel: bool = False,
 ) -> LayerOps:
     """The operations of one layer of ``model`` on one of ``tp`` ranks, one micro-batch of
