@@ -3,6 +3,8 @@ and the predictor: the plan's rules, and what each option does to a prediction."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hethub.errors import SpecError
@@ -11,7 +13,7 @@ from hethub.predictor.memory import stage_memory_at
 from hethub.predictor.stage import MIDDLE, StagePosition, StageShape
 from hethub.spec import load_model, parse_cluster
 from hethub.spec.parameters import parameter_counts
-from hethub.spec.plan import Precision, parse_plan, uniform_plan
+from hethub.spec.plan import Precision, UniformLayout, parse_plan, uniform_plan
 from hethub.spec.schedules import (
     FORWARD,
     chunk_sequence,
@@ -113,8 +115,15 @@ def test_replicas_may_differ_in_virtual_stages() -> None:
     assert prediction.iteration_time_s > max(prediction.pipeline_time_s)
 
 
+def uniform_of(**fields):
+    """spec.plan.uniform_plan from its layout's fields and the plan's, given together."""
+    names = {f.name for f in dataclasses.fields(UniformLayout)}
+    layout = UniformLayout(**{k: v for k, v in fields.items() if k in names})
+    return uniform_plan(layout, **{k: v for k, v in fields.items() if k not in names})
+
+
 def uniform(v: int = 1, **options):
-    return uniform_plan(
+    return uniform_of(
         model="llama-7b",
         group="nv",
         tp=8,
@@ -130,7 +139,7 @@ def uniform(v: int = 1, **options):
 
 
 def test_one_chunk_per_stage_predicts_exactly_as_plain_1f1b() -> None:
-    plain = predict(uniform_plan(**{**_uniform_args(), "schedule": "1f1b"}), CLUSTER, MODEL)
+    plain = predict(uniform_of(**{**_uniform_args(), "schedule": "1f1b"}), CLUSTER, MODEL)
     interleaved = predict(uniform(1), CLUSTER, MODEL)
     assert interleaved.iteration_time_s == plain.iteration_time_s
     assert interleaved.peak_memory_gb == plain.peak_memory_gb
@@ -190,8 +199,8 @@ def test_a_sharded_optimizer_keeps_six_plus_twelve_over_d_bytes_per_parameter() 
 
 def test_sharding_over_replicas_shrinks_the_state_and_the_optimizer_step() -> None:
     args = {**_uniform_args(), "dp": 4, "pp": 1, "global_batch": 8}
-    plain = predict(uniform_plan(**args), CLUSTER, MODEL)
-    sharded = predict(uniform_plan(**args, shard_optimizer=True), CLUSTER, MODEL)
+    plain = predict(uniform_of(**args), CLUSTER, MODEL)
+    sharded = predict(uniform_of(**args, shard_optimizer=True), CLUSTER, MODEL)
     assert sharded.stages[0].memory.optimizer_gb == pytest.approx(
         plain.stages[0].memory.optimizer_gb / 4
     )
@@ -205,10 +214,10 @@ def test_sharding_over_replicas_shrinks_the_state_and_the_optimizer_step() -> No
 def test_an_overlapped_sync_hides_behind_the_backwards_but_never_ends_before_them(v) -> None:
     args = {**_uniform_args(), "dp": 4, "pp": 2, "global_batch": 16}
     plain = predict(
-        uniform_plan(**args, virtual_stages=v, schedule="interleaved-1f1b"), CLUSTER, MODEL
+        uniform_of(**args, virtual_stages=v, schedule="interleaved-1f1b"), CLUSTER, MODEL
     )
     overlapped = predict(
-        uniform_plan(**args, virtual_stages=v, schedule="interleaved-1f1b", overlap_grad_sync=True),
+        uniform_of(**args, virtual_stages=v, schedule="interleaved-1f1b", overlap_grad_sync=True),
         CLUSTER,
         MODEL,
     )
@@ -238,3 +247,12 @@ def test_sharded_optimizer_state_is_twelve_bytes_over_d_in_bf16_and_eight_in_fp3
         params = alone.weights_gb / (2 if precision == "bf16" else 4)
         assert shared.optimizer_gb == pytest.approx(params * state / 4)
         assert shared.weights_gb == alone.weights_gb and shared.grads_gb == alone.grads_gb
+
+
+def test_a_uniform_plan_is_the_plan_its_file_says() -> None:
+    built = uniform(2, shard_optimizer=True)
+    written = parse_plan(built.to_dict(), "round trip")
+    assert built == written
+    assert [s.chunks for s in built.pipelines[0].stages] == [(4, 4)] * 4  # 32 layers, 8 chunks
+    with pytest.raises(SpecError, match="multiple of dp x micro_batch"):
+        uniform_of(**{**_uniform_args(), "dp": 3})

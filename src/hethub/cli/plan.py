@@ -18,7 +18,7 @@ from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
-from hethub.spec.plan import PRECISIONS
+from hethub.spec.plan import DEFAULT_PRECISION, PRECISIONS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--precision",
         choices=PRECISIONS,
-        default="bf16",
+        default=DEFAULT_PRECISION.value,
         help="the precision of the plans searched and written: bf16 (mixed precision, the "
         "default) or fp32",
     )

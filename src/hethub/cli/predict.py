@@ -23,7 +23,14 @@ from hethub.spec import (
     load_model,
     load_plan,
 )
-from hethub.spec.plan import PRECISIONS, RECOMPUTE, SCHEDULES, uniform_plan
+from hethub.spec.plan import (
+    DEFAULT_PRECISION,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    UniformLayout,
+    uniform_plan,
+)
 
 SHORTHAND = ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages")
 SWITCHES = {
@@ -178,19 +185,15 @@ def resolve_plan(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Plan, 
             f"--global-batch = {args.global_batch}: must be a multiple of --dp x --micro-batch "
             f"({dp} x {args.micro_batch} = {dp * args.micro_batch})"
         )
+    layout = UniformLayout(cluster.groups[0].name, tp, pp, dp, model.layers, virtual_stages=v)
     plan = uniform_plan(
+        layout,
         model=args.model,
-        group=cluster.groups[0].name,
-        tp=tp,
-        pp=pp,
-        dp=dp,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
         recompute=args.recompute,
         schedule=schedule,
-        precision=getattr(args, "precision", None) or "bf16",
-        layers=model.layers,
-        virtual_stages=v,
+        precision=getattr(args, "precision", None) or DEFAULT_PRECISION,
         **{flag: getattr(args, flag) for flag in SWITCHES},
     )
     check_plan(plan, cluster, model, "command line")

@@ -26,11 +26,11 @@ from hethub.profiles.types import LayerProfile, LinkProfile
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
 from hethub.spec import load_cluster, load_model
+from hethub.spec.plan import DEFAULT_PRECISION, PRECISIONS
 
 DEFAULT_CLUSTER_TIMEOUT_S = 600.0
 """--timeout with --cluster: every wait of the distributed profiler, the longest of which is a
 node waiting for the slowest kind's measurement."""
-DTYPES = ("bf16", "fp32")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=PRECISIONS,
         help="what the layers compute in (default: what hethub train with no plan trains in, "
         "bf16 unless torch lacks bf16 kernels for this CPU; on a GPU bf16): bf16 is bf16 "
         "weights and activations, the loss in fp32 and AdamW on fp32 master weights",
@@ -256,7 +256,7 @@ def _default_to_one_rank(args: argparse.Namespace) -> argparse.Namespace:
         tp="1",
         micro_batch=",".join(map(str, MICRO_BATCH_SIZES)),
         concurrent_ranks="1",
-        dtype="bf16",
+        dtype=DEFAULT_PRECISION.value,
     )
     return args
 
@@ -302,8 +302,8 @@ def _run_cluster(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster)
         model = load_model(args.model, source="--model")
         tps, micro, threads, concurrency = _measuring_options(_default_to_one_rank(args))
-        if args.dtype not in DTYPES:
-            raise HethubError(f"--dtype = {args.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if args.dtype not in PRECISIONS:
+            raise HethubError(f"--dtype = {args.dtype!r}: must be one of {', '.join(PRECISIONS)}")
     except HethubError as error:  # the other nodes' processes would wait for this one's claim
         from hethub.runtime.nodes import tell_the_others
 

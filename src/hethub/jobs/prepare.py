@@ -47,11 +47,10 @@ from hethub.spec import (
     load_plan,
 )
 from hethub.spec.model import model_file_fields, preset_names
-from hethub.spec.plan import Precision
+from hethub.spec.plan import DEFAULT_PRECISION, Precision
 
 DEFAULT_MODEL = "local-llama"
 DEFAULT_GLOBAL_BATCH = 16
-DEFAULT_PRECISION = Precision.BF16
 """The plans' default; a plan made here for this machine's CPU may differ (planned_precision)."""
 
 

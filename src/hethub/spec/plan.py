@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from hethub.errors import SpecError
 from hethub.spec.fields import Fields, load_yaml
 from hethub.spec.schedules import Schedule, chunks_per_stage, stage_model_chunks
 
@@ -108,6 +109,9 @@ class Precision(enum.StrEnum):
 # The spellings plan files and the command line accept.
 RECOMPUTE = tuple(r.value for r in Recompute)
 PRECISIONS = tuple(p.value for p in Precision)
+DEFAULT_PRECISION = Precision.BF16
+"""A plan's precision where none is given: what GPU users expect, what published runs of these
+models use, and what the predictor was calibrated on."""
 SCHEDULES = tuple(s.value for s in Schedule)
 
 
@@ -213,9 +217,7 @@ class Plan:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Every layout's schedule, where the layout does not set its own
     (PipelineLayout.schedule)."""
-    precision: Precision = Precision.BF16
-    """bf16 by default: what GPU users expect, what published runs of these models use, and what
-    the predictor was calibrated on."""
+    precision: Precision = DEFAULT_PRECISION
     shard_optimizer: bool = False
     """Split the optimizer state (Adam moments, bf16's fp32 master weights) across the
     data-parallel ranks holding the same parameters (Megatron's distributed optimizer, ZeRO-1)."""
@@ -514,54 +516,46 @@ def uniform_layers(layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
+@dataclass(frozen=True, slots=True)
+class UniformLayout:
+    """A homogeneous layout, as Megatron-LM's flags give one: ``dp`` identical replicas of ``pp``
+    stages of ``tp`` devices of ``group``, each stage holding ``virtual_stages`` chunks of the
+    model's ``layers`` split evenly over pp x virtual_stages chunks."""
+
+    group: str
+    tp: int
+    pp: int
+    dp: int
+    layers: int
+    virtual_stages: int = 1
+
+
 def uniform_plan(
-    *,
-    model: str,
-    group: str,
-    tp: int,
-    pp: int,
-    dp: int,
-    micro_batch: int,
-    global_batch: int,
-    recompute: Recompute = Recompute.NONE,
-    schedule: Schedule = Schedule.ONE_F_ONE_B,
-    precision: Precision = Precision.BF16,
-    layers: int,
-    virtual_stages: int = 1,
-    shard_optimizer: bool = False,
-    overlap_grad_sync: bool = False,
-    overlap_param_gather: bool = False,
-    sequence_parallel: bool = False,
-    compile: bool = False,
+    layout: UniformLayout, *, model: str, global_batch: int, micro_batch: int, **settings: Any
 ) -> Plan:
-    """A homogeneous plan: ``dp`` identical replicas of ``pp`` stages of ``tp`` devices of
-    ``group``, each stage holding ``virtual_stages`` chunks (Megatron's even split over the
-    model's pp x virtual_stages chunks)."""
-    split = uniform_layers(layers, pp * virtual_stages)
-    chunks = stage_chunk_layers(Schedule(schedule), split, pp)
-    return parse_plan(
-        {
-            "model": model,
-            "global_batch": global_batch,
-            "micro_batch": micro_batch,
-            "recompute": recompute,
-            "schedule": schedule,
-            "precision": precision,
-            "shard_optimizer": shard_optimizer,
-            "overlap_grad_sync": overlap_grad_sync,
-            "overlap_param_gather": overlap_param_gather,
-            "sequence_parallel": sequence_parallel,
-            "compile": compile,
-            "pipelines": [
-                {
-                    "count": dp,
-                    "virtual_stages": virtual_stages,
-                    "stages": [
-                        {"group": group, "tp": tp, "layers": c if virtual_stages > 1 else c[0]}
-                        for c in chunks
-                    ],
-                }
-            ],
-        },
-        "command line",
+    """The plan of ``layout`` at ``global_batch`` sequences a step, ``micro_batch`` each;
+    ``settings``: the plan's other fields (recompute, schedule, precision, shard_optimizer, ...),
+    Plan's defaults where left out. Raises SpecError where the batch does not split evenly over
+    the replicas' micro-batches."""
+    micro_batches, rest = divmod(global_batch, layout.dp * micro_batch)
+    if rest or not micro_batches:
+        raise SpecError(
+            "command line",
+            "global_batch",
+            global_batch,
+            f"must be a positive multiple of dp x micro_batch ({layout.dp} x {micro_batch})",
+        )
+    schedule = Schedule(settings.get("schedule", Schedule.ONE_F_ONE_B))
+    split = uniform_layers(layout.layers, layout.pp * layout.virtual_stages)
+    stages = tuple(
+        StageSpec.of_chunks(layout.group, layout.tp, chunks)
+        for chunks in stage_chunk_layers(schedule, split, layout.pp)
+    )
+    pipeline = PipelineLayout(count=layout.dp, micro_batches=micro_batches, stages=stages)
+    return Plan(
+        model=model,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        pipelines=(pipeline,),
+        **settings,
     )
