@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from hethub.predictor import Prediction
+from hethub.predictor.memory import fits
 from hethub.predictor.profiled import missing_profiles
 from hethub.profiles.files import load_profiles
 from hethub.profiles.machine import default_profiles_dir
@@ -115,7 +116,7 @@ def describe(
         "bwd ms",
         "compute s",
         "grad sync ms",
-        "memory GB",
+        "memory / usable GB",
     ]
     # A column of each stage's recomputation where a stage sets its own (the plan's otherwise,
     # on the line above the table).
@@ -125,8 +126,8 @@ def describe(
     rows = []
     for s in prediction.stages:
         layout = plan.pipelines[s.pipeline]
-        capacity = cluster.group(s.group).accelerator.memory_gb
-        flag = "" if s.memory.total_gb <= capacity else "  OVER"
+        device = cluster.group(s.group).accelerator
+        flag = "" if fits(s.memory, device) else "  OVER"
         pipeline, position, layers = plan.stage_names(s.pipeline, s.position)
         rows.append(
             [
@@ -141,7 +142,7 @@ def describe(
                 f"{s.backward_s * 1e3:.2f}",
                 f"{s.compute_s:.3f}",
                 f"{s.grad_sync_s * 1e3:.1f}",
-                f"{s.memory.total_gb:.1f} / {capacity:g}{flag}",
+                f"{s.memory.total_gb:.1f} / {device.usable_memory_gb:.1f}{flag}",
             ]
         )
         if per_stage:
