@@ -23,11 +23,11 @@ from hethub.spec import Plan, load_cluster
 
 DEFAULT_TOLERANCE_PERCENT = 25.0
 """How far the measured iteration may be from the predicted one, in percent of the measured,
-before validate says the prediction failed. A single run of a good prediction on a shared
-2-core machine is up to ~16% off (docs/predictor.md: each round's error of
-benchmarks/predictor_vs_runtime.py), so 25% is beyond that noise; what it is meant to catch is
-profiles of another time or machine, measured 2x off (issue 27). hethub train's warning of
-stale profiles uses the same 25%."""
+before validate says the prediction failed: beyond the noise of a single run of a good
+prediction on a shared machine (docs/predictor.md: each round's error of
+benchmarks/predictor_vs_runtime.py), well short of what it is meant to catch, profiles of
+another time or machine, off by a factor. hethub train's warning of stale profiles uses the
+same figure."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

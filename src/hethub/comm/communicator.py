@@ -38,11 +38,10 @@ from hethub.spec.collectives import BRIDGE, NATIVE, Kind, moved_bytes, path_of
 from hethub.spec.slices import bridge_slices, padded_length, slice_units
 
 BRIDGE_CHUNK_BYTES = 8 << 20
-"""How much of a bridged piece is staged and sent as one gloo collective. Measured with
-benchmarks/bridge.py on this project's CPU machine: a 2-rank gloo all-reduce costs 0.175 ms at
-4 KiB and moves 2.4 GB/s, so an 8 MiB chunk takes about 3.5 ms, of which the per-message cost
-is 5 %, while a vendor's 64 MB piece (256 MB over 4 holders) still goes in 8 chunks, enough
-for the device's copy of each to the host to hide behind the sending of the one before."""
+"""How much of a bridged piece is staged and sent as one gloo collective: large enough that a
+message's own cost is a small share of its time, small enough that a vendor's piece still goes
+in several chunks, so that the device's copy of each to the host hides behind the sending of
+the one before (benchmarks/bridge.py measures it; docs/runtime.md has the figures)."""
 
 Work = dist.Work
 """A message or collective under way (``Communicator.wait`` finishes a message)."""

@@ -4,11 +4,10 @@ whole and never widened; only the windows asked for are copied, to int64.
 
 The files are read with positioned reads (pread) from the page cache, not through a memory
 map. A mapped file's pages count in the process's resident memory once touched, and the kernel
-maps whole page-cache folios around each one: measured here (Linux 6, ext4), one batch of 512
-windows of 257 tokens drawn from a 600 MB file through a map raised the peak by 490 MB, and
-unmapping after every 16 windows (madvise) still left 33 MB and cost 5.6 ms a batch; pread
-reads the same bytes from the same shared cache in 3.9 ms a batch and adds nothing to the
-process but the batch itself.
+maps whole page-cache folios around each one, so random windows drawn through a map grow the
+process by far more than they hold, and unmapping as it goes costs more than reading; pread
+takes the same bytes from the same shared cache and adds nothing to the process but the batch
+itself (docs/formats.md, how a corpus is read).
 """
 
 from __future__ import annotations

@@ -116,9 +116,9 @@ def stage_caps(
     else:
         # Interleaved: the schedule's own warm-up for equal chunks (megatron_in_flight, the
         # walk's closed form at any micro-batch count). Walking the exact, unequal chunks
-        # (in_flight_micro_batches) costs the paper scenario's search 50% more (building its
-        # orders: 2.7 s CPU), for a draft whose micro-batches are nominal anyway (the split
-        # comes after); the prediction of a candidate checks its memory on the exact order.
+        # (in_flight_micro_batches) would build a schedule order for every draft, for a draft
+        # whose micro-batches are nominal anyway (the split comes after); the prediction of a
+        # candidate checks its memory on the exact order.
         in_flight = tuple(megatron_in_flight(s, p, micro_batches, chunks) for s in range(p))
     # Keyed on what the caps depend on: the micro-batches in flight, the same for every count
     # of micro-batches beyond the stages (a planner asks for many).

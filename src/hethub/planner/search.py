@@ -59,7 +59,8 @@ KEEP_PER_GROUP = 3  # per group and setting, the best layouts phase 2 combines
 SEARCHED_RECOMPUTE = (Recompute.NONE, Recompute.FULL)
 """The recomputations the search tries, each for a whole plan: selective, which saves only the
 attention kernel's log-sum-exp with flash kernels (spec.layer_ops), would price half as many
-plans again for next to no memory; the per-stage choice is the search's next step (issue 28)."""
+plans again for next to no memory; the local search drops a stage's recomputation where it
+fits without."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,19 +11,17 @@ gives.
 
 That time is interpolated linearly in the ranks computing, between an operation's measured time
 with its own ranks alone on the machine and its measured time with all of the job's ranks. Not
-flat up to the core count, as ideal sharing would be: measured on a 2-core machine, a 4-rank
-pipeline's operations took 1.2-1.4x their alone time with 2 ranks computing and 1.7-2.0x with 3
-(the scheduler does not spread runnable ranks evenly over the cores at every moment, and the
-waiting ranks' communication threads take their share), which the line through the two measured
-ends follows.
+flat up to the core count, as ideal sharing would be: the scheduler does not spread runnable
+ranks evenly over the cores at every moment, and the waiting ranks' communication threads take
+their share, so the slowdown grows from the first rank computing beside another; the line
+through the two measured ends follows it (docs/predictor.md, "More ranks than cores").
 
 The mean rate is not all: ranks sharing cores get them in the scheduler's slices, so an
-operation's time varies (a 4-rank pipeline's stage forward took 33-71 ms on 2 cores where its
-mean was 44), and a pipeline waits for the later of two varying operations at every dependency:
-its step is longer than one of mean operations. Where the profile measured that spread (its
-layer_time_spread), the simulation is run for SAMPLES draws of every operation's time around its
-mean (log-normal, variance spread x duration: the longer an operation, the more slices it spans)
-and its times averaged.
+operation's time varies widely around its mean, and a pipeline waits for the later of two
+varying operations at every dependency: its step is longer than one of mean operations. Where
+the profile measured that spread (its layer_time_spread), the simulation is run for SAMPLES
+draws of every operation's time around its mean (log-normal, variance spread x duration: the
+longer an operation, the more slices it spans) and its times averaged.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ a checkpoint resumes under another precision too. A sharded optimizer's local_st
 gathers its peers' flat slices into this rank's TP shard (a collective among the data-parallel
 peers, of one TP shard's size) before the save.
 
-Checkpoints written before the fused GEMMs (issue 26) hold each layer's q, k and v (gate and up)
+Checkpoints written before the fused GEMMs hold each layer's q, k and v (gate and up)
 separately: ``model/layers.{i}.q.weight``, its moments and step, and so on. They still load:
 where a checkpoint has no fused key but the parts (spec.parameters.fused_parts, the one table of
 renames), the parts' full weights and both moments are read and fused (runtime.model.fuse) into

@@ -20,7 +20,7 @@ The fused projections, one GEMM each, keep their output features in blocks: qkv,
 (Megatron-LM's grouped layout), its heads/kv query heads, then its key, then its value (with
 heads == kv, GPT's: [heads, 3, d, h]); gate_up, the gate's rows then the up projection's. A
 layer flattens the blocks into one weight. They were separate parameters (q, k, v; gate, up)
-before issue 26: ``fused_parts`` says how those make these (checkpoints of then still load).
+once: ``fused_parts`` says how those make these (checkpoints of then still load).
 
 Megatron's split: column-parallel linears (qkv, gate_up, fc1) and the vocabulary (embedding, head)
 are split over their output features, row-parallel linears (o, down, fc2) over their input

@@ -85,7 +85,7 @@ class Topology:
 
     def __hash__(self) -> int:
         """The fields' hash, made once: parameter_holders' cache hashes the topology at each
-        call, every rank's thousands of RankInfos (7 ms a call at 4,088 ranks)."""
+        call, which would hash every rank's RankInfo each time (thousands at scale)."""
         return self._index.hash
 
     def __reduce__(self):
