@@ -40,8 +40,9 @@ from layer_kernels import SavedBytes
 
 from hethub.runtime.model import Layer
 from hethub.runtime.spawn import run_ranks
-from hethub.spec.layer_ops import Kernels, layer_ops
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec, llama_ffn_hidden
+from hethub.spec.ops import Kernels
 from hethub.spec.plan import Precision
 
 BF16 = Precision.BF16

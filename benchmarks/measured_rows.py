@@ -32,7 +32,7 @@ from hethub.spec import (
     parse_model,
     parse_plan,
 )
-from hethub.spec.layer_ops import Kernels
+from hethub.spec.ops import Kernels
 
 MEASUREMENTS = Path(__file__).resolve().parents[1] / "measurements"
 VOCAB = 51200

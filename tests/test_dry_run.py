@@ -39,8 +39,8 @@ from hethub.spec.collectives import (
     stage_posts,
     walk_messages,
 )
-from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import parse_model
+from hethub.spec.ops import Kernels
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule, chunk_sequence, stage_model_chunks
 from hethub.spec.topology import build_topology

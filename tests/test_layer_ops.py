@@ -20,8 +20,9 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from hethub.profiler.op_counts import NO_KERNEL
 from hethub.runtime.model import Layer
 from hethub.runtime.spawn import run_ranks
-from hethub.spec.layer_ops import Kernels, Op, OpKind, layer_ops
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels, Op, OpKind
 from hethub.spec.plan import Precision, Recompute
 
 GEMMS = {"mm", "addmm"}

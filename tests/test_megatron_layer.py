@@ -16,7 +16,9 @@ from hethub.predictor.pricing import AnalyticPricing
 from hethub.predictor.stage import LayerShape, StagePosition, StageShape
 from hethub.spec import lookup, parse_model
 from hethub.spec.cluster import DeviceGroup
-from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, megatron_fused_softmax
+from hethub.spec.layer_ops import layer_ops
+from hethub.spec.megatron_layer import megatron_fused_softmax
+from hethub.spec.ops import Kernels, OpKind
 from hethub.spec.plan import Precision, Recompute
 
 MEGATRON = Kernels.MEGATRON_LM

@@ -12,7 +12,8 @@ from hethub.predictor.calibration import Calibration, default_calibration, fitte
 from hethub.predictor.stage import LayerShape
 from hethub.spec import lookup, parse_cluster, parse_model
 from hethub.spec.accelerator import catalog, parse_accelerator
-from hethub.spec.layer_ops import Kernels, OpKind, layer_ops, trainer_bytes
+from hethub.spec.layer_ops import layer_ops
+from hethub.spec.ops import Kernels, OpKind, trainer_bytes
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import Schedule, in_flight_micro_batches

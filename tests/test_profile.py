@@ -36,7 +36,7 @@ from hethub.profiles.selection import local_concurrency
 from hethub.profiles.types import METHOD
 from hethub.spec import load_model, parse_cluster, parse_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES, bucket_bounds
-from hethub.spec.layer_ops import Kernels
+from hethub.spec.ops import Kernels
 from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameters
 from hethub.spec.plan import Precision, Recompute
 

@@ -24,8 +24,9 @@ from hethub.runtime.model import Layer
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import check_plan, load_model, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
-from hethub.spec.layer_ops import Kernels, Op, layer_ops
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels, Op
 from hethub.spec.plan import Precision
 
 SP_PLANS = {

@@ -20,7 +20,8 @@ from hethub.predictor.pricing import pricing_for
 from hethub.predictor.stage import StagePosition, StageShape
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
-from hethub.spec.layer_ops import ALL_REDUCE, Kernels, OpKind, layer_ops
+from hethub.spec.layer_ops import layer_ops
+from hethub.spec.ops import ALL_REDUCE, Kernels, OpKind
 from hethub.spec.plan import Precision, Recompute
 
 LLAMA_7B = load_model("llama-7b")

@@ -23,7 +23,8 @@ from hethub.runtime.model import Stage
 from hethub.runtime.spawn import run_ranks
 from hethub.spec import load_model, parse_cluster, parse_plan
 from hethub.spec.buckets import BUCKET_BYTES
-from hethub.spec.layer_ops import Kernels, layer_ops
+from hethub.spec.layer_ops import layer_ops
+from hethub.spec.ops import Kernels
 from hethub.spec.plan import Precision, Recompute
 from hethub.spec.schedules import in_flight_micro_batches
 

@@ -18,8 +18,8 @@ from hethub.predictor.schedule import schedule_order, simulate
 from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
 from hethub.predictor.weight_split import weight_gradient_share, weight_held_share
 from hethub.spec import parse_cluster, parse_plan
-from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import load_model
+from hethub.spec.ops import Kernels
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.schedules import (
     BACKWARD,

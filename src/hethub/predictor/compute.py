@@ -22,16 +22,9 @@ from hethub.predictor.calibration import Calibration
 from hethub.predictor.stage import LayerShape
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.cluster import DeviceGroup
-from hethub.spec.layer_ops import (
-    ALL_REDUCE,
-    Kernels,
-    Op,
-    OpKind,
-    collective_bytes,
-    layer_ops,
-    trainer_bytes,
-)
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import ALL_REDUCE, Kernels, Op, OpKind, collective_bytes, trainer_bytes
 from hethub.spec.parameters import parameter_counts
 from hethub.spec.plan import Precision, Recompute
 

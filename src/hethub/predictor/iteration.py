@@ -34,8 +34,8 @@ from hethub.predictor.weight_split import split_backward, weight_gradient_share
 from hethub.profiles.selection import Profiles
 from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
 from hethub.spec.cluster import ClusterSpec, DeviceGroup
-from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels
 from hethub.spec.placement import StageBlock, place
 from hethub.spec.plan import PipelineLayout, Plan, Precision
 from hethub.spec.schedules import in_flight_micro_batches, model_chunk

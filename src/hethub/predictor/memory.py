@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 from hethub.predictor.stage import StagePosition, StageShape
 from hethub.spec.accelerator import AcceleratorSpec
-from hethub.spec.layer_ops import Kernels, layer_ops
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels
 from hethub.spec.parameters import parameter_counts, parameter_table, stage_parameter_count
 from hethub.spec.plan import FP32_BYTES, Precision, Recompute
 from hethub.spec.schedules import (

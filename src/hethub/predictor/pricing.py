@@ -36,8 +36,8 @@ from hethub.spec.collectives import (
     ring_steps,
     shard_degrees,
 )
-from hethub.spec.layer_ops import Kernels, trainer_bytes
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels, trainer_bytes
 from hethub.spec.plan import Plan, Precision, Recompute
 
 OPTIMIZER_OPS = 12  # multi-tensor Adam, grad-norm and the bf16 copy
@@ -417,7 +417,7 @@ def _analytic_optimizer_s(
     group: DeviceGroup, cal: Calibration, params: float, precision: Precision, kernels: Kernels
 ) -> float:
     """The optimizer step over one rank's ``params`` parameters, as the trainer that runs it
-    (spec.layer_ops.trainer_bytes): memory-bound, or its launches where they take longer."""
+    (spec.ops.trainer_bytes): memory-bound, or its launches where they take longer."""
     return max(
         compute.memory_time(
             params * trainer_bytes(kernels, precision).optimizer, group.accelerator

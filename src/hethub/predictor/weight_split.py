@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 
-from hethub.spec.layer_ops import Kernels, Op, OpKind, layer_ops
+from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels, Op, OpKind
 from hethub.spec.plan import Precision, Recompute
 
 LINEAR_GEMMS = ("mm", "addmm")

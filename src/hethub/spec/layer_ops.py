@@ -32,229 +32,32 @@ which the measured A100 runs (measurements/a100) ran, so that they are priced as
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import enum
 import functools
-from dataclasses import dataclass
 
 from hethub.errors import HethubError
+from hethub.spec.megatron_layer import megatron_core_attention, megatron_gpt_layer
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ATTENTION_BACKWARD_FLOPS,
+    FP32_BYTES,
+    REDUCE_SCATTER,
+    Kernels,
+    LayerDims,
+    LayerOps,
+    Op,
+    OpKind,
+    PartOps,
+    causal_attention_flops,
+    gemm,
+    join_parts,
+    memory,
+)
 from hethub.spec.plan import Precision, Recompute
 
-FP32_BYTES = 4
-"""Norm statistics, the CPU RMSNorm's working copy and the attention's log-sum-exp are fp32."""
-MASK_BYTES = 1
-"""A dropout mask (Megatron-LM's layer): one bool a element."""
 
-
-class Kernels(enum.StrEnum):
-    """Which kernels torch dispatches a layer's norms and attention to."""
-
-    CPU = "cpu"
-    """torch's CPU kernels: RMSNorm as separate fp32 operations, flash attention for the CPU."""
-    FUSED = "fused"
-    """An accelerator's: fused RMSNorm, flash (bf16) or memory-efficient (fp32) attention."""
-    MEGATRON_LM = "megatron-lm"
-    """Not hethub's layer: Megatron-LM's GPT layer as the measured A100 runs launched it (no
-    flash attention; the scores in memory; fused softmax, bias-GELU and bias-dropout-add).
-    Described from its code and Korthikanti et al. 2022, not traced: there is no Megatron here.
-    GPT only; never a device's own kernels (of_vendor), only a prediction's told so."""
-
-    @classmethod
-    def of_vendor(cls, vendor: str) -> Kernels:
-        """The kernels of a device of ``vendor`` (spec.accelerator.VENDORS)."""
-        return cls.CPU if vendor == "cpu" else cls.FUSED
-
-
-class OpKind(enum.StrEnum):
-    """How the predictor prices an operation."""
-
-    GEMM = "gemm"
-    """By its FLOPs at the device's GEMM efficiency for its narrowest dimension."""
-    ATTENTION = "attention"
-    """The fused attention kernel: by its FLOPs, as GEMMs over head_dim channels."""
-    MEMORY = "memory"
-    """Memory-bound: by the bytes it moves at the device's memory bandwidth."""
-    COLLECTIVE = "collective"
-    """A tensor-parallel collective (all-reduce; under sequence parallelism all-gather and
-    reduce-scatter): by the communicator's cost for its bytes (collective_kind)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """One dispatched operation."""
-
-    name: str
-    """Its aten name (the overload packet's), as profiler.op_counts.OpCounter counts it."""
-    kind: OpKind
-    read: int
-    """Bytes of its inputs."""
-    written: int
-    """Bytes of its outputs."""
-    flops: int = 0
-    """GEMM and attention FLOPs (2 per multiply-add); 0 for the others."""
-    narrowest: int = 0
-    """A GEMM's narrowest dimension (attention: the head's channels), what its efficiency
-    rises with; 0 for the others."""
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.read + self.written
-
-
-@dataclass(frozen=True, slots=True)
-class LayerOps:
-    """One layer, one micro-batch, one rank."""
-
-    forward: tuple[Op, ...]
-    backward: tuple[Op, ...]
-    """With full recomputation, the forward run again inside the backward comes first; with
-    selective, the attention's inner part run again (the ops of Recompute.SELECTIVE)."""
-    saved_bytes: int
-    """Bytes of the distinct tensors (storages) the forward keeps for the backward, the
-    parameters and the rotary tables (a stage's, shared by its layers) aside; 0 under full
-    recomputation, where the recomputed chunk keeps only its input, the stage's."""
-
-
-ALL_REDUCE = "allreduce_"
-ALL_GATHER = "_allgather_base_"
-REDUCE_SCATTER = "_reduce_scatter_base_"
-"""The TP collectives' names as torch dispatches them (c10d's ops)."""
-
-
-def collective_bytes(op: Op) -> int:
-    """The bytes a TP collective ``op`` carries for each rank, what its cost is priced on: an
-    all-reduce's tensor, an all-gather's output, a reduce-scatter's input (the whole (B, T, h)
-    of its rank's partial sums). The all-gather and reduce-scatter that sequence parallelism puts
-    in place of an all-reduce of the same tensor each carry it once: the same bytes."""
-    if op.name == ALL_GATHER:
-        return op.written
-    if op.name == REDUCE_SCATTER:
-        return op.read - op.written
-    return op.written
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerBytes:
-    """What the trainer around a layer moves per parameter (outside the layer's own operations,
-    which its trace holds): each micro-batch's weight gradients joining the step's, the
-    data-parallel sync's gradients, and the optimizer step."""
-
-    accumulation: int
-    grad_sync: int
-    optimizer: int
-
-
-MEGATRON_FP16_OPTIMIZER_BYTES = 2 + 4 + 2 * 4 + 4 + 4 * 4 + 3 * 4 + 4 + 2
-"""Megatron-LM's fp16 optimizer of 2021, a step: the 16-bit gradient copied into the fp32 main
-gradient (2 + 4), unscaled with its inf/nan check (4 + 4), the gradient norm for clipping (4),
-Adam reading the main gradient, the fp32 weight and both moments (16) and writing the three
-(12), and the fp32 weight copied back to the 16-bit one (4 + 2): 52."""
-
-
-@functools.cache  # read for every stage of every prediction, and two enums pick it
-def trainer_bytes(kernels: Kernels, precision: Precision) -> TrainerBytes:
-    """Per parameter, what the trainer of ``kernels``' layer moves.
-
-    hethub's runtime (every device's own kernels): each chunk's backward adds its gradients into
-    the fp32 main gradients in one foreach operation (Precision.grad_accumulation_bytes), the
-    sync sums the fp32 main gradients, and its fused AdamW steps without clipping
-    (Precision.optimizer_bytes_moved). Megatron-LM's 16-bit runs of 2021 (Kernels.MEGATRON_LM):
-    autograd adds each micro-batch's fp16 gradients in place (read both, write one: 6), its
-    gradient buffer is fp16, so the sync sums 2 bytes a parameter (only its bf16 runs
-    accumulate in fp32), and its fp16 optimizer moves MEGATRON_FP16_OPTIMIZER_BYTES."""
-    if kernels is Kernels.MEGATRON_LM:
-        return TrainerBytes(3 * 2, 2, MEGATRON_FP16_OPTIMIZER_BYTES)
-    return TrainerBytes(
-        precision.grad_accumulation_bytes,
-        precision.main_grad_bytes,
-        precision.optimizer_bytes_moved,
-    )
-
-
-def op_counts(ops: tuple[Op, ...]) -> collections.Counter[str]:
-    """How many operations of each name ``ops`` holds."""
-    return collections.Counter(op.name for op in ops)
-
-
-def memory(name: str, read: int, written: int) -> Op:
-    return Op(name, OpKind.MEMORY, read, written)
-
-
-def gemm(rows: int, inner: int, cols: int, element: int, bias: bool = False) -> Op:
-    """(rows x inner) @ (inner x cols), as aten.mm, or aten.addmm adding a bias of ``cols``."""
-    read = (rows * inner + inner * cols + (cols if bias else 0)) * element
-    return Op(
-        "addmm" if bias else "mm",
-        OpKind.GEMM,
-        read,
-        rows * cols * element,
-        2 * rows * inner * cols,
-        min(rows, inner, cols),
-    )
-
-
-def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> int:
-    """Forward FLOPs of causal attention's two products (Q K^T, then by V) over the query-key
-    pairs a causal kernel computes: seq (seq + 1) / 2 per head, not seq^2."""
-    return 2 * 2 * batch * heads * head_dim * seq * (seq + 1) // 2
-
-
-ATTENTION_BACKWARD_FLOPS = 2.5
-"""Backward of flash attention per forward FLOP: five products (Q K^T again, dV, dP, dQ, dK)
-against the forward's two."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """The layer's dimensions on one rank, and the bytes of one element."""
-
-    tokens: int
-    batch: int
-    seq: int
-    hidden: int
-    head_dim: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    tp: int
-    element: int
-    kernels: Kernels
-    gpt: bool
-    qkv_bias: bool
-    o_bias: bool
-    """The attention's projections that add a bias (the spec's; GPT's MLP always does)."""
-    sequence_parallel: bool = False
-    """The norms and residual adds on this rank's tokens/tp, the blocks' inputs all-gathered and
-    outputs reduce-scattered (tp > 1 only)."""
-
-    @property
-    def q(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def bytes(self, width: int, element: int | None = None) -> int:
-        """Bytes of a (tokens, width) tensor."""
-        return self.tokens * width * (self.element if element is None else element)
-
-    @property
-    def shard(self) -> _Shape:
-        """This rank's sequence shard under sequence parallelism: tokens / tp."""
-        return dataclasses.replace(self, tokens=self.tokens // self.tp, seq=self.seq // self.tp)
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    forward: tuple[Op, ...]
-    backward: tuple[Op, ...]
-    saved: int
-
-
-def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool, bias: bool) -> _Piece:
+def _linear(x: LayerDims, inputs: int, outputs: int, *, row_parallel: bool, bias: bool) -> PartOps:
     """A linear of ``inputs`` -> ``outputs`` features on this rank, with a bias or not: its
     GEMM, its tensor-parallel all-reduce (row-parallel: of the output, forward, before the bias
     is added; column-parallel: of the input's gradient, backward), and its gradients. What its
@@ -273,12 +76,17 @@ def _linear(x: _Shape, inputs: int, outputs: int, *, row_parallel: bool, bias: b
         backward.append(memory("sum", x.bytes(outputs), outputs * e))
     if not row_parallel and collective:
         backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
-    return _Piece(tuple(forward), tuple(backward), 0)
+    return PartOps(tuple(forward), tuple(backward), 0)
 
 
 def _sequence_parallel_linear(
-    x: _Shape, outputs: int, row_parallel: bool, bias: bool, forward: list[Op], backward: list[Op]
-) -> _Piece:
+    x: LayerDims,
+    outputs: int,
+    row_parallel: bool,
+    bias: bool,
+    forward: list[Op],
+    backward: list[Op],
+) -> PartOps:
     """_linear under sequence parallelism, its GEMMs given: a column-parallel linear's input
     comes gathered (_gathered, where the norm is) and has no collective of its own; a
     row-parallel one reduce-scatters its output (its gradient all-gathered back), and its
@@ -294,10 +102,10 @@ def _sequence_parallel_linear(
         backward += [memory("sum", shard, outputs * e), *_summed_gradient(outputs * e)]
     elif bias:
         backward.append(memory("sum", x.bytes(outputs), outputs * e))
-    return _Piece(tuple(forward), tuple(backward), 0)
+    return PartOps(tuple(forward), tuple(backward), 0)
 
 
-def _all_gather(x: _Shape, width: int) -> tuple[Op, ...]:
+def _all_gather(x: LayerDims, width: int) -> tuple[Op, ...]:
     """runtime.tensor_parallel's sequence all-gather of (tokens/tp, width) on each rank into
     (tokens, width): an allocation, the collective (it reads its output buffer and the shard),
     and with more than one sequence a micro-batch the copy laying the sequence back (the
@@ -309,7 +117,7 @@ def _all_gather(x: _Shape, width: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
-def _reduce_scatter(x: _Shape, width: int) -> tuple[Op, ...]:
+def _reduce_scatter(x: LayerDims, width: int) -> tuple[Op, ...]:
     """runtime.tensor_parallel's sequence reduce-scatter of (tokens, width) partial sums into
     this rank's (tokens/tp, width): with more than one sequence a micro-batch the copy putting
     each rank's slice in one block, an allocation, the collective, and on the CPU gloo's copy of
@@ -322,17 +130,17 @@ def _reduce_scatter(x: _Shape, width: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
-def _gathered(x: _Shape, width: int) -> _Piece:
+def _gathered(x: LayerDims, width: int) -> PartOps:
     """gather_from_sequence before a column-parallel block: all-gather forward, reduce-scatter
     of the (partial) input gradient backward. The gathered input is what the block's GEMM
     keeps, counted here in the norm's place (_norm_on_shard)."""
-    return _Piece(_all_gather(x, width), _reduce_scatter(x, width), 0)
+    return PartOps(_all_gather(x, width), _reduce_scatter(x, width), 0)
 
 
-def _reduce_scattered(x: _Shape, width: int) -> _Piece:
+def _reduce_scattered(x: LayerDims, width: int) -> PartOps:
     """reduce_scatter_to_sequence after a row-parallel block: reduce-scatter forward,
     all-gather of the gradient backward."""
-    return _Piece(_reduce_scatter(x, width), _all_gather(x, width), 0)
+    return PartOps(_reduce_scatter(x, width), _all_gather(x, width), 0)
 
 
 def _summed_gradient(weight_bytes: int) -> tuple[Op, ...]:
@@ -344,7 +152,7 @@ def _summed_gradient(weight_bytes: int) -> tuple[Op, ...]:
     )
 
 
-def _norm(x: _Shape) -> _Piece:
+def _norm(x: LayerDims) -> PartOps:
     """LayerNorm (GPT) or RMSNorm (Llama) over the hidden features, with its weight's (and
     bias's) gradient, and what it and its output keep: its input and statistics, and its output,
     which the next GEMM keeps."""
@@ -356,16 +164,16 @@ def _norm(x: _Shape) -> _Piece:
         backward = (
             memory("native_layer_norm_backward", 2 * act + stats + 2 * h * e, act + 2 * h * e),
         )
-        return _Piece(forward, backward, act + stats + act)
+        return PartOps(forward, backward, act + stats + act)
     rstd = rows * FP32_BYTES
     if x.kernels is Kernels.FUSED:
         forward = (memory("_fused_rms_norm", act + h * e, act + rstd),)
         backward = (memory("_fused_rms_norm_backward", 2 * act + rstd + h * e, act + h * e),)
-        return _Piece(forward, backward, act + rstd + act)
+        return PartOps(forward, backward, act + rstd + act)
     return _cpu_rms_norm(x)
 
 
-def _norm_on_shard(x: _Shape) -> _Piece:
+def _norm_on_shard(x: LayerDims) -> PartOps:
     """Sequence parallelism's norm: _norm over this rank's tokens/tp, its weights' (GPT: and
     bias's) gradients summed over TP, then its output gathered (_gathered). It keeps its input
     and statistics on the shard, and the gathered output the next GEMM keeps (tokens, h)."""
@@ -373,10 +181,10 @@ def _norm_on_shard(x: _Shape) -> _Piece:
     norm = _norm(shard)
     sums = _summed_gradient(h * e) * (2 if x.gpt else 1)
     kept = norm.saved - shard.bytes(h) + x.bytes(h)  # its own output is gathered, whole, then kept
-    return _join(_Piece(norm.forward, norm.backward + sums, kept), _gathered(x, h))
+    return join_parts(PartOps(norm.forward, norm.backward + sums, kept), _gathered(x, h))
 
 
-def _cpu_rms_norm(x: _Shape) -> _Piece:
+def _cpu_rms_norm(x: LayerDims) -> PartOps:
     """The runtime's CPU RMSNorm (runtime.model.RMSNorm; torch's is a composite there): x^2,
     mean, + eps, rsqrt, x * rstd, * w, in fp32 (a bf16 input is cast up first and the output
     cast back); backward, from the input and rstd, the normalised input again, the weight's
@@ -413,10 +221,10 @@ def _cpu_rms_norm(x: _Shape) -> _Piece:
             memory("_to_copy", full, low),
         ]
     # Its input, rstd, and its output, which the next GEMM keeps.
-    return _Piece(tuple(forward), tuple(backward), x.bytes(h) + row + x.bytes(h))
+    return PartOps(tuple(forward), tuple(backward), x.bytes(h) + row + x.bytes(h))
 
 
-def _rotary(x: _Shape, width: int) -> _Piece:
+def _rotary(x: LayerDims, width: int) -> PartOps:
     """x * cos + roll(x) * sin over ``width`` features (Rotary.forward's mul, roll, addcmul);
     backward: the two products' gradients, rolled back, summed. Keeps only the tables."""
     act, table = x.bytes(width), x.seq * x.head_dim * x.element
@@ -432,15 +240,15 @@ def _rotary(x: _Shape, width: int) -> _Piece:
         memory("mul", act + table, act),
         memory("add", 2 * act, act),
     )
-    return _Piece(forward, backward, 0)
+    return PartOps(forward, backward, 0)
 
 
-def _log_sum_exp_bytes(x: _Shape) -> int:
+def _log_sum_exp_bytes(x: LayerDims) -> int:
     """The attention kernel's fp32 log-sum-exp, one per query of each head."""
     return x.batch * x.heads * x.seq * FP32_BYTES
 
 
-def _attention_kernel(x: _Shape) -> _Piece:
+def _attention_kernel(x: LayerDims) -> PartOps:
     """Causal SDPA over q (heads) and k, v (kv_heads): it keeps q, k, v, its output and the
     fp32 log-sum-exp per query (the saving of q, k and v is counted where they are made)."""
     lse = _log_sum_exp_bytes(x)
@@ -464,10 +272,10 @@ def _attention_kernel(x: _Shape) -> _Piece:
         int(ATTENTION_BACKWARD_FLOPS * flops),
         narrowest,
     )
-    return _Piece((forward,), (backward,), q + lse)
+    return PartOps((forward,), (backward,), q + lse)
 
 
-def _attention(x: _Shape) -> _Piece:
+def _attention(x: LayerDims) -> PartOps:
     """QKV GEMM, the inner part (_inner_attention), output projection. The kernel keeps q, k and
     v: GPT's are views of the QKV output, which it keeps whole; Llama's rotated q and k are new
     tensors, and its v is copied out of the QKV output, so that none of that output outlives
@@ -476,21 +284,21 @@ def _attention(x: _Shape) -> _Piece:
     first = _linear(x, h, qkv, row_parallel=False, bias=x.qkv_bias)
     last = _linear(x, x.q, h, row_parallel=True, bias=x.o_bias)
     grads = x.bytes(x.q) + 2 * x.bytes(x.kv)
-    cat = _Piece((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv))
-    return _join(first, _inner_attention(x), last, cat)
+    cat = PartOps((), (memory("cat", grads, x.bytes(qkv)),), x.bytes(qkv))
+    return join_parts(first, _inner_attention(x), last, cat)
 
 
-def _inner_attention(x: _Shape) -> _Piece:
+def _inner_attention(x: LayerDims) -> PartOps:
     """From the QKV output to the output projection's input (runtime.model.Layer.
     inner_attention): Llama's rotations of q and k and copy of v, and the kernel."""
     pieces = []
     if not x.gpt:
         copy_v = memory("clone", x.bytes(x.kv), x.bytes(x.kv))
-        pieces += [_rotary(x, x.q), _rotary(x, x.kv), _Piece((copy_v,), (), 0)]
-    return _join(*pieces, _attention_kernel(x))
+        pieces += [_rotary(x, x.q), _rotary(x, x.kv), PartOps((copy_v,), (), 0)]
+    return join_parts(*pieces, _attention_kernel(x))
 
 
-def _selective(x: _Shape, layer: _Piece) -> LayerOps:
+def _selective(x: LayerDims, layer: PartOps) -> LayerOps:
     """``layer`` under selective recomputation: the attention's inner part is checkpointed, its
     forward run again in the backward. It then keeps its input, the QKV output, in place of
     q, k and v, of the same bytes (Llama's rotated copies, GPT's views of that output), and the
@@ -498,24 +306,24 @@ def _selective(x: _Shape, layer: _Piece) -> LayerOps:
     kernel's log-sum-exp alone (a flash kernel keeps no scores). Megatron-LM's layer (no flash
     kernel) no longer keeps its scores' softmax, dropout output and mask."""
     if x.kernels is Kernels.MEGATRON_LM:
-        inner = _megatron_core_attention(x)
+        inner = megatron_core_attention(x)
         freed = inner.saved - 4 * x.bytes(x.q)  # q, k, v (the QKV output) and the context stay
     else:
         inner, freed = _inner_attention(x), _log_sum_exp_bytes(x)
     return LayerOps(layer.forward, inner.forward + layer.backward, layer.saved - freed)
 
 
-def _mlp(x: _Shape) -> _Piece:
+def _mlp(x: LayerDims) -> PartOps:
     """GPT: fc1, GELU, fc2; it keeps fc1's output and GELU's. Llama: one gate|up GEMM, SiLU(gate)
     * up of its halves, down; it keeps the gate|up output and the product (not SiLU's output,
     which the backward recomputes, as Megatron-LM's fused SwiGLU does)."""
     h, f, act = x.hidden, x.ffn, x.bytes(x.ffn)
     if x.gpt:
-        gelu = _Piece((memory("gelu", act, act),), (memory("gelu_backward", 2 * act, act),), 0)
+        gelu = PartOps((memory("gelu", act, act),), (memory("gelu_backward", 2 * act, act),), 0)
         first = _linear(x, h, f, row_parallel=False, bias=True)
         second = _linear(x, f, h, row_parallel=True, bias=True)
-        return _join(first, gelu, second, _Piece((), (), 2 * act))
-    swiglu = _Piece(  # runtime.model._SwiGlu, on every device
+        return join_parts(first, gelu, second, PartOps((), (), 2 * act))
+    swiglu = PartOps(  # runtime.model._SwiGlu, on every device
         (memory("silu", act, act), memory("mul_", 2 * act, act)),
         (
             memory("empty", 0, 0),  # the gradient, both halves
@@ -528,22 +336,14 @@ def _mlp(x: _Shape) -> _Piece:
     )
     first = _linear(x, h, 2 * f, row_parallel=False, bias=False)
     second = _linear(x, f, h, row_parallel=True, bias=False)
-    return _join(first, swiglu, second)
+    return join_parts(first, swiglu, second)
 
 
-def _residual(x: _Shape) -> _Piece:
+def _residual(x: LayerDims) -> PartOps:
     """x + block(norm(x)): the add, and backward the sum of x's two gradients (through the
     block and straight through). It keeps nothing."""
     act = x.bytes(x.hidden)
-    return _Piece((memory("add", 2 * act, act),), (memory("add", 2 * act, act),), 0)
-
-
-def _join(*pieces: _Piece) -> _Piece:
-    return _Piece(
-        tuple(op for p in pieces for op in p.forward),
-        tuple(op for p in pieces for op in p.backward),
-        sum(p.saved for p in pieces),
-    )
+    return PartOps((memory("add", 2 * act, act),), (memory("add", 2 * act, act),), 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -560,7 +360,7 @@ def layer_ops(
     """The operations of one layer of ``model`` on one of ``tp`` ranks, one micro-batch of
     ``micro_batch`` sequences, computing in ``precision``'s dtype on ``kernels``;
     ``sequence_parallel`` (at tp > 1): runtime.model.Layer's sequence-parallel forward."""
-    x = _Shape(
+    x = LayerDims(
         tokens=micro_batch * model.seq_len,
         batch=micro_batch,
         seq=model.seq_len,
@@ -583,186 +383,14 @@ def layer_ops(
                 f"kernels {Kernels.MEGATRON_LM.value!r} describe the measured A100 runs' "
                 f"Megatron-LM layer, which ran without sequence parallelism"
             )
-        layer = _megatron_gpt_layer(x, model.arch)
+        layer = megatron_gpt_layer(x, model.arch)
     elif x.sequence_parallel:
         norm, residual = _norm_on_shard(x), _residual(x.shard)
-        layer = _join(norm, _attention(x), residual, norm, _mlp(x), residual)
+        layer = join_parts(norm, _attention(x), residual, norm, _mlp(x), residual)
     else:
-        layer = _join(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
+        layer = join_parts(_norm(x), _attention(x), _residual(x), _norm(x), _mlp(x), _residual(x))
     if recompute is Recompute.FULL:
         return LayerOps(layer.forward, layer.forward + layer.backward, 0)
     if recompute is Recompute.SELECTIVE:
         return _selective(x, layer)
     return LayerOps(layer.forward, layer.backward, layer.saved)
-
-
-# Megatron-LM's GPT layer (Kernels.MEGATRON_LM), as the measured A100 runs launched it: LayerNorm
-# (apex's fused kernel); the QKV GEMM with its bias; the scores Q K^T over every query-key pair
-# (baddbmm, reading q and k as views of the QKV output: Megatron's CoreAttention reshapes them
-# with view() and hands the batched GEMMs transposed views, no copy; the mask comes after); the
-# fused scale-mask-softmax (torch's, in fp32, where its kernel does not take the shape); dropout
-# on the probabilities with its 1-byte mask; the values GEMM (bmm, v a view too); the context
-# laid back out (1 copy); the projection GEMM without its bias, which the fused bias-dropout-add
-# adds; LayerNorm; fc1 without its bias; the fused bias-GELU;
-# fc2; the fused bias-dropout-add: 14 operations forward (the tensor-parallel all-reduces aside).
-# Backward, the gradients of q, k and v are laid back into the QKV output's (3 copies' traffic,
-# split's backward). With the fused softmax it keeps what Korthikanti et al. 2022,
-# eq. 2 counts, sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte elements, and nothing else (their
-# count leaves out the LayerNorms' fp32 statistics, 16 bytes a token: so does this).
-
-
-def batched_gemm(name: str, batch: int, rows: int, inner: int, cols: int, element: int) -> Op:
-    """``batch`` products (rows x inner) @ (inner x cols) in one kernel (bmm, baddbmm)."""
-    read = batch * (rows * inner + inner * cols) * element
-    flops = 2 * batch * rows * inner * cols
-    return Op(name, OpKind.GEMM, read, batch * rows * cols * element, flops, min(rows, inner, cols))
-
-
-def _megatron_linear(
-    x: _Shape, inputs: int, outputs: int, *, row_parallel: bool, bias_in_gemm: bool
-) -> _Piece:
-    """A Megatron linear: its GEMM (with the bias where the next kernel does not add it), the
-    row-parallel all-reduce of its output forward or the column-parallel one of its input's
-    gradient backward, its two gradient GEMMs and its bias's gradient (a sum over the tokens)."""
-    e, collective = x.element, x.tp > 1
-    forward = [gemm(x.tokens, inputs, outputs, e, bias=bias_in_gemm)]
-    if row_parallel and collective:
-        forward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(outputs), x.bytes(outputs)))
-    backward = [
-        gemm(x.tokens, outputs, inputs, e),
-        gemm(outputs, x.tokens, inputs, e),
-        memory("sum", x.bytes(outputs), outputs * e),
-    ]
-    if not row_parallel and collective:
-        backward.append(Op("allreduce_", OpKind.COLLECTIVE, x.bytes(inputs), x.bytes(inputs)))
-    return _Piece(tuple(forward), tuple(backward), 0)
-
-
-def _megatron_layer_norm(x: _Shape) -> _Piece:
-    """apex's fused LayerNorm, and the sum of the residual stream's two gradients after its
-    backward. It keeps its input (its output is kept by the GEMM that reads it)."""
-    h, e, act = x.hidden, x.element, x.bytes(x.hidden)
-    stats = 2 * x.tokens * FP32_BYTES
-    forward = (memory("fused_layer_norm", act + 2 * h * e, act + stats),)
-    backward = (
-        memory("fused_layer_norm_backward", 2 * act + stats + 2 * h * e, act + 2 * h * e),
-        memory("add", 2 * act, act),
-    )
-    return _Piece(forward, backward, act + act)
-
-
-def _bias_dropout_add(x: _Shape) -> _Piece:
-    """The fused residual + dropout(y + bias): it keeps only its mask. Backward: the mask
-    applied to the gradient (the residual's gradient passes through as it is)."""
-    h, e, act = x.hidden, x.element, x.bytes(x.hidden)
-    mask = x.tokens * h * MASK_BYTES
-    forward = (memory("bias_dropout_add", 2 * act + h * e, act + mask),)
-    backward = (memory("bias_dropout_add_backward", act + mask, act),)
-    return _Piece(forward, backward, mask)
-
-
-def megatron_fused_softmax(batch: int, heads: int, seq: int) -> bool:
-    """Whether Megatron-LM's causal softmax runs its fused kernel (FusedScaleMaskSoftmax.
-    is_kernel_available): keys 16 < s <= 4096, s a multiple of 4, and the attention batches
-    (micro-batch x heads of the rank) a multiple of 4 and of the kernel's batches per block
-    (scaled_masked_softmax.h: 128 threads in warps of min(2^ceil(log2 s), 32) threads, 2 rows a
-    warp up to 128 keys, 1 above). Else it runs torch's softmax in fp32."""
-    if not (16 < seq <= 4096 and seq % 4 == 0 and (batch * heads) % 4 == 0):
-        return False
-    padded = 1 << (seq - 1).bit_length()
-    per_block = 128 // min(padded, 32) * (2 if padded <= 128 else 1)
-    return (batch * heads) % per_block == 0
-
-
-def _megatron_softmax(x: _Shape, scores: int) -> _Piece:
-    """Megatron's causal softmax over ``scores`` bytes of scores: its fused kernel (the
-    probabilities kept), or where that is not available (megatron_fused_softmax) torch's in fp32:
-    the scores upcast, scaled (query-key layer scaling), masked in place, softmax, cast back;
-    the fp32 probabilities kept, and the causal mask (one per sequence, a broadcast read)."""
-    if megatron_fused_softmax(x.batch, x.heads, x.seq):
-        return _Piece(
-            (memory("scaled_upper_triang_masked_softmax", scores, scores),),
-            (memory("scaled_upper_triang_masked_softmax_backward", 2 * scores, scores),),
-            scores,
-        )
-    wide = scores // x.element * FP32_BYTES
-    mask = x.batch * x.heads * x.seq * x.seq * MASK_BYTES
-    return _Piece(
-        (
-            memory("_to_copy", scores, wide),
-            memory("mul", wide, wide),
-            memory("masked_fill_", wide + mask, wide),
-            memory("_softmax", wide, wide),
-            memory("_to_copy", wide, scores),
-        ),
-        (
-            memory("_to_copy", scores, wide),
-            memory("_softmax_backward_data", 2 * wide, wide),
-            memory("masked_fill", wide + mask, wide),
-            memory("mul", wide, wide),
-            memory("_to_copy", wide, scores),
-        ),
-        wide,
-    )
-
-
-def _megatron_core_attention(x: _Shape) -> _Piece:
-    """Scores (q and k read as views), softmax, dropout, values (v a view), the context laid
-    back out. It keeps q, k and v (the QKV output they view), the probabilities, the dropout's
-    mask and output, and the context."""
-    e, s, d, batch = x.element, x.seq, x.head_dim, x.batch * x.heads
-    scores, mask, width = batch * s * s * e, batch * s * s * MASK_BYTES, x.bytes(x.q)
-    copy = memory("clone", width, width)
-    scale = memory("mul", width, width)  # by baddbmm's alpha, 1/sqrt(d), in its backward
-    softmax = _megatron_softmax(x, scores)
-    forward = (
-        batched_gemm("baddbmm", batch, s, d, s, e),
-        *softmax.forward,
-        memory("native_dropout", scores, scores + mask),
-        batched_gemm("bmm", batch, s, s, d, e),
-        copy,
-    )
-    backward = (
-        copy,  # the context's gradient laid out for the values GEMM's
-        batched_gemm("bmm", batch, s, d, s, e),  # the probabilities' gradient: dC V^T
-        batched_gemm("bmm", batch, s, s, d, e),  # v's: P^T dC
-        memory("native_dropout_backward", scores + mask, scores),
-        *softmax.backward,
-        batched_gemm("bmm", batch, s, s, d, e),  # q's: dS K
-        scale,
-        batched_gemm("bmm", batch, s, s, d, e),  # k's: dS^T Q
-        scale,
-        copy,
-        copy,
-        copy,  # q's, k's and v's gradients laid back into the QKV output's
-    )
-    return _Piece(forward, backward, 3 * width + softmax.saved + scores + mask + width)
-
-
-def _megatron_gpt_layer(x: _Shape, arch: str) -> _Piece:
-    """Megatron-LM's GPT layer (Kernels.MEGATRON_LM); the fc1 and fc2 inputs and the GELU's
-    input are kept, the MLP's activation by the fused bias-GELU."""
-    if not x.gpt:
-        raise HethubError(
-            f"kernels {Kernels.MEGATRON_LM.value!r} describe Megatron-LM's GPT layer (the measured "
-            f"A100 runs'), not a {arch!r} layer: price a {arch!r} model with its device's kernels"
-        )
-    h, f, e = x.hidden, x.ffn, x.element
-    fc1 = x.bytes(f)
-    bias_gelu = _Piece(
-        (memory("bias_gelu", fc1 + f * e, fc1),),
-        (memory("bias_gelu_backward", 2 * fc1 + f * e, fc1),),
-        fc1 + fc1,  # the GELU's input, and its output (fc2's input)
-    )
-    return _join(
-        _megatron_layer_norm(x),
-        _megatron_linear(x, h, x.q + 2 * x.kv, row_parallel=False, bias_in_gemm=True),
-        _megatron_core_attention(x),
-        _megatron_linear(x, x.q, h, row_parallel=True, bias_in_gemm=False),
-        _bias_dropout_add(x),
-        _megatron_layer_norm(x),
-        _megatron_linear(x, h, f, row_parallel=False, bias_in_gemm=False),
-        bias_gelu,
-        _megatron_linear(x, f, h, row_parallel=True, bias_in_gemm=False),
-        _bias_dropout_add(x),
-    )
