@@ -22,6 +22,7 @@ from typing import Self
 
 from hethub.jobs import Job, plan_devices
 from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
+from hethub.runtime.torch_support import is_death_signal, is_restart, worker_failure
 
 DEFAULT_MAX_RESTARTS = 3
 """Restarts of the workers after a failure (`hethub train --max-restarts`). A worker lost to
@@ -121,9 +122,9 @@ class AgentLog(logging.Handler):
     on the console, and from two of them hethub's own lines: a worker's failure (its rank,
     group, stage and signal) when the agent restarts the workers, and a first Ctrl-C's notice.
 
-    The records are read by their message templates (torch.distributed.elastic's
-    multiprocessing/api.py and agent/server/api.py in torch 2.13); should a later torch word them
-    otherwise, the log still holds everything and only the restart line goes unsaid."""
+    The records are told apart by torch's message templates, kept with the torch they were
+    checked on in hethub.runtime.torch_support. For the launch's length every torch.distributed
+    logger says INFO (the restart record is an INFO one); each gets its own level back after."""
 
     LOGGER = "torch.distributed"
 
@@ -141,24 +142,29 @@ class AgentLog(logging.Handler):
         logger.handlers, logger.propagate = [self], False
         # torch's loggers take their level from LOGLEVEL (WARNING by default) when imported;
         # the restart record is an INFO one.
-        for name in list(logging.root.manager.loggerDict):
-            if name.startswith(self.LOGGER):
-                logging.getLogger(name).setLevel(logging.INFO)
+        self.saved_levels = {
+            name: logging.getLogger(name).level
+            for name in list(logging.root.manager.loggerDict)
+            if name.startswith(self.LOGGER)
+        }
+        for name in self.saved_levels:
+            logging.getLogger(name).setLevel(logging.INFO)
         return self
 
     def __exit__(self, *_) -> None:
         logger = logging.getLogger(self.LOGGER)
         logger.handlers, logger.propagate = self.saved
+        for name, level in self.saved_levels.items():
+            logging.getLogger(name).setLevel(level)
         self.file.close()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.file.write(self.format(record) + "\n")
         self.file.flush()
-        template = str(record.msg)
-        if template.startswith("failed (exitcode: %s) local_rank: %s"):
-            exitcode, local_rank = int(record.args[0]), int(record.args[1])
-            self.last_failure = (local_rank, exitcode)
-        elif "will restart worker group" in template and "attempts left" in template:
+        failure = worker_failure(record)
+        if failure is not None:
+            self.last_failure = failure
+        elif is_restart(record):
             self.restarts += 1
             step = _latest_step(self.job)
             since = "step 0 (no checkpoint yet)" if step is None else f"step {step}"
@@ -172,7 +178,7 @@ class AgentLog(logging.Handler):
                 f"(restart {self.restarts} of {self.max_restarts})"
             )
             self.last_failure = None
-        elif template.startswith("Received %s death signal"):
+        elif is_death_signal(record):
             _say(
                 "stopping after the current step and a checkpoint "
                 "(Ctrl-C again stops at once, losing the step)"

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
             tell_the_others(error, args.this_node, args.timeout or DEFAULT_SETTINGS.timeout_s)
             raise
-        _take_place(args.this_node, job)
+        rank = _take_place(args.this_node, job)
         from hethub.runtime.worker import run_job  # torch
 
         return run_job(
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             job.model,
             resume=job.resume_from is not None,
             as_json=args.json,
+            rank=rank,
         )
     if args.this_node:
         group, index = args.this_node
@@ -212,9 +213,11 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
     )
 
 
-def _take_place(node, job: Job) -> None:
-    """Under the user's torchrun: RANK becomes this process's plan rank, from its node."""
+def _take_place(node, job: Job) -> int:
+    """Under the user's torchrun: this process's plan rank, from its node."""
     from hethub.runtime.nodes import take_place
     from hethub.spec.topology import build_topology
 
-    take_place(node, job.cluster, build_topology(job.plan, job.cluster), job.settings.timeout_s)
+    return take_place(
+        node, job.cluster, build_topology(job.plan, job.cluster), job.settings.timeout_s
+    )

@@ -142,9 +142,9 @@ def profile_cluster(
     share, and on rank 0 write every profile into ``out``. Returns what was written (rank 0),
     None elsewhere; HethubError, the same on every process, where anything was refused."""
     topology = build_topology(profile_layout(cluster, model), cluster)
-    take_place(node, cluster, topology, request.timeout_s, command=COMMAND)
+    rank = take_place(node, cluster, topology, request.timeout_s, command=COMMAND)
     timeout = datetime.timedelta(seconds=request.timeout_s)
-    init_process_group("gloo", timeout)  # the runtime's: the same store, the same care
+    init_process_group("gloo", timeout, rank)  # the runtime's: the same store, the same care
     try:
         job = _Job(cluster, topology, dist.get_rank(), dist.get_world_size())
         return _profile(job, model, request, out, say)

@@ -17,11 +17,11 @@ import weakref
 from typing import Self
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from hethub.runtime.torch_support import dispatch_mode_class, tree_leaves
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(dispatch_mode_class()):
     """``with LiveBytes() as live: ...``: ``live.peak`` bytes at once, ``live.current`` now."""
 
     def __init__(self) -> None:

@@ -10,17 +10,24 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from hethub.runtime.torch_support import dispatch_mode_class, private_aten_op
 
 aten = torch.ops.aten
 NO_KERNEL = frozenset({"_unsafe_view"})
 """Not a view to the dispatcher, but an alias all the same: it launches nothing."""
-HOST_SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+TO_COPY = private_aten_op("_to_copy").default
+"""A copy to another dtype or device (.to): a host read where it copies to the CPU."""
+HOST_SYNCING = {
+    private_aten_op("_local_scalar_dense").default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+}
 """Operators whose result the host must wait for: a scalar read (item, bool, float) and the
 operators whose output's shape depends on the data."""
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(dispatch_mode_class()):
     """Counts the operators dispatched while it is active: ``ops``, by name, those that launch
     work (views and aliases aside), and ``host_reads``, the names of those that make the host
     wait for data on ``device`` (reads_to_host)."""
@@ -55,7 +62,7 @@ def reads_to_host(func, args: tuple, kwargs: dict, device: torch.device) -> bool
     CPU tensor) is seen only on an accelerator."""
     if func in HOST_SYNCING:
         return args[0].device.type == device.type
-    if func is aten._to_copy.default:
+    if func is TO_COPY:
         target, source = kwargs.get("device"), args[0]
         if target is None or torch.device(target).type != "cpu":
             return False

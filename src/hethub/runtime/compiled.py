@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from hethub.runtime.model import Rotary, StageChunks
 from hethub.runtime.precision import COMPUTE_DTYPE
+from hethub.runtime.torch_support import dynamo_unique_graphs, is_compiled
 from hethub.spec.plan import Plan
 
 
@@ -45,15 +46,9 @@ def compile_layers(stage: StageChunks, plan: Plan) -> None:
 def compiled_layers(stage: StageChunks) -> int:
     """How many of ``stage``'s transformer layers run compiled: a check that a run asked to
     compile did."""
-    return sum(
-        layer._compiled_call_impl is not None
-        for chunk in stage.chunks
-        for layer in chunk.layers.values()
-    )
+    return sum(is_compiled(layer) for chunk in stage.chunks for layer in chunk.layers.values())
 
 
 def compiled_graphs() -> int:
     """How many distinct graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return dynamo_unique_graphs()

@@ -82,11 +82,12 @@ from hethub.runtime.process_groups import (
     rank_groups,
 )
 from hethub.runtime.tensor_parallel import tp_size
+from hethub.runtime.torch_support import fake_store, private_aten_op, storage_key
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.collectives import check_agreement, rank_transfers, stage_posts, walk_messages
-from hethub.spec.layer_ops import Kernels
 from hethub.spec.model import ModelSpec
+from hethub.spec.ops import Kernels
 from hethub.spec.plan import Plan, Precision, Recompute
 from hethub.spec.schedules import chunk_sequence, in_flight_micro_batches, stage_model_chunks
 from hethub.spec.topology import Topology
@@ -237,9 +238,8 @@ def check_schedules(plan: Plan, topology: Topology) -> int:
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of a fake world of ``world_size``: collectives move nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    store = fake_store()  # registers "fake"
+    dist.init_process_group(FAKE_BACKEND, store=store, rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -316,14 +316,14 @@ def attention_kernel(kernels: Kernels, precision: Precision):
     ``precision``: flash attention on an accelerator in bf16, the CPU's flash kernel otherwise
     (fp32's memory-efficient kernel keeps what it keeps)."""
     if kernels is Kernels.FUSED and precision is not Precision.FP32:
-        return torch.ops.aten._scaled_dot_product_flash_attention
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return private_aten_op("_scaled_dot_product_flash_attention")
+    return private_aten_op("_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _storage_id(tensor: torch.Tensor) -> int:
     """Which storage ``tensor`` views: a view and its base are one allocation (meta tensors have
     no data pointer, but a storage each)."""
-    return tensor.untyped_storage()._cdata
+    return storage_key(tensor.untyped_storage())
 
 
 class _Saved:
@@ -337,7 +337,7 @@ class _Saved:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        self.storages.setdefault(storage._cdata, (storage.nbytes(), self.in_head))
+        self.storages.setdefault(storage_key(storage), (storage.nbytes(), self.in_head))
         return tensor  # kept by the graph: its storage's identity stays its own meanwhile
 
     def __enter__(self) -> Self:

@@ -26,6 +26,7 @@ from torch.nn.utils import get_total_norm
 
 from hethub.comm import Communicator, Group
 from hethub.runtime.flat_layout import FlatLayout
+from hethub.runtime.torch_support import foreach_mul_
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 from hethub.spec.topology import Topology, parameter_holders
@@ -108,4 +109,4 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, clip: float) -> None:
     torch.nn.utils.clip_grad_norm_ does."""
     factor = torch.clamp(clip / (norm + CLIP_EPS), max=1.0)
     with torch.no_grad():
-        torch._foreach_mul_(grads, factor)
+        foreach_mul_(grads, factor)

@@ -159,14 +159,14 @@ def take_place(
     topology: Topology,
     timeout_s: float,
     command: str = "hethub train",
-) -> None:
-    """Under torchrun, before torch.distributed.init_process_group: find this process's plan rank
-    from its node (``--this-node``, else its host in the cluster's ``hosts``) and every process's
-    claim, and set RANK to it (init_process_group's env:// reads it). With one torchrun node and
-    no node given it changes nothing: torchrun's rank is the plan's, as on one machine.
+) -> int:
+    """Under torchrun, before torch.distributed.init_process_group: this process's plan rank,
+    found from its node (``--this-node``, else its host in the cluster's ``hosts``) and every
+    process's claim, for hethub.runtime.supervision.init_process_group's ``rank``. With one
+    torchrun node and no node given torchrun's rank is the plan's, as on one machine.
     ``command`` starts the line each node prints."""
     if node is None and int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
-        return
+        return int(os.environ["RANK"])
     check_world(int(os.environ["WORLD_SIZE"]), topology)  # every process sees it: no exchange
     host = socket.gethostname()
     try:
@@ -200,7 +200,8 @@ def take_place(
             file=sys.stderr,
             flush=True,
         )
-    os.environ["RANK"] = str(ranks[int(os.environ["RANK"])])
+    plan_rank = ranks[int(os.environ["RANK"])]
+    return plan_rank
 
 
 def tell_the_others(error: HethubError, node: Node | None, timeout_s: float) -> None:
@@ -243,7 +244,9 @@ def _exchange(mine: dict, timeout_s: float) -> list[dict | None]:
     process's, waiting at most ``timeout_s`` for them all; None where one never came."""
     import torch.distributed as dist  # only under torchrun: the pure functions stay light
 
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    from hethub.runtime.torch_support import agent_store, agent_store_shared
+
+    if not agent_store_shared():
         # Without the agent's store, MASTER_PORT is where init_process_group's rank 0 will serve
         # one: there is nothing to meet at before it, and rank 0 is what is being decided.
         raise HethubError(
@@ -260,12 +263,7 @@ def _exchange(mine: dict, timeout_s: float) -> list[dict | None]:
     )
     keys = [f"{prefix}{rank}" for rank in range(int(os.environ["WORLD_SIZE"]))]
     try:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        store = agent_store(datetime.timedelta(seconds=timeout_s))
         store.set(prefix + os.environ["RANK"], json.dumps(mine))
         try:
             left = max(deadline - time.monotonic(), 0.001)

@@ -37,11 +37,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from hethub.comm import Communicator, Group, Pending
 from hethub.runtime.flat_layout import FlatLayout
 from hethub.runtime.precision import MasterWeights
+from hethub.runtime.torch_support import foreach_copy_, foreach_mul_, fused_optimizer_devices
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -62,7 +62,7 @@ def adamw(params: list[torch.Tensor], lr: float) -> torch.optim.AdamW:
     fused where torch has a fused kernel for their device (CUDA, the CPU since torch 2.4, ...),
     else foreach: a few kernels over all of them either way, never a Python loop over the
     tensors."""
-    fused = params[0].device.type in _get_fused_kernels_supported_devices()
+    fused = params[0].device.type in fused_optimizer_devices()
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused, foreach=not fused)
 
 
@@ -100,7 +100,7 @@ class WeightDecay:
         """Before AdamW's step at rate ``lr``: what torch's AdamW does first, one multiply."""
         if self.weight_decay and self.decayed:
             with torch.no_grad():
-                torch._foreach_mul_(self.decayed, 1.0 - lr * self.weight_decay)
+                foreach_mul_(self.decayed, 1.0 - lr * self.weight_decay)
 
 
 def _set_lr(adamw: torch.optim.AdamW, lr: float | None) -> float:
@@ -259,7 +259,7 @@ class ShardedAdamW:
         self.adamw.step()
         with torch.no_grad():
             if self.keeps_masters:
-                torch._foreach_copy_(self.weight_shards, self.slices)
+                foreach_copy_(self.weight_shards, self.slices)
             layout = self.weights.layout
             for b, shard in enumerate(self.weight_shards):
                 # Gathered in the dtype the stage computes in (bf16: half the bytes of the fp32

@@ -37,6 +37,13 @@ from torch import nn
 
 from hethub.runtime.flat_layout import FlatLayout
 from hethub.runtime.model import StageChunks
+from hethub.runtime.torch_support import (
+    foreach_add_,
+    foreach_copy_,
+    foreach_zero_,
+    mkldnn_bf16_supported,
+    queue_backward_callback,
+)
 from hethub.spec.plan import Precision
 
 COMPUTE_DTYPE = {precision: getattr(torch, precision.dtype_name) for precision in Precision}
@@ -221,7 +228,7 @@ class MasterWeights:
 
     def _flush_hook(self, chunk: int):
         def hook(_: torch.Tensor) -> None:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(chunk))
+            queue_backward_callback(lambda: self._flush(chunk))
 
         return hook
 
@@ -244,10 +251,10 @@ class MasterWeights:
             return  # fp32 after the first: autograd has added them in place
         given = [s for s in slots if s.param.grad is not None]
         if given:
-            move = torch._foreach_copy_ if first else torch._foreach_add_
+            move = foreach_copy_ if first else foreach_add_
             move([s.main for s in given], [s.param.grad for s in given])
         if first and len(given) < len(slots):
-            torch._foreach_zero_([s.main for s in slots if s.param.grad is None])
+            foreach_zero_([s.main for s in slots if s.param.grad is None])
         for s in slots:
             s.param.grad = None if bf16 else s.main
 
@@ -259,6 +266,6 @@ def cpu_has_bf16_kernels() -> bool:
     element, several times slower than fp32 (docs/runtime.md, "Precision", for this machine's
     figures)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):  # a torch built without oneDNN
         return False

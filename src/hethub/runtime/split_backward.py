@@ -28,10 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    stage_backward_input,
-)
+
+from hethub.runtime.torch_support import grad_accumulator, stage_backward_input
 
 
 class WeightPass:
@@ -61,7 +59,7 @@ class WeightPass:
         # One node whose inputs are the weights: autograd's accumulation gives them their
         # gradients, which its backward computes, in one backward of the engine. The weights'
         # accumulation nodes are looked up here, where grad mode is on (a lookup makes a view).
-        self.accumulators = {_get_grad_fn_or_grad_acc(w): i for i, w in enumerate(self.weights)}
+        self.accumulators = {grad_accumulator(w): i for i, w in enumerate(self.weights)}
         _WeightGradients.apply(self, *self.weights).backward()
 
     def gradients(self) -> list[torch.Tensor | None]:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hethub.runtime.torch_support import agent_store, agent_store_shared
+
 LAUNCHED_BY_HETHUB = "HETHUB_LAUNCHED"
 """Set in the workers' environment when `hethub train` is their agent (not the user's torchrun):
 it reports a stop in one line of its own, and reads from RUN_DIR/stopped.json (STOPPED) a stop
@@ -97,8 +99,9 @@ def bind_group_defaults_before_init() -> None:
     import torch.distributed.nn  # noqa: F401
 
 
-def init_process_group(backend: str, timeout: timedelta) -> None:
-    """torch.distributed.init_process_group, in a store of this restart attempt's own.
+def init_process_group(backend: str, timeout: timedelta, rank: int | None = None) -> None:
+    """torch.distributed.init_process_group, in a store of this restart attempt's own, as
+    ``rank`` (None: torchrun's RANK; hethub.runtime.nodes.take_place gives the plan's).
 
     Under torchrun with the agent's store (TORCHELASTIC_USE_AGENT_STORE), torch 2.13's env://
     rendezvous reuses the agent's TCPStore unprefixed ("we create a new TCPStore for every
@@ -106,18 +109,18 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     the dead workers' gloo addresses and fail with "Connection refused" (half of the restarts
     here). Every group then lives under a prefix of TORCHELASTIC_RESTART_COUNT."""
     bind_group_defaults_before_init()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        dist.init_process_group(backend, timeout=timeout)
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"])
+    if not agent_store_shared():  # env://: MASTER_ADDR and MASTER_PORT are rank 0's to serve
+        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size)
         return
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
+    store = agent_store(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"hethub/attempt-{attempt}/groups", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        rank=rank,
+        world_size=world_size,
         timeout=timeout,
     )
 
@@ -164,12 +167,7 @@ class Heartbeat:
         self._thread.start()
 
     def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=self.timeout,
-        )
+        return agent_store(self.timeout)
 
     def _beat(self) -> None:
         store = self._connect()  # one client per thread: a store client is not shared

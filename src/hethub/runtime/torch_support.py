@@ -1,5 +1,7 @@
-"""The torch hethub runs on: the range it supports, checked where a command needs torch, and
-the installed build, which `hethub --version` names.
+"""The torch hethub runs on: the range it supports, checked where a command needs torch, the
+installed build, which `hethub --version` names, and every corner of torch outside its public
+API that hethub reaches (private names, torchrun's log templates and agent store), each with the
+torch it was checked on: the one room to look in when a torch release breaks one.
 
 hethub keeps the torch that is installed (a vendor's CUDA, ROCm, torch_npu or XPU build), so it
 checks the version instead of pinning it. Nothing here imports torch at import time, so that
@@ -99,4 +101,252 @@ def installed_torch() -> str:
         hip=torch.version.hip,
         xpu=getattr(torch.version, "xpu", None),
         npu=npu,
+    )
+
+
+# torch's private corners -------------------------------------------------------------------------
+# Every name hethub reaches with a leading underscore in torch, and every torch behaviour it reads
+# from outside an API, is reached here and nowhere else (tests/test_torch_support.py holds the rest
+# of src/ to that). torch is a range, and any of these may change in a minor release: each says
+# what hethub needs it for, why the public API does not do it, and the torch it was checked on.
+# Each imports torch when called, so that this module stays importable without torch.
+
+CHECKED_ON = "2.13"
+"""The torch (major.minor) every wrapper below was last checked on."""
+
+
+def stage_backward_input(outputs, output_grads, inputs, weights):
+    """torch.distributed.pipelining._backward.stage_backward_input: a chunk's backward to its
+    inputs only (B of a zero-bubble schedule), keeping what the weights' backward (W) needs; its
+    result as torch returns it (the inputs' gradients, the weights' param groups).
+
+    Private because torch.distributed.pipelining keeps its split backward internal to its own
+    schedules; hethub runs its own schedule over the same split. Checked on torch 2.13."""
+    from torch.distributed.pipelining._backward import stage_backward_input as split
+
+    return split(outputs, output_grads, inputs, weights)
+
+
+def grad_accumulator(tensor):
+    """The autograd node that gives ``tensor`` its gradient: its grad_fn, or for a leaf its
+    AccumulateGrad (torch.distributed.pipelining._backward._get_grad_fn_or_grad_acc).
+
+    No public API returns a leaf's AccumulateGrad node; torch's own split backward reaches it the
+    same way (a view's grad_fn). Checked on torch 2.13."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    return _get_grad_fn_or_grad_acc(tensor)
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types with torch's fused optimizer kernels (``fused=True`` of torch.optim).
+
+    torch.optim decides this with torch.utils._foreach_utils._get_fused_kernels_supported_devices
+    and has no public query; hethub asks the same function, so it picks fused where torch.optim
+    would. Checked on torch 2.13."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def foreach_mul_(tensors, factor) -> None:
+    """torch._foreach_mul_: every tensor of ``tensors`` times ``factor`` (a number or a tensor),
+    in place, in one launch per device and dtype rather than one per tensor.
+
+    The foreach ops have no public name; torch.optim and clip_grad_norm_ call them the same way.
+    Checked on torch 2.13."""
+    import torch
+
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_copy_(targets, sources) -> None:
+    """torch._foreach_copy_: each of ``targets`` copied from its ``sources``, in one launch per
+    device and dtype (see foreach_mul_ for why it is private). Checked on torch 2.13."""
+    import torch
+
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_add_(targets, sources) -> None:
+    """torch._foreach_add_: each of ``sources`` added into its ``targets``, in one launch per
+    device and dtype (see foreach_mul_ for why it is private). Checked on torch 2.13."""
+    import torch
+
+    torch._foreach_add_(targets, sources)
+
+
+def foreach_zero_(tensors) -> None:
+    """torch._foreach_zero_: every tensor of ``tensors`` zeroed, in one launch per device and
+    dtype (see foreach_mul_ for why it is private). Checked on torch 2.13."""
+    import torch
+
+    torch._foreach_zero_(tensors)
+
+
+def queue_backward_callback(callback) -> None:
+    """Run ``callback`` once the backward in progress has finished (autograd's engine calls it,
+    in the backward's thread): Variable._execution_engine.queue_callback.
+
+    A gradient hook runs before the gradient is accumulated; only the engine's callback queue
+    runs after the whole backward, and torch has no public name for it (DDP and FSDP call the
+    same). Checked on torch 2.13."""
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported);
+    AttributeError or RuntimeError where torch was built without oneDNN.
+
+    torch.backends.mkldnn says only whether oneDNN is there, not whether this CPU's bf16 runs on
+    it. Checked on torch 2.13."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def is_compiled(module) -> bool:
+    """Whether nn.Module.compile was called on ``module`` (its ``_compiled_call_impl`` is set).
+
+    nn.Module.compile compiles in place and leaves no public mark. Checked on torch 2.13."""
+    return module._compiled_call_impl is not None
+
+
+def dynamo_unique_graphs() -> int:
+    """How many distinct graphs dynamo has compiled in this process so far
+    (torch._dynamo.utils.counters["stats"]["unique_graphs"]).
+
+    torch._dynamo keeps its statistics in this private counter only. Checked on torch 2.13."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def dispatch_mode_class() -> type:
+    """torch.utils._python_dispatch.TorchDispatchMode: the base of a mode that sees every
+    operator dispatched below autograd (the profiler's counters subclass it).
+
+    torch documents the mode (docs' "extending torch") but exports it from a private module
+    only. Checked on torch 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of a nest of tuples, lists and dicts (an operator's outputs):
+    torch.utils._pytree.tree_leaves, which knows every container torch returns.
+
+    torch has no public pytree module in this range. Checked on torch 2.13."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def fake_store():
+    """A store for torch's ``fake`` process-group backend, whose collectives return at once and
+    move nothing (torch.testing._internal.distributed.fake_pg.FakeStore); importing it registers
+    the backend.
+
+    torch ships the backend for its own tests only. Checked on torch 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def storage_key(storage) -> int:
+    """Which allocation an untyped storage is (its C++ object's address, ``_cdata``): equal for
+    every view of one allocation, and on the meta device too, which has no data pointer.
+
+    data_ptr() is 0 for every meta storage, and torch has no public identity of a storage.
+    Checked on torch 2.13."""
+    return storage._cdata
+
+
+PRIVATE_ATEN_OPS = (
+    "_scaled_dot_product_flash_attention",  # the flash attention kernel of an accelerator
+    "_scaled_dot_product_flash_attention_for_cpu",  # the CPU's flash attention kernel
+    "_local_scalar_dense",  # a tensor's scalar read by the host (item, bool, float)
+    "_to_copy",  # a copy to another dtype or device (.to)
+)
+"""aten's operators with a leading underscore that hethub names: the kernels scaled_dot_product_
+attention picks (spec.layer_ops prices them by name) and the operators the op counter tells
+apart. aten names its kernels so; their names are not promised. Checked on torch 2.13."""
+
+
+def private_aten_op(name: str):
+    """torch.ops.aten's overload packet ``name``, one of PRIVATE_ATEN_OPS."""
+    if name not in PRIVATE_ATEN_OPS:
+        raise ValueError(f"{name!r} is not one of torch_support.PRIVATE_ATEN_OPS")
+    import torch
+
+    return getattr(torch.ops.aten, name)
+
+
+# torchrun's agent log --------------------------------------------------------------------------
+# `hethub train` learns from the agent's log records when a worker failed and the agent restarts
+# the workers, and when the agent took a first Ctrl-C: the elastic agent tells these only in its
+# log (its RunResult stays inside elastic_launch until the end). The records are told apart by
+# their message templates, which torch may reword in any release: should one change, the agent's
+# log still holds everything and only hethub's own line goes unsaid. Checked on torch 2.13
+# (tests/test_torch_support.py finds each in the installed torch's source).
+
+WORKER_FAILED = "failed (exitcode: %s) local_rank: %s"
+"""torch.distributed.elastic.multiprocessing.api: a worker ended badly; args (exitcode,
+local_rank, pid, binary)."""
+
+RESTARTING = ("attempts left;", "will restart worker group")
+"""torch.distributed.elastic.agent.server.api: the agent restarts a failed worker group (the
+membership restart, which spends no attempt, lacks the first part)."""
+
+DEATH_SIGNAL = "Received %s death signal"
+"""torch.distributed.elastic.agent.server.api: the agent took a SIGINT or SIGTERM and shuts
+its workers down."""
+
+
+def worker_failure(record) -> tuple[int, int] | None:
+    """(local rank, exit code) of a WORKER_FAILED record of the agent's log; None for another."""
+    if not str(record.msg).startswith(WORKER_FAILED):
+        return None
+    exitcode, local_rank = int(record.args[0]), int(record.args[1])
+    return local_rank, exitcode
+
+
+def is_restart(record) -> bool:
+    """Whether an agent's log record says it restarts the failed workers (RESTARTING)."""
+    return all(part in str(record.msg) for part in RESTARTING)
+
+
+def is_death_signal(record) -> bool:
+    """Whether an agent's log record says it took a death signal (DEATH_SIGNAL)."""
+    return str(record.msg).startswith(DEATH_SIGNAL)
+
+
+# torchrun's agent store ------------------------------------------------------------------------
+# How a worker reaches the store its torchrun agent hosts: torch.distributed.elastic's
+# LocalElasticAgent says in TORCHELASTIC_USE_AGENT_STORE whether it shares its rendezvous's
+# TCPStore with the workers, and MASTER_ADDR and MASTER_PORT are then that store, which outlives
+# a restart of the workers. The variable is the agent's own, not a documented one. Checked on
+# torch 2.13.
+
+
+def agent_store_shared() -> bool:
+    """Whether this process's torchrun agent shares its store (TORCHELASTIC_USE_AGENT_STORE is
+    True: the c10d or static rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset)."""
+    import os
+
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def agent_store(timeout):
+    """A client of the agent's store (a TCPStore at MASTER_ADDR:MASTER_PORT), waiting at most
+    ``timeout`` (a timedelta) for a key; only where agent_store_shared()."""
+    import os
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )

@@ -69,9 +69,11 @@ def train(
     *,
     resume: bool,
     as_json: bool,
+    rank: int | None = None,
 ) -> int:
-    """Train the run's plan from its start (or its latest checkpoint) to settings.steps; the
-    exit status: 0, 1 when the loss went non-finite, 128 + N when signal N stopped it."""
+    """Train the run's plan from its start (or its latest checkpoint) to settings.steps, as
+    ``rank`` of the plan (None: torchrun's RANK); the exit status: 0, 1 when the loss went
+    non-finite, 128 + N when signal N stopped it."""
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise HethubError(
@@ -85,7 +87,7 @@ def train(
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     torch.set_num_threads(1)
     bind_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-    init_process_group("gloo", datetime.timedelta(seconds=settings.timeout_s))
+    init_process_group("gloo", datetime.timedelta(seconds=settings.timeout_s), rank)
     rank = dist.get_rank()
     heartbeat = Heartbeat(rank, world, HEARTBEAT_S, settings.timeout_s)
     try:
@@ -626,12 +628,23 @@ def run_job(
     *,
     resume: bool,
     as_json: bool,
+    rank: int | None = None,
 ) -> int:
-    """This process's part of the job: its corpus and topology, then train()."""
+    """This process's part of the job, as ``rank`` of the plan (None: torchrun's RANK): its
+    corpus and topology, then train()."""
     corpus = open_corpus(settings.data)
     topology = build_topology(plan, cluster)
     return train(
-        run, settings, cluster, plan, model, topology, corpus, resume=resume, as_json=as_json
+        run,
+        settings,
+        cluster,
+        plan,
+        model,
+        topology,
+        corpus,
+        resume=resume,
+        as_json=as_json,
+        rank=rank,
     )
 
 
