@@ -31,14 +31,8 @@ from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
 from hethub.spec import check_plan, load_cluster, load_model, load_plan
-from hethub.spec.collectives import (
-    Kind,
-    Post,
-    check_agreement,
-    rank_transfers,
-    stage_posts,
-    walk_messages,
-)
+from hethub.spec.agreement import check_agreement, walk_messages
+from hethub.spec.collectives import Kind, Post, rank_transfers, stage_posts
 from hethub.spec.model import parse_model
 from hethub.spec.ops import Kernels
 from hethub.spec.plan import Precision, Recompute

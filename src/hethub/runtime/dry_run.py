@@ -83,9 +83,10 @@ from hethub.runtime.process_groups import (
 )
 from hethub.runtime.tensor_parallel import tp_size
 from hethub.runtime.torch_support import fake_store, private_aten_op, storage_key
+from hethub.spec.agreement import check_agreement, walk_messages
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import check_agreement, rank_transfers, stage_posts, walk_messages
+from hethub.spec.collectives import rank_transfers, stage_posts
 from hethub.spec.model import ModelSpec
 from hethub.spec.ops import Kernels
 from hethub.spec.plan import Plan, Precision, Recompute
@@ -497,7 +498,7 @@ def dry_run(
     progress=None,
 ) -> DryRun:
     """The schedule's messages checked, and every rank's transfers in the plan of a step's
-    traffic (spec.collectives.check_agreement: each group's collectives in one order and size
+    traffic (spec.agreement.check_agreement: each group's collectives in one order and size
     on all its ranks); then every rank of ``plan`` built in this process, one after another,
     its memory against ``predicted`` (predictor.predict's stages, StagePrediction).
     ``progress(rank)``, if given, is called before each rank. Raises HethubError naming the

@@ -3,7 +3,7 @@ ranks, its bytes and its path, as a pure function of the plan (no torch, as spec
 spec.buckets). The runtime's Communicator counts what it moves by ``moved_bytes`` (the ring
 factors live here and nowhere else); the predictor reports the same list's bytes
 (``hethub predict --json``: comm_bytes) and prices the gradient sync from it; the dry run walks
-its point-to-point posts (``stage_posts``, ``walk_messages``); and tests hold the runtime's
+its point-to-point posts (``stage_posts``; spec.agreement walks them); and tests hold the runtime's
 counted bytes, rank by rank, to this list's.
 
 What a rank counts, as the Communicator counts it: the bytes it moves out of itself. A message
@@ -18,12 +18,10 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hethub.errors import HethubError
 from hethub.spec.buckets import BUCKET_BYTES, SyncBucket, rank_buckets
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
@@ -182,58 +180,6 @@ def stage_posts(orders: Sequence[Sequence[tuple[int, int, int]]], model_chunks) 
     return posts
 
 
-def walk_messages(posts: Sequence[Sequence[Post]], name=str) -> int:
-    """Run every stage's posts as the pipeline would: a send delivers at once (the runtime's
-    isend), a receive waits for its peer's send, and messages from one stage to another over
-    one link match in the order posted. Returns the messages sent; raises HethubError naming
-    the stage (``name(s)``) and the rule on a mismatch, a receive never served (a deadlock) or
-    a send never received."""
-    queues: dict[tuple[int, int, tuple[int, int]], deque] = {}
-    at = [0] * len(posts)
-    sent = 0
-    progress = True
-    while progress:
-        progress = False
-        for s, mine in enumerate(posts):
-            while at[s] < len(mine):
-                post = mine[at[s]]
-                if post.sends:
-                    queues.setdefault((s, post.peer, post.link), deque()).append(post.message)
-                    sent += 1
-                else:
-                    queue = queues.get((post.peer, s, post.link))
-                    if not queue:
-                        break
-                    if queue[0] != post.message:
-                        raise HethubError(
-                            f"{name(s)} receives {_said(post.message)} from {name(post.peer)}, "
-                            f"whose next send to it is {_said(queue[0])}: sends and receives "
-                            "between two stages must match in order"
-                        )
-                    queue.popleft()
-                at[s] += 1
-                progress = True
-    for s, mine in enumerate(posts):
-        if at[s] < len(mine):
-            post = mine[at[s]]
-            raise HethubError(
-                f"{name(s)} waits forever to receive {_said(post.message)} from "
-                f"{name(post.peer)} (deadlock): every receive needs a send its peer reaches"
-            )
-    for (s, peer, _), queue in queues.items():
-        if queue:
-            raise HethubError(
-                f"{name(s)} sends {_said(queue[0])} to {name(peer)}, which never receives it: "
-                "every send needs its receive"
-            )
-    return sent
-
-
-def _said(message: tuple[str, int, int]) -> str:
-    label, chunk, micro_batch = message
-    return f"the {label} of chunk {chunk}, micro-batch {micro_batch}"
-
-
 # --- a step's transfers ---------------------------------------------------------------------
 
 
@@ -349,53 +295,71 @@ def rank_transfers(
       vendor, each slice all-reduced among its owners over the bridge and all-gathered back;
     - a sharded optimizer's all-gather of each bucket's updated weights, in the compute dtype;
     - the global gradient norm's all-reduce of one fp32 number over the world."""
+    done = _pipeline_transfers(plan, topology, model, vendors, rank)
+    done += _sync_transfers(plan, topology, model, vendors, rank, cap)
+    if grad_norm and topology.world_size > 1:
+        world = _world(topology.world_size)
+        path = path_of(world, vendors)
+        done.append(Transfer(Kind.ALL_REDUCE, world, FP32_BYTES, path, Phase.GRAD_NORM))
+    return done
+
+
+def _pipeline_transfers(
+    plan: Plan, topology: Topology, model: ModelSpec, vendors: Sequence[str], rank: int
+) -> list[Transfer]:
+    """``rank``'s part in its pipeline's messages of one step, in its stage's schedule order
+    (rank_transfers' first part)."""
     me = topology.ranks[rank]
     layout = plan.pipelines[me.pipeline]
-    tp = topology.tp_group(rank)
-    done: list[Transfer] = []
-
-    def add(kind: Kind, ranks: Sequence[int], nbytes: int, phase: Phase) -> None:
-        if kind in (Kind.SEND, Kind.RECV) or len(ranks) > 1:
-            ranks = tuple(ranks)
-            done.append(Transfer(kind, ranks, nbytes, path_of(ranks, vendors), phase))
-
     stages = len(layout.stages)
-    if stages > 1:
-        cut = message_cut(plan.micro_batch, model, plan.sequence_parallel)
-        element = plan.precision.element_bytes
-        posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
-        # a stage posts to at most two neighbours, micro-batch after micro-batch: each post's
-        # transfers differ from its neighbour's others' only in their phase
-        made: dict[tuple[int, bool, Phase], list[Transfer]] = {}
-        for post in posts[me.stage]:
-            phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
-            key = (post.peer, post.sends, phase)
-            if key not in made:
-                peers = topology.stage_ranks(me.replica, post.peer)
-                made[key] = _post_transfers(
-                    rank, tp, peers, post.sends, cut=cut, element=element, vendors=vendors,
-                    phase=phase,
-                )  # fmt: skip
-            done += made[key]
+    if stages == 1:
+        return []
+    tp = topology.tp_group(rank)
+    cut = message_cut(plan.micro_batch, model, plan.sequence_parallel)
+    element = plan.precision.element_bytes
+    posts = layout_posts(layout.schedule, stages, layout.virtual_stages, layout.micro_batches)
+    done: list[Transfer] = []
+    # a stage posts to at most two neighbours, micro-batch after micro-batch: each post's
+    # transfers differ from its neighbour's others' only in their phase
+    made: dict[tuple[int, bool, Phase], list[Transfer]] = {}
+    for post in posts[me.stage]:
+        phase = Phase.FORWARD if post.message[0] == "activation" else Phase.BACKWARD
+        key = (post.peer, post.sends, phase)
+        if key not in made:
+            peers = topology.stage_ranks(me.replica, post.peer)
+            made[key] = _post_transfers(
+                rank, tp, peers, post.sends, cut=cut, element=element, vendors=vendors, phase=phase
+            )
+        done += made[key]
+    return done
 
+
+def _sync_transfers(
+    plan: Plan, topology: Topology, model: ModelSpec, vendors: Sequence[str], rank: int, cap: int
+) -> list[Transfer]:
+    """``rank``'s part in its stage's gradient sync, bucket by bucket, and a sharded
+    optimizer's gathers (rank_transfers' second part)."""
+    me = topology.ranks[rank]
     peers = topology.data_parallel_peers(rank)
     grouped = (plan.shard_optimizer or plan.overlap_grad_sync) and len(peers) > 1
     sharded = plan.shard_optimizer and grouped
     shards = len(peers) if sharded else 1
     table = parameter_table(model)
     grad = MAIN_GRAD_BYTES
-    buckets = _stage_buckets(topology, model, me.pipeline, me.stage, grouped, cap)
+    peers_path = path_of(peers, vendors)
+    done: list[Transfer] = []
     classes_of: dict[tuple[int, ...], list[_ClassPlace]] = {}
-    for bucket in buckets:
+    for bucket in _stage_buckets(topology, model, me.pipeline, me.stage, grouped, cap):
         params = [table[name] for name in bucket.names]
         local = sum(math.prod(param.shard_shape(me.tp)) for param in params)
         padded = local + (-local % shards)
-        if bucket.direct:
+        if bucket.direct and len(peers) > 1:
             if sharded:
-                add(Kind.REDUCE_SCATTER, peers, padded * grad, Phase.GRAD_SYNC)
+                kind, nbytes = Kind.REDUCE_SCATTER, padded * grad
             else:
-                add(Kind.ALL_REDUCE, peers, local * grad, Phase.GRAD_SYNC)
-        else:
+                kind, nbytes = Kind.ALL_REDUCE, local * grad
+            done.append(Transfer(kind, peers, nbytes, peers_path, Phase.GRAD_SYNC))
+        elif not bucket.direct:
             if bucket.holders not in classes_of:  # buckets share their holders: once each
                 holder_stages = [topology.tp_group(leader) for leader in bucket.holders]
                 classes_of[bucket.holders] = [
@@ -404,20 +368,22 @@ def rank_transfers(
                     if rank in share.ranks
                 ]
             for place in classes_of[bucket.holders]:
-                share = place.share
-                shared = sum(
-                    math.prod(param.shape) * (share.stop - share.start) // share.units
-                    if param.tp_dim is not None
-                    else math.prod(param.shape)
-                    for param in params
-                )
-                done += place.transfers(shared * grad)
+                done += place.transfers(_class_share_elements(place.share, params) * grad)
         if sharded:
             piece = padded // shards * plan.precision.element_bytes
-            add(Kind.ALL_GATHER, peers, piece, Phase.PARAM_GATHER)
-    if grad_norm:
-        add(Kind.ALL_REDUCE, _world(topology.world_size), FP32_BYTES, Phase.GRAD_NORM)
+            done.append(Transfer(Kind.ALL_GATHER, peers, piece, peers_path, Phase.PARAM_GATHER))
     return done
+
+
+def _class_share_elements(share: SyncClass, params) -> int:
+    """The elements of ``params`` that one class of a bucket's sum holds: its run of each
+    split tensor, every tensor whole on every TP rank whole."""
+    return sum(
+        math.prod(param.shape) * (share.stop - share.start) // share.units
+        if param.tp_dim is not None
+        else math.prod(param.shape)
+        for param in params
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -525,86 +491,3 @@ def step_comm_bytes(
             total[path] += moved
             busiest[path] = max(busiest[path], moved)
     return total, busiest
-
-
-def check_agreement(transfers_of: Iterable[tuple[int, Sequence[Transfer]]]) -> int:
-    """Check that the ranks' transfers of one step (``transfers_of``: every rank with its
-    rank_transfers, in the order it runs them) fit together, as walk_messages does for the
-    schedule's messages: each collective blocks until every rank of its group reaches it, so
-    the collectives are run until none can proceed; ranks meeting in a collective must agree on
-    its kind and size, and every rank must finish. Every message sent must be received once,
-    with the same bytes. Returns the step's collectives (each counted once); raises
-    HethubError naming a rank and the rule otherwise: a collective reached in another order,
-    or with another size, hangs a real job or sums the wrong elements."""
-    queues: dict[int, list[Transfer]] = {}
-    messages: Counter = Counter()
-    for rank, transfers in transfers_of:
-        queues[rank] = []
-        for t in transfers:
-            if t.kind is Kind.SEND:
-                messages[(t.ranks, t.nbytes, t.phase)] += 1
-            elif t.kind is Kind.RECV:
-                messages[(t.ranks, t.nbytes, t.phase)] -= 1
-            else:
-                queues[rank].append(t)
-    at = dict.fromkeys(queues, 0)
-    waiting: dict[tuple[int, ...], list[int]] = {}  # group -> its ranks there, at its collective
-    ready: deque = deque()
-
-    def arrive(rank: int) -> None:
-        if at[rank] < len(queues[rank]):
-            group = queues[rank][at[rank]].ranks
-            there = waiting.setdefault(group, [])
-            there.append(rank)
-            if len(there) == len(group):
-                ready.append(group)
-
-    for rank in queues:
-        arrive(rank)
-    collectives = 0
-    while ready:
-        group = ready.popleft()
-        there = waiting.pop(group)
-        runs = [queues[rank][at[rank]] for rank in there]
-        for rank, run in zip(there[1:], runs[1:]):
-            if (run.kind, run.nbytes) != (runs[0].kind, runs[0].nbytes):
-                raise HethubError(
-                    f"ranks {there[0]} and {rank} meet in group {_said_ranks(group)} with a "
-                    f"{runs[0].kind} of {runs[0].nbytes} bytes and a {run.kind} of {run.nbytes}: "
-                    "the ranks of a group run its collectives in one order and size"
-                )
-        collectives += 1
-        for rank in there:
-            at[rank] += 1
-            arrive(rank)
-    for rank, mine in queues.items():
-        if at[rank] < len(mine):
-            run = mine[at[rank]]
-            there = waiting.get(run.ranks, [])
-            absent = next(r for r in run.ranks if r not in there)
-            elsewhere = (
-                f"waits in another collective ({queues[absent][at[absent]].phase} among ranks "
-                f"{_said_ranks(queues[absent][at[absent]].ranks)})"
-                if absent in queues and at[absent] < len(queues[absent])
-                else "never reaches it"
-            )
-            raise HethubError(
-                f"rank {rank} waits forever in the {run.kind} of {run.phase} among ranks "
-                f"{_said_ranks(run.ranks)}: rank {absent} {elsewhere}; every rank of a group "
-                "reaches its collectives in one order (deadlock)"
-            )
-    for (pair, nbytes, phase), unmatched in messages.items():
-        if unmatched:
-            sender, receiver = pair
-            side = "sends" if unmatched > 0 else "receives"
-            raise HethubError(
-                f"rank {sender} {side} {abs(unmatched)} more {phase} message(s) of {nbytes} "
-                f"bytes to rank {receiver} than rank {receiver} takes: every send needs its "
-                "receive"
-            )
-    return collectives
-
-
-def _said_ranks(ranks: tuple[int, ...]) -> str:
-    """A group's ranks, shortened where it spans many."""
-    return str(ranks) if len(ranks) <= 8 else f"({ranks[0]}, {ranks[1]}, ..., {ranks[-1]})"
