@@ -9,7 +9,6 @@ predictor.results'.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,82 +16,27 @@ from hethub.errors import HethubError
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32, peak_tflops
-from hethub.predictor.memory import fits, stage_params, stage_position
-from hethub.predictor.pricing import Boundary, Pricing, SyncPeers, pricing_for
-from hethub.predictor.results import Prediction, StagePrediction
-from hethub.predictor.schedule import (
-    BACKWARD,
-    FORWARD,
-    ScheduleOrder,
-    schedule_order,
-    simulate,
-    stage_end_times,
+from hethub.predictor.layout_run import (
+    LayoutRun,
+    first_forward_end,
+    layout_costs,
+    layout_timeline,
+    simulate_layout,
+    simulate_shared_layouts,
 )
-from hethub.predictor.sharing import CoreSharing, SharedLayout, simulate_shared
+from hethub.predictor.memory import fits, stage_params, stage_position
+from hethub.predictor.pricing import Pricing, SyncPeers, pricing_for
+from hethub.predictor.results import Prediction, StagePrediction
 from hethub.predictor.stage import StagePosition, StageShape
-from hethub.predictor.weight_split import split_backward, weight_gradient_share
 from hethub.profiles.selection import Profiles
-from hethub.report.timeline import OPERATION_KINDS, TimelineEvent
-from hethub.spec.cluster import ClusterSpec, DeviceGroup
+from hethub.report.timeline import TimelineEvent
+from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.ops import Kernels
-from hethub.spec.placement import StageBlock, place
-from hethub.spec.plan import PipelineLayout, Plan, Precision
+from hethub.spec.placement import place
+from hethub.spec.plan import Plan, Precision
 from hethub.spec.schedules import in_flight_micro_batches, model_chunk
 from hethub.spec.topology import data_parallel_degrees, layout_classes
-
-
-@dataclass(frozen=True, slots=True)
-class _LayoutCosts:
-    """One pipeline layout's per-stage costs, before its schedule is simulated."""
-
-    pipeline: PipelineLayout
-    groups: tuple[DeviceGroup, ...]
-    forward_s: list[float]
-    """Per model chunk (per stage, without interleaving): one micro-batch."""
-    backward_s: list[float]
-    """Per model chunk: its backward, or under a zero-bubble schedule its B (the input's
-    gradient)."""
-    weight_s: list[float]
-    """Per model chunk: under a zero-bubble schedule its W (the weights' gradients); else 0."""
-    chunk_stage: tuple[int, ...]
-    """Per model chunk: the stage that holds it (spec.schedules.model_chunk's inverse)."""
-    send_s: list[float]
-    """Per boundary between chunks: an activation forward."""
-    send_back_s: list[float]
-    """Per boundary between chunks: its gradient backward."""
-
-    def fields(self) -> dict:
-        """The costs, to build the layout's _LayoutRun from."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(_LayoutCosts)}
-
-    @property
-    def chunks(self) -> int:
-        """Chunks per stage."""
-        return len(self.forward_s) // len(self.groups)
-
-    def stage_forward_s(self, s: int) -> float:
-        """One micro-batch through all of stage ``s``'s chunks, forward."""
-        return sum(t for t, at in zip(self.forward_s, self.chunk_stage) if at == s)
-
-    def stage_backward_s(self, s: int) -> float:
-        """One micro-batch through all of stage ``s``'s chunks, backward (B and W)."""
-        return sum(
-            b + w for b, w, at in zip(self.backward_s, self.weight_s, self.chunk_stage) if at == s
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _LayoutRun(_LayoutCosts):
-    """One pipeline layout's simulated schedule."""
-
-    stage_end_s: list[float]
-    time_s: float
-    compute_s: list[float]
-    """Per stage: its forwards and backwards of the step, as simulated."""
-    chunk_done_s: list[float]
-    """Per model chunk: when its last backward (its last W, under a zero-bubble schedule)
-    ends: its gradients are then final."""
 
 
 def predict(
@@ -122,14 +66,14 @@ def predict(
         profiles = profiled.for_precision(profiles, plan.precision)
     pricing = pricing_for(cal, profiles, kernels)
     costs = [
-        _layout_costs(pipeline, blocks, plan, cluster, model, pricing)
+        layout_costs(pipeline, blocks, plan, cluster, model, pricing)
         for pipeline, blocks in zip(plan.pipelines, place(plan, cluster))
     ]
     sharing = pricing.core_sharing(plan, cluster, model)
     if sharing is not None:  # more ranks than cores: every layout's ranks share them, together
-        runs, orders = _simulate_shared(plan, costs, sharing)
+        runs, orders = simulate_shared_layouts(plan, costs, sharing)
     else:
-        runs, orders = map(list, zip(*(_simulate(plan, c, timeline) for c in costs)))
+        runs, orders = map(list, zip(*(simulate_layout(plan, c, timeline) for c in costs)))
     step = _StepPricing(
         plan=plan,
         cluster=cluster,
@@ -142,7 +86,7 @@ def predict(
         for index, run in enumerate(runs)
         for s in range(len(run.groups))
     ]
-    return _assemble_step(step, runs, stages, _timeline(runs, orders) if timeline else None)
+    return _assemble_step(step, runs, stages, layout_timeline(runs, orders) if timeline else None)
 
 
 def check_precision(
@@ -189,7 +133,7 @@ class _SyncClasses:
 
 
 def _sync_classes(
-    plan: Plan, runs: list[_LayoutRun], cluster: ClusterSpec, cal: Calibration
+    plan: Plan, runs: list[LayoutRun], cluster: ClusterSpec, cal: Calibration
 ) -> _SyncClasses:
     classes = layout_classes(plan)
     replicas = data_parallel_degrees(plan)
@@ -241,7 +185,7 @@ class _PricedStage:
         return self.prediction.param_gather_s - self.gather_hidden_s
 
 
-def _price_stage(step: _StepPricing, runs: list[_LayoutRun], index: int, s: int) -> _PricedStage:
+def _price_stage(step: _StepPricing, runs: list[LayoutRun], index: int, s: int) -> _PricedStage:
     """Stage ``s`` of layout ``index``: its simulated compute, its gradient sync and optimizer
     step, and its memory."""
     plan, sync = step.plan, step.sync
@@ -287,7 +231,7 @@ def _price_stage(step: _StepPricing, runs: list[_LayoutRun], index: int, s: int)
         start = max(start, inside) + exchange - reduce
     hidden = 0.0
     if plan.overlap_param_gather:
-        hidden = min(gather, _first_forward_end(run, s))
+        hidden = min(gather, first_forward_end(run, s))
     memory = step.pricing.memory(
         group,
         shape,
@@ -317,7 +261,7 @@ def _price_stage(step: _StepPricing, runs: list[_LayoutRun], index: int, s: int)
 
 def _assemble_step(
     step: _StepPricing,
-    runs: list[_LayoutRun],
+    runs: list[LayoutRun],
     priced: list[_PricedStage],
     schedule_events: list[TimelineEvent] | None,
 ) -> Prediction:
@@ -406,186 +350,8 @@ def _model_flops(model: ModelSpec) -> float:
     return 3 * forward
 
 
-def _layout_costs(
-    pipeline: PipelineLayout,
-    blocks: list[StageBlock],
-    plan: Plan,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    pricing: Pricing,
-) -> _LayoutCosts:
-    """Per-chunk costs of one layout (per stage, without interleaving): forward, backward (B and
-    W apart under a zero-bubble schedule: predictor.weight_split) and the sends over each
-    boundary between the model's chunks. Stage s's chunk c is the model's
-    spec.schedules.model_chunk; the first holds the embedding, the last the head; under
-    interleaving, the boundary after each round of chunks wraps from the last stage to the
-    first; under ZBV, the one at the V's turn stays on the last stage and costs nothing."""
-    p, schedule = len(pipeline.stages), pipeline.schedule
-    chunk_layers = pipeline.chunk_layers()
-    chunks = len(chunk_layers)
-    chunk_stage = [0] * chunks
-    for s in range(p):
-        for c in range(chunks // p):
-            chunk_stage[model_chunk(schedule, s, p, c)] = s
-    groups = tuple(cluster.group(stage.group) for stage in pipeline.stages)
-    forward, backward, weight, sends, sends_back = [], [], [], [], []
-    for g, layers in enumerate(chunk_layers):
-        s = chunk_stage[g]
-        stage, group = pipeline.stages[s], groups[s]
-        shape = StageShape(
-            model=model,
-            layers=layers,
-            tp=stage.tp,
-            position=StagePosition.of(g, chunks),
-            micro_batch=plan.micro_batch,
-            recompute=stage.recompute,
-            precision=plan.precision,
-            sequence_parallel=plan.sequence_parallel,
-        )
-        times = pricing.work(group, shape)
-        forward.append(times.forward_s)
-        share = 0.0
-        if schedule.splits_backward:
-            share = weight_gradient_share(
-                model,
-                stage.tp,
-                plan.micro_batch,
-                plan.precision,
-                pricing.kernels_on(group),
-                stage.recompute,
-            )
-        input_grad, weight_grad = split_backward(times.backward_s, share)
-        backward.append(input_grad)
-        weight.append(weight_grad)
-        if g < chunks - 1:
-            nxt = chunk_stage[g + 1]
-            if nxt == s:  # the V's turn: the next chunk is on the same stage
-                sends.append(0.0)
-                sends_back.append(0.0)
-                continue
-            boundary = Boundary(
-                cluster=cluster,
-                model=model,
-                micro_batch=plan.micro_batch,
-                precision=plan.precision,
-                sender=groups[s],
-                receiver=groups[nxt],
-                tp_sender=stage.tp,
-                tp_receiver=pipeline.stages[nxt].tp,
-                across_nodes=_across_nodes(blocks, s, nxt, groups),
-                sequence_parallel=plan.sequence_parallel,
-            )
-            sent = pricing.send(boundary)
-            sends.append(sent.forward_s)
-            sends_back.append(sent.backward_s)
-    return _LayoutCosts(
-        pipeline, groups, forward, backward, weight, tuple(chunk_stage), sends, sends_back
-    )
-
-
-def _simulate(plan: Plan, costs: _LayoutCosts, every_op: bool) -> tuple[_LayoutRun, tuple | None]:
-    """One layout's schedule, each operation taking its cost; with ``every_op``, also the
-    (order, starts, ends) of every operation, for a timeline."""
-    p, m, v = len(costs.groups), costs.pipeline.micro_batches, costs.chunks
-    schedule = costs.pipeline.schedule
-    compute = [m * (costs.stage_forward_s(s) + costs.stage_backward_s(s)) for s in range(p)]
-    if every_op or v > 1 or schedule.splits_backward:  # orders simulated whole (a timeline's too)
-        order = schedule_order(schedule, p, m, v)
-        end = simulate(
-            order,
-            costs.forward_s,
-            costs.backward_s,
-            costs.send_s,
-            costs.send_back_s,
-            weight_s=costs.weight_s,
-            every_op=True,
-        )
-        stage_end = [end[i] for i in order.last_op]
-        run = _LayoutRun(
-            **costs.fields(),
-            stage_end_s=stage_end,
-            time_s=max(stage_end),
-            compute_s=compute,
-            chunk_done_s=[end[i] for i in order.last_gradient_op],
-        )
-        if not every_op:  # the starts are only a timeline's (a tenth of a planner's prediction)
-            return run, None
-        durations = (costs.forward_s, costs.backward_s, costs.weight_s)
-        start = [
-            finish - durations[kind][order.chunk_of(i)]
-            for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end))
-        ]
-        return run, (order, start, end)
-    stage_end = stage_end_times(
-        schedule,
-        costs.forward_s,
-        costs.backward_s,
-        costs.send_s,
-        costs.send_back_s,
-        m,
-    )
-    run = _LayoutRun(
-        **costs.fields(),
-        stage_end_s=stage_end,
-        time_s=max(stage_end),
-        compute_s=compute,
-        chunk_done_s=stage_end,  # one chunk per stage: its last operation is a backward
-    )
-    return run, None
-
-
-def _chunk_done(order: ScheduleOrder, end: list[float]) -> list[float]:
-    """Per model chunk, the end of its last backward or W (after which its gradients are
-    final)."""
-    done = [0.0] * (order.stages * order.chunks)
-    for i, ((_, kind, _), finish) in enumerate(zip(order.ops, end)):
-        if kind != FORWARD:
-            g = order.chunk_of(i)
-            done[g] = max(done[g], finish)
-    return done
-
-
-def _simulate_shared(
-    plan: Plan, costs: list[_LayoutCosts], sharing: CoreSharing
-) -> tuple[list[_LayoutRun], list]:
-    """Every layout's schedule at once, its ranks sharing the machine's cores
-    (predictor.sharing)."""
-    layouts = [
-        SharedLayout(
-            order=schedule_order(
-                c.pipeline.schedule, len(c.groups), c.pipeline.micro_batches, c.chunks
-            ),
-            forward_s=c.forward_s,
-            backward_s=c.backward_s,
-            weight_s=c.weight_s,
-            send_forward_s=c.send_s,
-            send_backward_s=c.send_back_s,
-            ranks=[c.pipeline.count * stage.tp for stage in c.pipeline.stages],
-            speed=[group.speed or 1.0 for group in c.groups],
-        )
-        for c in costs
-    ]
-    runs, orders = [], []
-    for c, layout, (start, end) in zip(costs, layouts, simulate_shared(layouts, sharing)):
-        compute = [0.0] * len(c.groups)
-        for (s, _, _), a, b in zip(layout.order.ops, start, end):
-            compute[s] += b - a
-        stage_end = [end[i] for i in layout.order.last_op]
-        runs.append(
-            _LayoutRun(
-                **c.fields(),
-                stage_end_s=stage_end,
-                time_s=max(stage_end),
-                compute_s=compute,
-                chunk_done_s=_chunk_done(layout.order, end),
-            )
-        )
-        orders.append((layout.order, start, end))
-    return runs, orders
-
-
 def _overlapped_sync_end(
-    model: ModelSpec, runs: list[_LayoutRun], peers: list[int], s: int, grad_sync: float
+    model: ModelSpec, runs: list[LayoutRun], peers: list[int], s: int, grad_sync: float
 ) -> float:
     """When stage ``s``'s overlapped gradient sync ends: each layer's gradients are final once
     the last backward of its chunk (over every peer replica) has passed it, going from the
@@ -608,49 +374,3 @@ def _overlapped_sync_end(
     for ready, params in sorted(pieces):
         end = max(end, ready) + grad_sync * params / total
     return end
-
-
-def _first_forward_end(run: _LayoutRun, s: int) -> float:
-    """When stage ``s``'s first forward of a step ends (of its first chunk, the first
-    micro-batch): after that micro-batch's forwards through every stage before it and their
-    sends, whatever the schedule. An overlapped param gather hides behind this much of the next
-    step (a lower bound: a stage's later layers and chunks start later still)."""
-    return sum(run.forward_s[: s + 1]) + sum(run.send_s[:s])
-
-
-def _across_nodes(
-    blocks: list[StageBlock], a: int, b: int, groups: tuple[DeviceGroup, ...]
-) -> bool:
-    """Stages a and b are on different nodes (in different groups, or on more than one node of
-    their group) for some replica."""
-    if groups[a].name != groups[b].name:
-        return True
-    per_node = groups[a].devices_per_node
-    nodes = {
-        blocks[a].first_device // per_node,
-        blocks[a].last_device // per_node,
-        blocks[b].first_device // per_node,
-        blocks[b].last_device // per_node,
-    }
-    return len(nodes) > 1
-
-
-def _timeline(runs: list[_LayoutRun], orders: list) -> list[TimelineEvent]:
-    """Every simulated operation and activation/gradient send, as trace events (a W sends
-    nothing, nor does the V's turn, which stays on its stage)."""
-    events = []
-    for index, (run, (order, start, end)) in enumerate(zip(runs, orders)):
-        last_chunk = len(run.forward_s) - 1
-        for i, ((s, kind, j), begin, finish) in enumerate(zip(order.ops, start, end)):
-            where = {"pipeline": index, "stage": s, "group": run.groups[s].name, "micro_batch": j}
-            g = order.chunk_of(i)
-            computed = OPERATION_KINDS[kind]
-            events.append(TimelineEvent(**where, kind=computed, start_s=begin, end_s=finish))
-            if kind == FORWARD and g < last_chunk and run.chunk_stage[g + 1] != s:
-                sent = run.send_s[g]
-            elif kind == BACKWARD and g > 0 and run.chunk_stage[g - 1] != s:
-                sent = run.send_back_s[g - 1]
-            else:
-                continue
-            events.append(TimelineEvent(**where, kind="send", start_s=finish, end_s=finish + sent))
-    return events
