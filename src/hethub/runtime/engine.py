@@ -89,23 +89,7 @@ class Engine:
         self.me = topology.ranks[self.rank]
         self.device = device or torch.device("cpu")
         self.parameter_table = parameter_table(spec)
-        # One Stage per model chunk this rank holds (interleaved 1F1B: several).
-        self.stage = StageChunks(
-            [
-                Stage.build(
-                    spec,
-                    chunk.first_layer,
-                    chunk.layers,
-                    groups.tp.handle,
-                    is_first=chunk.is_first,
-                    is_last=chunk.is_last,
-                    seed=seed,
-                    device=self.device,
-                    sequence_parallel=plan.sequence_parallel,
-                )
-                for chunk in self.me.chunks
-            ]
-        )
+        self.stage = self._build_stage(seed)
         # The ranks holding exactly this rank's shards (their group: groups.data, when used).
         self.peers = topology.data_parallel_peers(self.rank)
         held = rank_buckets(
@@ -117,25 +101,12 @@ class Engine:
         # precision (runtime.precision), in flat buffers laid out by the sync's buckets.
         self.weights = MasterWeights(self.stage, plan.precision, [b.names for b in held], shards)
         compile_layers(self.stage, plan)  # after the weights are placed: runtime.compiled
-        buckets = sync_buckets(held, self.weights)
+        self.sharded = sharded
         self.param_waits: ForwardWaits | None = None
         """With an overlapped param gather: the forward hooks that wait for it."""
-        if sharded:
-            self.optimizer = ShardedAdamW(
-                self.weights,
-                groups.data,
-                lr,
-                weight_decay,
-                comm,
-                overlap_gather=plan.overlap_param_gather,
-            )
-            if plan.overlap_param_gather:
-                self.param_waits = ForwardWaits(self.stage, self.optimizer)
-        else:
-            self.optimizer = PlainAdamW(self.weights, lr, weight_decay)
-        self.sharded = sharded
+        self.optimizer = self._build_optimizer(lr, weight_decay)
         self.sync = GradientSync(
-            buckets,
+            sync_buckets(held, self.weights),
             self.weights,
             comm,
             groups,
@@ -144,28 +115,10 @@ class Engine:
             overlap=self.stage if plan.overlap_grad_sync else None,
         )
         self._timeline = StepTimeline(self.me, self.device)
-        links = StageLinks(
-            comm, groups, self.device, self.weights.compute_dtype, plan.sequence_parallel
-        )
-        self.pipeline = Pipeline(
-            plan,
-            topology,
-            spec,
-            self.rank,
-            self.stage,
-            links,
-            self._timeline,
-            device=self.device,
-            speed=speed,
-        )
+        self.pipeline = self._build_pipeline(speed)
         self.clip_grad = clip_grad
-        self.grad_norm_of: GlobalGradNorm | None = None
+        self.grad_norm_of = self._build_grad_norm() if clip_grad > 0 or track_grad_norm else None
         """Where the norm is tracked or clipped: this rank's counted gradients."""
-        if clip_grad > 0 or track_grad_norm:
-            shard = self.optimizer.index if sharded else None
-            spans = counted_spans(topology, spec, self.rank, self.weights.layout, shard)
-            counted = [self.weights.main_grads[start:stop] for start, stop in spans]
-            self.grad_norm_of = GlobalGradNorm(counted, self.device, comm, groups.world)
         self._norm: torch.Tensor | None = None  # the last sync's global norm, on the device
         self.grad_norm: float | None = None
         """The global gradient norm of the last step, before clipping (None where neither
@@ -176,6 +129,73 @@ class Engine:
         self.weights_finite: bool | None = None
         """Whether every weight of this rank was finite after the last step, where it asked
         (``step(check_weights=True)``); None where it did not."""
+
+    def _build_stage(self, seed: int) -> StageChunks:
+        """One Stage per model chunk this rank holds (interleaved 1F1B: several), its TP shard
+        of the seeded initial weights on this rank's device."""
+        chunks = [
+            Stage.build(
+                self.spec,
+                chunk.first_layer,
+                chunk.layers,
+                self.groups.tp.handle,
+                is_first=chunk.is_first,
+                is_last=chunk.is_last,
+                seed=seed,
+                device=self.device,
+                sequence_parallel=self.plan.sequence_parallel,
+            )
+            for chunk in self.me.chunks
+        ]
+        return StageChunks(chunks)
+
+    def _build_optimizer(self, lr: float, weight_decay: float) -> PlainAdamW | ShardedAdamW:
+        """AdamW over this rank's weights, or over its shard of them among its data-parallel
+        peers (``self.sharded``), with the forward hooks that wait for an overlapped weight
+        gather (``self.param_waits``)."""
+        if not self.sharded:
+            return PlainAdamW(self.weights, lr, weight_decay)
+        optimizer = ShardedAdamW(
+            self.weights,
+            self.groups.data,
+            lr,
+            weight_decay,
+            self.comm,
+            overlap_gather=self.plan.overlap_param_gather,
+        )
+        if self.plan.overlap_param_gather:
+            self.param_waits = ForwardWaits(self.stage, optimizer)
+        return optimizer
+
+    def _build_pipeline(self, speed: float | None) -> Pipeline:
+        """This rank's schedule over its stage, with its links to its neighbouring stages'
+        TP ranks (runtime.p2p)."""
+        links = StageLinks(
+            self.comm,
+            self.groups,
+            self.device,
+            self.weights.compute_dtype,
+            self.plan.sequence_parallel,
+        )
+        return Pipeline(
+            self.plan,
+            self.topology,
+            self.spec,
+            self.rank,
+            self.stage,
+            links,
+            self._timeline,
+            device=self.device,
+            speed=speed,
+        )
+
+    def _build_grad_norm(self) -> GlobalGradNorm:
+        """The global gradient norm over the gradients this rank counts (its shard's, under a
+        sharded optimizer; each tensor once over its holders: grad_norm.counted_spans)."""
+        shard = self.optimizer.index if self.sharded else None
+        spans = counted_spans(self.topology, self.spec, self.rank, self.weights.layout, shard)
+        counted = [self.weights.main_grads[start:stop] for start, stop in spans]
+        return GlobalGradNorm(counted, self.device, self.comm, self.groups.world)
 
     @classmethod
     def for_job(
