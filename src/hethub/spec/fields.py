@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import math
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -212,6 +215,34 @@ class Fields:
         ):
             raise self.error(key, _short(value), "must be a non-empty list of non-empty strings")
         return value
+
+    def declared(self, cls: type, skip: Iterable[str] = ()) -> dict[str, Any]:
+        """The fields of dataclass ``cls`` (but ``skip``) read from this mapping by their
+        declared types and defaults: the one declaration of a file's scalar fields. A str is a
+        non-empty string, an int a positive integer, a bool true or false, a StrEnum one of its
+        values (read into a member); a field without a default is required."""
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name in skip:
+                continue
+            kind = hints[field.name]
+            has_default = field.default is not dataclasses.MISSING
+            default = field.default if has_default else _MISSING
+            if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+                given = self.choice(
+                    field.name, [m.value for m in kind], default.value if has_default else default
+                )
+                values[field.name] = kind(given)
+            elif kind is bool:
+                values[field.name] = self.boolean(field.name, default)
+            elif kind is int:
+                values[field.name] = self.positive_int(field.name, default)
+            elif kind is str:
+                values[field.name] = self.string(field.name, default)
+            else:
+                raise TypeError(f"{cls.__name__}.{field.name}: no reader for {kind!r}")
+        return values
 
     def mapping_list(self, key: str) -> list[Any]:
         value = self.raw(key)

@@ -211,7 +211,7 @@ class Plan:
     model: str
     """Preset name or path of a model YAML (relative to the plan file)."""
     global_batch: int
-    micro_batch: int
+    micro_batch: int = 1
     recompute: Recompute = Recompute.NONE
     """Every stage's recomputation, where the stage does not set its own (StageSpec.recompute)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -263,18 +263,15 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's content."""
+        settings: dict[str, Any] = {}
+        for field in dataclasses.fields(self):  # the scalars, as parse_plan reads them
+            value = getattr(self, field.name)
+            if field.name == "pipelines" or value is False:  # a switch off is left out
+                continue
+            # plain strings: yaml.safe_dump knows no enums
+            settings[field.name] = value.value if isinstance(value, enum.Enum) else value
         return {
-            "model": self.model,
-            "global_batch": self.global_batch,
-            "micro_batch": self.micro_batch,
-            "recompute": self.recompute.value,  # plain strings: yaml.safe_dump knows no enums
-            "schedule": self.schedule.value,
-            "precision": self.precision.value,
-            **({"shard_optimizer": True} if self.shard_optimizer else {}),
-            **({"overlap_grad_sync": True} if self.overlap_grad_sync else {}),
-            **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
-            **({"compile": True} if self.compile else {}),
-            **({"sequence_parallel": True} if self.sequence_parallel else {}),
+            **settings,
             "pipelines": [
                 {
                     "count": p.count,
@@ -345,129 +342,92 @@ def _layers_text(stage: StageSpec) -> str:
     return "+".join(map(str, stage.chunks))
 
 
+PLAN_KEYS = tuple(field.name for field in dataclasses.fields(Plan))
+"""A plan file's top-level keys: Plan's fields, in the order a plan file writes them."""
+LAYOUT_KEYS = ("count", "micro_batches", "schedule", "virtual_stages", "stages")
+STAGE_KEYS = ("group", "tp", "layers", "recompute")
+
+
 def parse_plan(data: Any, source: str = "") -> Plan:
     """Validate a parsed plan file on its own (see spec.check.check_plan for the cluster and the
-    model)."""
-    top = Fields(
-        data,
-        source,
-        allowed=(
-            "model",
-            "global_batch",
-            "micro_batch",
-            "recompute",
-            "schedule",
-            "precision",
-            "shard_optimizer",
-            "overlap_grad_sync",
-            "overlap_param_gather",
-            "compile",
-            "sequence_parallel",
-            "pipelines",
-        ),
-    )
-    model = top.string("model")
-    global_batch = top.positive_int("global_batch")
-    micro_batch = top.positive_int("micro_batch", 1)
-    schedule = Schedule(top.choice("schedule", SCHEDULES, Schedule.ONE_F_ONE_B.value))
-    recompute = Recompute(top.choice("recompute", RECOMPUTE, Recompute.NONE.value))
+    model). Its scalar fields are Plan's, read by their declared types and defaults
+    (Fields.declared); its pipelines are read layout by layout."""
+    top = Fields(data, source, allowed=PLAN_KEYS)
+    settings = top.declared(Plan, skip=("pipelines",))
     raw_pipelines = top.mapping_list("pipelines")
-    counts = []
-    for i, raw in enumerate(raw_pipelines):
-        counts.append(Fields(raw, source, f"pipelines[{i}]").positive_int("count", 1))
-    pipelines = []
-    for i, raw in enumerate(raw_pipelines):
-        f = Fields(
-            raw,
-            source,
-            f"pipelines[{i}]",
-            allowed=("count", "micro_batches", "schedule", "virtual_stages", "stages"),
-        )
-        layout_schedule = Schedule(f.choice("schedule", SCHEDULES, schedule.value))
-        if f.has("micro_batches"):
-            micro_batches = f.positive_int("micro_batches")
-        else:
-            micro_batches = _even_split(global_batch, micro_batch, sum(counts), top)
-        fixed_chunks = chunks_per_stage(layout_schedule)
-        virtual_stages = f.positive_int("virtual_stages", fixed_chunks or 1)
-        if fixed_chunks is not None and virtual_stages != fixed_chunks:
-            raise f.error(
-                "virtual_stages",
-                virtual_stages,
-                f"schedule {layout_schedule.value} runs {fixed_chunks} chunk(s) per stage"
-                + (
-                    f"; more needs schedule {Schedule.INTERLEAVED_1F1B.value} (any count) or "
-                    f"{Schedule.ZBV.value} (2)"
-                    if fixed_chunks == 1
-                    else "; give each stage's layers as a list of 2 (its chunks s and 2p - 1 - s)"
-                ),
-            )
-        raw_stages = f.mapping_list("stages")
-        if virtual_stages > 1 and len(raw_stages) < 2:
-            what = (
-                f"schedule {layout_schedule.value}"
-                if fixed_chunks
-                else "more than one chunk per stage"
-            )
-            raise f.error(
-                "schedule" if fixed_chunks else "virtual_stages",
-                layout_schedule.value if fixed_chunks else virtual_stages,
-                f"{what} needs a pipeline of at least 2 stages (this one has 1)",
-            )
-        stages = []
-        for j, raw_stage in enumerate(raw_stages):
-            s = Fields(
-                raw_stage,
-                source,
-                f"pipelines[{i}].stages[{j}]",
-                allowed=("group", "tp", "layers", "recompute"),
-            )
-            stages.append(
-                StageSpec.of_chunks(
-                    s.string("group"),
-                    s.positive_int("tp", 1),
-                    _chunks(s, virtual_stages),
-                    Recompute(s.choice("recompute", RECOMPUTE, recompute.value)),
-                )
-            )
-        pipelines.append(
-            PipelineLayout(
-                count=counts[i],
-                micro_batches=micro_batches,
-                stages=tuple(stages),
-                schedule=layout_schedule,
-            )
-        )
-    plan = Plan(
-        model=model,
-        global_batch=global_batch,
-        micro_batch=micro_batch,
-        recompute=recompute,
-        schedule=schedule,
-        precision=Precision(top.choice("precision", PRECISIONS, Precision.BF16.value)),
-        shard_optimizer=top.boolean("shard_optimizer", False),
-        overlap_grad_sync=top.boolean("overlap_grad_sync", False),
-        overlap_param_gather=top.boolean("overlap_param_gather", False),
-        compile=top.boolean("compile", False),
-        sequence_parallel=top.boolean("sequence_parallel", False),
-        pipelines=tuple(pipelines),
+    counts = [
+        Fields(raw, source, f"pipelines[{i}]").positive_int("count", 1)
+        for i, raw in enumerate(raw_pipelines)
+    ]
+    layouts = [
+        Fields(raw, source, f"pipelines[{i}]", allowed=LAYOUT_KEYS)
+        for i, raw in enumerate(raw_pipelines)
+    ]
+    pipelines = tuple(
+        _parse_layout(f, count, settings, sum(counts), top) for f, count in zip(layouts, counts)
     )
+    plan = Plan(**settings, pipelines=pipelines)
     if plan.overlap_param_gather and not plan.shard_optimizer:
         raise top.error(
             "overlap_param_gather",
             True,
             "needs shard_optimizer: true (only a sharded optimizer gathers the weights)",
         )
-    sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * micro_batch
-    if sequences != global_batch:
+    sequences = sum(p.count * p.micro_batches for p in plan.pipelines) * plan.micro_batch
+    if sequences != plan.global_batch:
         detail = " + ".join(f"{p.count}x{p.micro_batches}" for p in plan.pipelines)
         raise top.error(
             "global_batch",
-            global_batch,
+            plan.global_batch,
             f"must equal the sum of count x micro_batches x micro_batch over pipelines "
-            f"(({detail}) x {micro_batch} = {sequences})",
+            f"(({detail}) x {plan.micro_batch} = {sequences})",
         )
     return plan
+
+
+def _parse_layout(
+    f: Fields, count: int, settings: dict[str, Any], replicas: int, top: Fields
+) -> PipelineLayout:
+    """One pipeline layout of a plan file (``settings``: the plan's scalar fields, its
+    defaults; ``replicas``: every layout's count, which an even split divides among)."""
+    schedule = Schedule(f.choice("schedule", SCHEDULES, settings["schedule"].value))
+    if f.has("micro_batches"):
+        micro_batches = f.positive_int("micro_batches")
+    else:
+        micro_batches = _even_split(
+            settings["global_batch"], settings["micro_batch"], replicas, top
+        )
+    fixed_chunks = chunks_per_stage(schedule)
+    virtual_stages = f.positive_int("virtual_stages", fixed_chunks or 1)
+    if fixed_chunks is not None and virtual_stages != fixed_chunks:
+        raise f.error(
+            "virtual_stages",
+            virtual_stages,
+            f"schedule {schedule.value} runs {fixed_chunks} chunk(s) per stage"
+            + (
+                f"; more needs schedule {Schedule.INTERLEAVED_1F1B.value} (any count) or "
+                f"{Schedule.ZBV.value} (2)"
+                if fixed_chunks == 1
+                else "; give each stage's layers as a list of 2 (its chunks s and 2p - 1 - s)"
+            ),
+        )
+    raw_stages = f.mapping_list("stages")
+    if virtual_stages > 1 and len(raw_stages) < 2:
+        what = f"schedule {schedule.value}" if fixed_chunks else "more than one chunk per stage"
+        raise f.error(
+            "schedule" if fixed_chunks else "virtual_stages",
+            schedule.value if fixed_chunks else virtual_stages,
+            f"{what} needs a pipeline of at least 2 stages (this one has 1)",
+        )
+    stages = []
+    for j, raw_stage in enumerate(raw_stages):
+        s = Fields(raw_stage, f.source, f.path(f"stages[{j}]"), allowed=STAGE_KEYS)
+        group, tp, chunks = s.string("group"), s.positive_int("tp", 1), _chunks(s, virtual_stages)
+        recompute = Recompute(s.choice("recompute", RECOMPUTE, settings["recompute"].value))
+        stages.append(StageSpec.of_chunks(group, tp, chunks, recompute))
+    return PipelineLayout(
+        count=count, micro_batches=micro_batches, stages=tuple(stages), schedule=schedule
+    )
 
 
 def _chunks(stage: Fields, virtual_stages: int) -> list[int]:
