@@ -12,7 +12,7 @@ import yaml
 from hethub.cli.args import positive_int
 from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
-from hethub.planner import PricedPlan, search, upper_bound
+from hethub.planner import PricedPlan, SearchResult, UpperBound, search, upper_bound
 from hethub.planner.above_bound import why_above
 from hethub.report.terminal import progress_bar
 from hethub.report.text import plural
@@ -75,22 +75,9 @@ def run(args: argparse.Namespace) -> int:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")
     cluster = load_cluster(args.cluster)
     model = load_model(args.model, source="--model", seq_len=args.seq_len)
-    out = Path(args.out)
-    if out.is_dir():  # before the search, and --force or not: a folder is never replaced
-        raise HethubError(
-            f"--out = {args.out!r}: is a directory; give the path of the plan file to write "
-            f"(e.g. {str(out / 'plan.yaml')!r})"
-        )
-    # Before the search: a plan someone checked or trained is not replaced by a rerun unasked.
-    if out.exists() and not args.force:
-        raise HethubError(
-            f"--out = {args.out!r}: the file exists already; give --force to overwrite it, "
-            f"or another --out"
-        )
+    out = _checked_out(args)
     model_ref = _model_reference(args, model, out)
-
     profiles = read_profiles(args.profiles, cluster, cluster.devices)
-
     bar = None if args.json else progress_bar()
     result = search(
         cluster,
@@ -110,52 +97,74 @@ def run(args: argparse.Namespace) -> int:
     best = result.best
     missing = note_missing(best.plan, cluster, model, profiles, "plan")
     _write(out, best, model, model_ref, args)
-
-    efficiency = best.prediction.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s else 0.0
     others = _distinct(result.ranked, args.top)[1:]
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "plan": best.plan.to_dict(),
-                    "prediction": best.prediction.to_json(),
-                    "out": str(out),
-                    "upper_bound": bound.to_json(),
-                    "efficiency": efficiency,
-                    "above_bound_because": why_above(bound, best, cluster)
-                    if efficiency > 1
-                    else [],
-                    "search_time_s": result.search_time_s,
-                    "candidates_evaluated": result.candidates_evaluated,
-                    "timed_out": result.timed_out,
-                    "top": [
-                        {"plan": r.plan.to_dict(), "tokens_per_s": r.prediction.tokens_per_s}
-                        for r in others
-                    ],
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(_json_report(result, bound, others, cluster, out), indent=2))
         return 0
-    print(
-        describe(
-            best.prediction,
-            best.plan,
-            cluster,
-            model,
-            str(out),
-            priced_by(cluster, profiles, missing),
-        )
-    )
+    print(describe(best.prediction, best.plan, cluster, model, str(out),
+                   priced_by(cluster, profiles, missing)))  # fmt: skip
     print()
-    print(
-        f"upper bound          {bound.tokens_per_s:,.0f} tokens/s (each group alone on its share: "
-        + ", ".join(
-            f"{name} {share.global_batch} sequences {share.tokens_per_s:,.0f}"
-            for name, share in bound.groups.items()
+    _print_against_bound(result, bound, others, cluster)
+    print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")
+    return 0
+
+
+def _checked_out(args: argparse.Namespace) -> Path:
+    """--out, checked before the search: a folder is never replaced, nor, without --force, a
+    plan someone checked or trained."""
+    out = Path(args.out)
+    if out.is_dir():
+        raise HethubError(
+            f"--out = {args.out!r}: is a directory; give the path of the plan file to write "
+            f"(e.g. {str(out / 'plan.yaml')!r})"
         )
-        + ")"
+    if out.exists() and not args.force:
+        raise HethubError(
+            f"--out = {args.out!r}: the file exists already; give --force to overwrite it, "
+            f"or another --out"
+        )
+    return out
+
+
+def _efficiency(best: PricedPlan, bound: UpperBound) -> float:
+    return best.prediction.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s else 0.0
+
+
+def _json_report(
+    result: SearchResult, bound: UpperBound, others: list, cluster: ClusterSpec, out: Path
+) -> dict:
+    """`hethub plan --json`'s object."""
+    best = result.best
+    efficiency = _efficiency(best, bound)
+    return {
+        "plan": best.plan.to_dict(),
+        "prediction": best.prediction.to_json(),
+        "out": str(out),
+        "upper_bound": bound.to_json(),
+        "efficiency": efficiency,
+        "above_bound_because": why_above(bound, best, cluster) if efficiency > 1 else [],
+        "search_time_s": result.search_time_s,
+        "candidates_evaluated": result.candidates_evaluated,
+        "timed_out": result.timed_out,
+        "top": [
+            {"plan": r.plan.to_dict(), "tokens_per_s": r.prediction.tokens_per_s} for r in others
+        ],
+    }
+
+
+def _print_against_bound(
+    result: SearchResult, bound: UpperBound, others: list, cluster: ClusterSpec
+) -> None:
+    """The plan against the upper bound, why it is above it where it is, the search, and the
+    next best plans (--top)."""
+    best = result.best
+    efficiency = _efficiency(best, bound)
+    shares = ", ".join(
+        f"{name} {share.global_batch} sequences {share.tokens_per_s:,.0f}"
+        for name, share in bound.groups.items()
     )
+    print(f"upper bound          {bound.tokens_per_s:,.0f} tokens/s (each group alone on its "
+          f"share: {shares})")  # fmt: skip
     print(
         f"                     each group alone with the whole batch (not a bound): "
         f"{bound.whole_batch_tokens_per_s:,.0f} tokens/s"
@@ -178,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
             f"({100 * p.tokens_per_s / bound.tokens_per_s:.2f}%), "
             f"{other.plan.summary()}"
         )
-    print(f"wrote {out}; check it with: hethub predict --cluster {args.cluster} --plan {out}")
-    return 0
 
 
 def _model_reference(args: argparse.Namespace, model: ModelSpec, out: Path) -> str:
