@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -24,17 +23,21 @@ import yaml
 
 from hethub.errors import HethubError
 from hethub.jobs import preflight
+from hethub.jobs.inputs import (
+    check_data,
+    check_eval_data,
+    check_folder,
+    check_profiles_folder,
+    check_recipe,
+    check_run_dir,
+    make_run_dir,
+    run_state,
+)
 from hethub.predictor import Prediction, predict
 from hethub.predictor.traffic import predicted_traffic
 from hethub.profiles.files import load_profiles
 from hethub.profiles.provenance import provenance
 from hethub.profiles.selection import Profiles, all_cpu, local_concurrency, select_for_run
-from hethub.report.text import plural
-from hethub.runtime.checkpoint_folders import (
-    latest_checkpoint,
-    latest_intact_checkpoint,
-    read_meta,
-)
 from hethub.runtime.lr_schedule import default_min_lr, default_warmup_steps
 from hethub.runtime.rundir import DEFAULT_SETTINGS, RunDir, RunSettings, new_run_dir
 from hethub.spec import (
@@ -100,8 +103,8 @@ def prepare(
     cluster = load_cluster(cluster_path)
     settings = _settings(args, DEFAULT_SETTINGS)
     name = Path(args.plan).stem if args.plan else cluster_path.stem
-    _check_run_dir(args, Path("runs") / name, write)
-    _check_profiles_folder(args, cluster, measure)
+    check_run_dir(args, Path("runs") / name, write)
+    check_profiles_folder(args, cluster, measure)
     if args.plan:
         plan = load_plan(args.plan)
         model = load_model(
@@ -111,17 +114,15 @@ def prepare(
             seq_len=settings.seq_len,
         )
         check_plan(plan, cluster, model, args.plan)
-        _check_data(
-            settings, model, plan.global_batch
-        )  # bad data stops before anything is measured
-        _check_eval_data(settings, model, plan.global_batch)
+        check_data(settings, model, plan.global_batch)  # bad data stops before anything is measured
+        check_eval_data(settings, model, plan.global_batch)
         _check_before_measuring(args, cluster, model, plan, measure, local_launch)
         profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     else:
         model = load_model(args.model or DEFAULT_MODEL, source="--model", seq_len=settings.seq_len)
         global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
-        _check_data(settings, model, global_batch)
-        _check_eval_data(settings, model, global_batch)
+        check_data(settings, model, global_batch)
+        check_eval_data(settings, model, global_batch)
         precision = planned_precision(cluster)
         _check_before_measuring(args, cluster, model, None, measure, local_launch, precision)
         if say and precision is not DEFAULT_PRECISION:
@@ -133,7 +134,7 @@ def prepare(
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     _check_launch(args, plan, cluster, prediction, local_launch, say)
     if write:  # every check passed: only now is the run directory made
-        run = _make_run_dir(args.run_dir) if args.run_dir else new_run_dir(Path("runs"), name)
+        run = make_run_dir(args.run_dir) if args.run_dir else new_run_dir(Path("runs"), name)
         run.write_text(run.cluster, cluster_path.read_text())
         write_plan(run, plan, model)
         run.write_settings(settings)
@@ -159,11 +160,11 @@ def _prepare_resume(
     first checkpoint starts again from step 0, under its settings and the flags given."""
     run = RunDir(args.resume)
     if write and run.path.is_dir():  # it goes on writing there: checked before any measuring
-        _check_folder(run.path, f"--resume = {args.resume!r}")
+        check_folder(run.path, f"--resume = {args.resume!r}")
     # The host that starts every process verifies the checkpoints, once, and moves damaged ones
     # aside; under torchrun the workers' rank 0 does (hethub.runtime.worker).
     verify = local_launch and write
-    settings, done = _run_state(run, verify_with=(say or _say_train) if verify else None)
+    settings, done = run_state(run, verify_with=(say or _say_train) if verify else None)
     if done is None:
         _check_restartable(args, run)
         if say:
@@ -179,9 +180,9 @@ def _prepare_resume(
         plan.model, relative_to=plan_path.parent, source=str(plan_path), seq_len=settings.seq_len
     )
     check_plan(plan, cluster, model, str(plan_path))
-    _check_data(settings, model, plan.global_batch)
-    _check_eval_data(settings, model, plan.global_batch)
-    _check_profiles_folder(args, cluster, measure)
+    check_data(settings, model, plan.global_batch)
+    check_eval_data(settings, model, plan.global_batch)
+    check_profiles_folder(args, cluster, measure)
     _check_before_measuring(args, cluster, model, plan, measure, local_launch)
     profiles, basis = _profiles(args, cluster, model, plan, measure, say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
@@ -208,19 +209,6 @@ def _prepare_resume(
         basis=basis,
         resume_from=done,
     )
-
-
-def _run_state(run: RunDir, verify_with=None) -> tuple[RunSettings, int | None]:
-    """A run's settings, and the step of its latest complete checkpoint (None: it has none).
-    With ``verify_with`` (a say), its latest intact one: each damaged newer one is moved aside and
-    said in one line, and HethubError when every one is damaged
-    (checkpoint_folders.latest_intact_checkpoint)."""
-    settings = run.read_settings()
-    if verify_with is None:
-        checkpoint = latest_checkpoint(run.checkpoints)
-    else:
-        checkpoint = latest_intact_checkpoint(run.checkpoints, verify_with)
-    return settings, None if checkpoint is None else read_meta(checkpoint)["step"]
 
 
 def _say_train(message: str) -> None:
@@ -300,7 +288,7 @@ def _settings(args: argparse.Namespace, base: RunSettings) -> RunSettings:
         trace_every=_given(_flag(args, "trace_every"), base.trace_every),
         eval_sequences=_given(_flag(args, "eval_sequences"), base.eval_sequences),
     )
-    _check_recipe(settings)
+    check_recipe(settings)
     return settings
 
 
@@ -316,82 +304,6 @@ def _absolute_data(spec: str) -> str:
     from hethub.corpus import absolute_spec
 
     return absolute_spec(spec, Path.cwd())
-
-
-def _check_recipe(settings: RunSettings) -> None:
-    """What the flags cannot check one by one: the floor of a decay is not above its peak, and
-    --init-from names a folder."""
-    if settings.min_lr is not None and settings.min_lr > settings.lr:
-        raise HethubError(
-            f"--min-lr = {settings.min_lr:g}: above --lr = {settings.lr:g}; a decay goes down "
-            f"from --lr to --min-lr"
-        )
-    if settings.init_from is not None and not Path(settings.init_from).is_dir():
-        raise HethubError(
-            f"--init-from = {settings.init_from!r}: no such folder; give a HuggingFace model "
-            f"folder (config.json and its .safetensors)"
-        )
-
-
-def _check_run_dir(args: argparse.Namespace, default: Path, write: bool) -> None:
-    """The run directory can be made, and is no other run's (under torchrun only the writing
-    rank asks: the others may find the run.json it has just written)."""
-    if not args.run_dir:
-        _check_folder(default.parent, f"{default.parent}/ (where runs go without --run-dir)")
-        return
-    given = shlex.quote(args.run_dir)
-    _check_folder(Path(args.run_dir), f"--run-dir = {args.run_dir!r}")
-    run = RunDir(args.run_dir)
-    if not write or not (run.path / "run.json").exists():
-        return
-    settings, done = _run_state(run)
-    if done is None:
-        holds = (
-            f"a run that stopped before its first checkpoint; start it again from step 0 "
-            f"with --resume {given}"
-        )
-    elif done < settings.steps:
-        holds = (
-            f"a run stopped at step {done} of {settings.steps}; continue it with --resume {given}"
-        )
-    else:
-        holds = (
-            f"a finished run ({plural(done, 'step')}); train it further with --resume {given} "
-            f"--steps N (N above {done})"
-        )
-    raise HethubError(f"--run-dir = {args.run_dir!r}: holds {holds}, or give another --run-dir")
-
-
-def _check_profiles_folder(args: argparse.Namespace, cluster: ClusterSpec, measure: bool) -> None:
-    """Profiles measured here are written to --profiles: a folder, or one that can be made."""
-    if measure and all_cpu(cluster):
-        _check_folder(Path(args.profiles), f"--profiles = {args.profiles!r}")
-
-
-def _check_folder(path: Path, named: str) -> None:
-    """``path`` is a folder this process may write in, or one it can make: its nearest existing
-    parent is a folder it may write in. Checked before anything is measured: a run that cannot
-    be written finds out in a second, not after minutes of profiling."""
-    if path.exists():
-        if not path.is_dir():
-            raise HethubError(f"{named}: is a file; give a folder (an existing one, or a new one)")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise HethubError(f"{named}: is a folder this user cannot write in; give another")
-        return
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise HethubError(f"{named}: cannot be made, {parent} is a file and not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HethubError(f"{named}: cannot be made, {parent} is not writable")
-
-
-def _make_run_dir(path: str) -> RunDir:
-    """--run-dir's folder, made (checked already: this only fails when the disk changed since)."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise HethubError(f"--run-dir = {path!r}: cannot be made ({error.strerror})") from None
-    return RunDir(path)
 
 
 def _forced(args: argparse.Namespace) -> bool:
@@ -467,30 +379,6 @@ def plan_devices(plan: Plan) -> int:
 
 def _given(value, default):
     return default if value is None else value
-
-
-def _check_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
-    """Bad data (missing, of no known format, too short, out of the vocabulary) stops before
-    any process starts: read from the corpus's metadata where it has some, never loaded whole."""
-    from hethub.corpus import open_corpus
-
-    open_corpus(settings.data).check(model.vocab, model.seq_len, global_batch)
-
-
-def eval_sequences(settings: RunSettings, global_batch: int) -> int:
-    """How many windows a run evaluates: --eval-sequences, else the global batch."""
-    return settings.eval_sequences or global_batch
-
-
-def _check_eval_data(settings: RunSettings, model: ModelSpec, global_batch: int) -> None:
-    """Held-out data that cannot fill the windows evaluated, or out of the model's vocabulary,
-    stops before any process starts."""
-    if settings.eval_data is None:
-        return
-    from hethub.corpus import open_corpus
-
-    corpus = open_corpus(settings.eval_data, what="--eval-data")
-    corpus.check(model.vocab, model.seq_len, eval_sequences(settings, global_batch))
 
 
 @dataclass(frozen=True)

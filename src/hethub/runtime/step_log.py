@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +26,29 @@ from hethub.spec.model import ModelSpec
 from hethub.spec.plan import Plan
 from hethub.spec.topology import Topology
 
-if TYPE_CHECKING:
-    from hethub.runtime.trainer import Agreed
+
+class Agreed(NamedTuple):
+    """What every rank agrees on after a step (_agree_on_step)."""
+
+    moved: torch.Tensor
+    """Bytes moved since the start, over every rank: (native, bridge)."""
+    stop_signal: int
+    """The signal some rank was asked to stop by (0: none)."""
+    non_finite: int
+    """How many ranks saw a non-finite loss of their own."""
+    first_non_finite: int
+    """The lowest of those ranks (meaningless where there are none)."""
+    weights_non_finite: bool
+    """Some rank found a non-finite weight (where the step checked)."""
+    elapsed: float
+    """The step's time: the latest end of any rank's timeline."""
+    peak_memory: int | None
+    """The largest device memory any rank held at its peak (None on CPUs)."""
+    stage_seconds: torch.Tensor
+    """Per trace leader (trace_leaders' order): its compute, communication and optimizer
+    seconds."""
+    busiest: tuple[int, int]
+    """The most bytes any one rank sent in the step: (native, bridge)."""
 
 
 def trace_leaders(topology: Topology) -> list:

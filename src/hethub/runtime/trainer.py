@@ -10,7 +10,6 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from hethub.runtime.checkpoint_folders import (
 from hethub.runtime.engine import Engine
 from hethub.runtime.lr_schedule import lr_at
 from hethub.runtime.rundir import RunDir, RunSettings
-from hethub.runtime.step_log import StepLog, say, trace_leaders
+from hethub.runtime.step_log import Agreed, StepLog, say, trace_leaders
 from hethub.runtime.supervision import (
     LAUNCHED_BY_HETHUB,
     STOPPED,
@@ -83,30 +82,6 @@ class _Evaluation:
         if self.tokens is None or not (step % self.every == 0 or step == self.steps):
             return None
         return engine.evaluate(self.tokens)
-
-
-class Agreed(NamedTuple):
-    """What every rank agrees on after a step (_agree_on_step)."""
-
-    moved: torch.Tensor
-    """Bytes moved since the start, over every rank: (native, bridge)."""
-    stop_signal: int
-    """The signal some rank was asked to stop by (0: none)."""
-    non_finite: int
-    """How many ranks saw a non-finite loss of their own."""
-    first_non_finite: int
-    """The lowest of those ranks (meaningless where there are none)."""
-    weights_non_finite: bool
-    """Some rank found a non-finite weight (where the step checked)."""
-    elapsed: float
-    """The step's time: the latest end of any rank's timeline."""
-    peak_memory: int | None
-    """The largest device memory any rank held at its peak (None on CPUs)."""
-    stage_seconds: torch.Tensor
-    """Per trace leader (trace_leaders' order): its compute, communication and optimizer
-    seconds."""
-    busiest: tuple[int, int]
-    """The most bytes any one rank sent in the step: (native, bridge)."""
 
 
 def _agree_on_step(
