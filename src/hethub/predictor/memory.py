@@ -90,7 +90,7 @@ def headroom_gb(memory: StageMemory | float, device: AcceleratorSpec) -> float:
 def fits(memory: StageMemory | float, device: AcceleratorSpec) -> bool:
     """Whether a stage's ``memory`` fits one ``device``: the one answer the predictor, the
     planner, the pre-flight and the dry run give."""
-    return headroom_gb(memory, device) >= 0
+    return device.holds(memory.total_gb if isinstance(memory, StageMemory) else memory)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -145,6 +145,7 @@ class StageReport:
     group: str
     ranks: list[int]
     device_gb: float
+    """What the device holds beside its runtime's reserve (AcceleratorSpec.usable_memory_gb)."""
     predicted_state_gb: float
     predicted_activations_gb: float
     predicted_buffers_gb: float
@@ -524,54 +525,69 @@ def dry_run(
         shape = _inventory_key(plan, topology, info.rank, kernels)
         measure = key not in reports and shape not in inventories
         if key not in reports:
-            expected = by_stage[key].memory
-            reports[key] = StageReport(
-                pipeline=info.pipeline,
-                stage=info.stage,
-                group=info.group,
-                ranks=[],
-                device_gb=accelerator.memory_gb,
-                predicted_state_gb=expected.state_gb,
-                predicted_activations_gb=expected.activations_gb,
-                predicted_buffers_gb=expected.buffers_gb,
-            )
+            reports[key] = _stage_report(info, accelerator, by_stage[key].memory)
         report = reports[key]
         with fake_world(info.rank, topology.world_size):
             groups = fake_rank_groups(
                 topology, model, vendors, own.get(info.rank, []), data_parallel
             )
+            comm = Communicator(vendors)
             state = rank_state(
-                plan,
-                topology,
-                model,
-                groups,
-                Communicator(vendors),
-                kernels=kernels if measure else None,
+                plan, topology, model, groups, comm, kernels=kernels if measure else None
             )
         if state.saved is not None:
             inventories[shape] = state.saved
         if not report.ranks:
-            layout = plan.pipelines[info.pipeline]
-            in_flight = in_flight_micro_batches(
-                layout.schedule,
-                info.stage,
-                len(layout.stages),
-                layout.micro_batches,
-                tuple(chunk.layers for chunk in info.chunks),
-            )
+            in_flight = _in_flight(plan, info)
             report.activations_gb = inventories[shape].activations(in_flight) / GB
         report.ranks.append(info.rank)
         report.state_gb = max(report.state_gb, state.total / GB)
-        above = report.activations_gb + report.predicted_buffers_gb
-        if state.total / GB + above > report.device_gb:
-            raise HethubError(
-                f"rank {info.rank} (pipeline {info.pipeline}, stage {info.stage}, group "
-                f"{info.group}) needs {state.total / GB + above:.1f} GB "
-                f"({state.total / GB:.1f} GB of state, {report.activations_gb:.1f} GB of "
-                f"activations, {report.predicted_buffers_gb:.1f} GB of buffers predicted) on a "
-                f"device of {report.device_gb:g} GB: a rank must fit its device's memory"
-            )
+        _check_fits(info, report, state, accelerator)
     return DryRun(topology.world_size, list(reports.values()), messages, collectives)
+
+
+def _stage_report(info, accelerator, expected) -> StageReport:
+    """A stage's report, its ranks still to come (``expected``: the predictor's StageMemory)."""
+    return StageReport(
+        pipeline=info.pipeline,
+        stage=info.stage,
+        group=info.group,
+        ranks=[],
+        device_gb=accelerator.usable_memory_gb,
+        predicted_state_gb=expected.state_gb,
+        predicted_activations_gb=expected.activations_gb,
+        predicted_buffers_gb=expected.buffers_gb,
+    )
+
+
+def _in_flight(plan: Plan, info) -> float:
+    """The micro-batches of the stage's activations in flight at its peak: the predictor's
+    reading of the schedule (spec.schedules.in_flight_micro_batches), per chunk."""
+    layout = plan.pipelines[info.pipeline]
+    return in_flight_micro_batches(
+        layout.schedule,
+        info.stage,
+        len(layout.stages),
+        layout.micro_batches,
+        tuple(chunk.layers for chunk in info.chunks),
+    )
+
+
+def _check_fits(info, report: StageReport, state: RankState, accelerator) -> None:
+    """Raise HethubError, naming the rank, where its state, measured activations and predicted
+    buffers do not fit its device beside the runtime's reserve (AcceleratorSpec.holds: the
+    predictor's and the planner's rule)."""
+    above = report.activations_gb + report.predicted_buffers_gb
+    need = state.total / GB + above
+    if not accelerator.holds(need):
+        raise HethubError(
+            f"rank {info.rank} (pipeline {info.pipeline}, stage {info.stage}, group "
+            f"{info.group}) needs {need:.1f} GB "
+            f"({state.total / GB:.1f} GB of state, {report.activations_gb:.1f} GB of "
+            f"activations, {report.predicted_buffers_gb:.1f} GB of buffers predicted) on a "
+            f"device of {report.device_gb:.1f} usable GB (its memory less its runtime's "
+            f"reserve): a rank must fit its device's memory"
+        )
 
 
 def _inventory_key(plan: Plan, topology: Topology, rank: int, kernels: Kernels) -> tuple:

@@ -113,6 +113,11 @@ class AcceleratorSpec:
         (predictor.memory.fits)."""
         return (self.memory_bytes - self.memory_reserve_bytes) / GB
 
+    def holds(self, gb: float) -> bool:
+        """Whether one device holds ``gb`` decimal GB beside its runtime's reserve: the one
+        rule of a fit (predictor.memory.fits, the planner, the pre-flight, the dry run)."""
+        return gb <= self.usable_memory_gb
+
 
 @functools.cache
 def _catalog_data() -> dict[str, Any]:
