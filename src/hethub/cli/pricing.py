@@ -95,6 +95,55 @@ def schedule_text(plan: Plan) -> str:
     return text
 
 
+STAGE_COLUMNS = (
+    "pipeline",
+    "stage",
+    "group",
+    "accelerator",
+    "tp",
+    "layers",
+    "micro-batches",
+    "fwd ms",
+    "bwd ms",
+    "compute s",
+    "grad sync ms",
+    "memory / usable GB",
+)
+
+
+def _stage_table(
+    prediction: Prediction, plan: Plan, cluster: ClusterSpec, per_stage: bool
+) -> tuple[list[str], list[list[str]]]:
+    """describe's table: a row per stage (``per_stage``: with each stage's recomputation)."""
+    header = list(STAGE_COLUMNS)
+    if per_stage:
+        header.insert(header.index("micro-batches"), "recompute")
+    rows = []
+    for s in prediction.stages:
+        layout = plan.pipelines[s.pipeline]
+        device = cluster.group(s.group).accelerator
+        flag = "" if fits(s.memory, device) else "  OVER"
+        pipeline, position, layers = plan.stage_names(s.pipeline, s.position)
+        row = [
+            pipeline,
+            position,
+            s.group,
+            s.accelerator,
+            str(s.tp),
+            layers,
+            str(layout.micro_batches),
+            f"{s.forward_s * 1e3:.2f}",
+            f"{s.backward_s * 1e3:.2f}",
+            f"{s.compute_s:.3f}",
+            f"{s.grad_sync_s * 1e3:.1f}",
+            f"{s.memory.total_gb:.1f} / {device.usable_memory_gb:.1f}{flag}",
+        ]
+        if per_stage:
+            row.insert(header.index("recompute"), str(layout.stages[s.position].recompute))
+        rows.append(row)
+    return header, rows
+
+
 def describe(
     prediction: Prediction,
     plan: Plan,
@@ -104,49 +153,10 @@ def describe(
     basis: str,
 ) -> str:
     """A readable summary: one row per stage, then the step as a whole."""
-    header = [
-        "pipeline",
-        "stage",
-        "group",
-        "accelerator",
-        "tp",
-        "layers",
-        "micro-batches",
-        "fwd ms",
-        "bwd ms",
-        "compute s",
-        "grad sync ms",
-        "memory / usable GB",
-    ]
     # A column of each stage's recomputation where a stage sets its own (the plan's otherwise,
     # on the line above the table).
     per_stage = {s.recompute for p in plan.pipelines for s in p.stages} != {plan.recompute}
-    if per_stage:
-        header.insert(header.index("micro-batches"), "recompute")
-    rows = []
-    for s in prediction.stages:
-        layout = plan.pipelines[s.pipeline]
-        device = cluster.group(s.group).accelerator
-        flag = "" if fits(s.memory, device) else "  OVER"
-        pipeline, position, layers = plan.stage_names(s.pipeline, s.position)
-        rows.append(
-            [
-                pipeline,
-                position,
-                s.group,
-                s.accelerator,
-                str(s.tp),
-                layers,
-                str(layout.micro_batches),
-                f"{s.forward_s * 1e3:.2f}",
-                f"{s.backward_s * 1e3:.2f}",
-                f"{s.compute_s:.3f}",
-                f"{s.grad_sync_s * 1e3:.1f}",
-                f"{s.memory.total_gb:.1f} / {device.usable_memory_gb:.1f}{flag}",
-            ]
-        )
-        if per_stage:
-            rows[-1].insert(header.index("recompute"), str(layout.stages[s.position].recompute))
+    header, rows = _stage_table(prediction, plan, cluster, per_stage)
     p = prediction
     params = parameter_count(model)
     size = (
