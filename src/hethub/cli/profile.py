@@ -44,6 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "processes. One profile file per key (device, layer shape, dtype, threads, ranks at once, "
         "TP, micro-batch); what the directory holds already is kept unless --again.",
     )
+    _add_what_to_measure(parser)
+    _add_where_it_goes(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_what_to_measure(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what is measured: the model, TP degrees, micro-batches, threads,
+    ranks at once, the device, the dtype and the repeats."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -92,6 +100,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="timed repeats of each layer pass and each link message size (default 30 and 15): "
         "fewer is quicker and noisier",
     )
+
+
+def _add_where_it_goes(parser: argparse.ArgumentParser) -> None:
+    """The flags that say where profiles go and how: the folder, measuring anew, JSON, and a
+    cluster's torchrun job."""
     parser.add_argument(
         "--out",
         default=str(default_profiles_dir()),
@@ -122,7 +135,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --cluster: seconds any process waits for the others, at each step "
         f"(default {DEFAULT_CLUSTER_TIMEOUT_S:g}; more than a kind's measurement takes)",
     )
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -381,6 +393,38 @@ def describe(
     """The profiles as two tables: layers (per TP rank, one micro-batch), and links (``where``
     they were measured: 'CPU', 'GPU (NAME)')."""
     fresh = {id(p) for p in measured}
+    header, rows = _layer_table(layers, fresh)
+    link_header, link_rows = _link_table(links, fresh)
+    first = layers[0].key if layers else None
+    shape = (
+        f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, "
+        f"ffn {first.ffn_hidden}, seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, "
+        f"{plural(first.threads, 'thread')} per rank"
+        + (f", {plural(layers[0].cores, 'core')}" if layers[0].cores else "")
+        if first
+        else ""
+    )
+    return "\n".join(
+        [
+            (
+                f"profiles of {model} on this machine's {where} as {device!r} ({shape}), "
+                f"per TP rank and micro-batch:"
+            ),
+            "",
+            render_table(header, rows),
+            "",
+            render_table(link_header, link_rows)
+            if link_rows
+            else "no link profile"
+            + ("" if where == "CPU" else " (links are measured between CPU processes only)"),
+            "",
+            f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} ({_how_used(out)})",
+        ]
+    )
+
+
+def _layer_table(layers: list[LayerProfile], fresh: set[int]) -> tuple[list[str], list[list[str]]]:
+    """describe's table of layer profiles (``fresh``: the ids of those measured now)."""
     header = [
         "tp",
         "micro-batch",
@@ -410,8 +454,13 @@ def describe(
         ]
         for p in layers
     ]
-    link_header = ["ranks at once", "point to point", "all-reduce", "broadcast", "all-gather", ""]
-    link_rows = [
+    return header, rows
+
+
+def _link_table(links: list[LinkProfile], fresh: set[int]) -> tuple[list[str], list[list[str]]]:
+    """describe's table of link profiles (``fresh``: the ids of those measured now)."""
+    header = ["ranks at once", "point to point", "all-reduce", "broadcast", "all-gather", ""]
+    rows = [
         [
             str(link.concurrent_ranks),
             _fit((link.p2p_latency_s, link.p2p_bytes_per_s)),
@@ -426,32 +475,7 @@ def describe(
         ]
         for link in links
     ]
-    first = layers[0].key if layers else None
-    shape = (
-        f"{first.arch} hidden {first.hidden}, heads {first.heads}/{first.kv_heads}, "
-        f"ffn {first.ffn_hidden}, seq {first.seq_len}, vocab {first.vocab}, {first.dtype}, "
-        f"{plural(first.threads, 'thread')} per rank"
-        + (f", {plural(layers[0].cores, 'core')}" if layers[0].cores else "")
-        if first
-        else ""
-    )
-    return "\n".join(
-        [
-            (
-                f"profiles of {model} on this machine's {where} as {device!r} ({shape}), "
-                f"per TP rank and micro-batch:"
-            ),
-            "",
-            render_table(header, rows),
-            "",
-            render_table(link_header, link_rows)
-            if link_rows
-            else "no link profile"
-            + ("" if where == "CPU" else " (links are measured between CPU processes only)"),
-            "",
-            f"{len(measured)} measured in {elapsed:.1f} s; profiles in {out} ({_how_used(out)})",
-        ]
-    )
+    return header, rows
 
 
 def _how_used(out: Path) -> str:
