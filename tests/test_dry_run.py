@@ -24,12 +24,11 @@ from hethub.runtime.dry_run import (
     fake_world,
     member_groups,
     rank_state,
-    saved_inventory,
-    stage_inputs,
 )
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.precision import MasterWeights
 from hethub.runtime.process_groups import create_groups, job_groups, rank_groups
+from hethub.runtime.saved_tensors import saved_inventory, stage_inputs
 from hethub.spec import check_plan, load_cluster, load_model, load_plan
 from hethub.spec.agreement import check_agreement, walk_messages
 from hethub.spec.collectives import Kind, Post, rank_transfers, stage_posts
