@@ -198,8 +198,8 @@ def test_train_matches_the_reference_and_resumes_bit_for_bit_and_under_another_p
     )
     assert half.returncode == 0, half.stderr
     # Piped, as in CI or a log: one plain line per step, the figures users grep for.
-    logged = [line for line in half.stderr.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in logged] == ["step 1/2", "step 2/2"]
+    logged = [line for line in half.stderr.splitlines() if line.startswith("hethub train: step ")]
+    assert [line.split(":")[1].strip() for line in logged] == ["step 1/2", "step 2/2"]
     assert all(
         "loss " in line and " tokens/s | step " in line and "(predicted " in line for line in logged
     )

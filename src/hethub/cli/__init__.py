@@ -11,6 +11,7 @@ from hethub.cli import catalog, data, export, launch, plan, predict, profile, tr
 from hethub.cli import eval as eval_command  # a builtin's name
 from hethub.cli.args import ArgumentParser
 from hethub.errors import HethubError
+from hethub.messages import logger, set_verbosity
 from hethub.runtime.torch_support import installed_torch, require_supported_torch
 
 COMMANDS = (train, launch, validate, plan, predict, profile, catalog, data, eval_command, export)
@@ -57,6 +58,16 @@ def build_parser() -> ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
+    for command_parser in sub.choices.values():
+        loudness = command_parser.add_mutually_exclusive_group()
+        loudness.add_argument(
+            "-q", "--quiet", action="store_const", const=-1, dest="verbosity", default=0,
+            help="say only warnings and errors",
+        )  # fmt: skip
+        loudness.add_argument(
+            "-v", "--verbose", action="store_const", const=1, dest="verbosity",
+            help="say debug lines too",
+        )  # fmt: skip
     return parser
 
 
@@ -81,13 +92,15 @@ def _run(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse's: a bad flag (said in one line), --help or --version
         return exit_.code
+    set_verbosity(args.verbosity)
+    say = logger(args.command)
     try:
         if args.command in NEED_TORCH:
             require_supported_torch()
         return args.run(args)
     except HethubError as error:
-        print(f"hethub {args.command}: error: {error}", file=sys.stderr)
+        say.error(f"error: {error}")
         return 2
     except KeyboardInterrupt:
-        print(f"hethub {args.command}: interrupted", file=sys.stderr)
+        say.error("interrupted")
         return 130

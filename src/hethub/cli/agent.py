@@ -14,13 +14,13 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import uuid
 from pathlib import Path
 from typing import Self
 
 from hethub.jobs import Job, plan_devices
+from hethub.messages import logger
 from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
 from hethub.runtime.torch_support import is_death_signal, is_restart, worker_failure
 
@@ -114,7 +114,7 @@ def _stop_at_once(signum: int, _frame) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"hethub train: {message}", file=sys.stderr, flush=True)
+    logger("train").info(message)
 
 
 class AgentLog(logging.Handler):

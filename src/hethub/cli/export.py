@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hethub.cli.args import non_negative_int
 from hethub.errors import HethubError
+from hethub.messages import logger
 from hethub.report.text import plural
 from hethub.runtime.checkpoint_folders import (
     latest_intact_checkpoint,
@@ -98,7 +99,7 @@ def run_checkpoint(run_dir: Path, step: int | None) -> tuple[ModelSpec, Path, Ru
 
 
 def _say(message: str) -> None:
-    print(f"hethub: {message}", flush=True)
+    logger("export").info(message)
 
 
 def tokenizer_files(data: str | None) -> tuple[Path | None, dict]:

@@ -4,8 +4,7 @@ summary table."""
 
 from __future__ import annotations
 
-import sys
-
+from hethub.messages import logger
 from hethub.predictor import Prediction
 from hethub.predictor.memory import fits
 from hethub.predictor.profiled import missing_profiles
@@ -43,7 +42,7 @@ def note_missing(
     how many. No profiles: none noted, the whole plan is analytic (priced_by says so)."""
     notes = missing_profiles(plan, cluster, model, profiles) if profiles is not None else []
     for note in notes:
-        print(f"hethub {command}: note: {note}", file=sys.stderr)
+        logger(command).info(f"note: {note}")
     return len(notes)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from hethub.jobs.prepare import (
     local_measurements,
     planned_precision,
 )
+from hethub.messages import logger
 from hethub.planner.search import MICRO_BATCH_SIZES
 from hethub.profiles.files import load_profiles, profile_path, to_json
 from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
@@ -160,11 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise HethubError(f"--out = {args.out!r}: not a directory")
     before = load_profiles(out) if out.is_dir() else None
-    say = (
-        None
-        if args.json
-        else (lambda message: print(f"hethub profile: {message}", file=sys.stderr, flush=True))
-    )
+    say = None if args.json else logger("profile").info
     started = time.perf_counter()
     for request in requests:
         if args.again and before is not None:
@@ -369,7 +365,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"hethub profile: {message}", file=sys.stderr, flush=True)
+    logger("profile").info(message)
 
 
 def _recomputed(profile: LayerProfile) -> str:

@@ -13,6 +13,7 @@ from hethub.cli.agent import DEFAULT_MAX_RESTARTS, launch
 from hethub.cli.args import add_job_arguments, node, non_negative_int
 from hethub.errors import HethubError
 from hethub.jobs import Job, plan_devices, prepare
+from hethub.messages import logger
 from hethub.report.text import plural
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.spec.parameters import parameter_count
@@ -155,7 +156,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"hethub train: {message}", file=sys.stderr, flush=True)
+    logger("train").info(message)
 
 
 def _announce(job: Job, args: argparse.Namespace) -> None:

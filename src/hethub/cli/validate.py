@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 from hethub.cli.agent import launch
 from hethub.cli.args import positive_finite_float, positive_int, seed, timeout_seconds
 from hethub.errors import HethubError
 from hethub.jobs import Job, prepare
+from hethub.messages import logger
 from hethub.profiles.machine import default_profiles_dir
 from hethub.report.terminal import render_table
 from hethub.report.text import plural
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         )
     job = prepare(
         job_args,
-        say=lambda message: print(f"hethub validate: {message}", file=sys.stderr, flush=True),
+        say=logger("validate").info,
     )
     code = launch(job, as_json=False, max_restarts=0)  # a measurement: a failure is the answer
     if code:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         if not report["within_tolerance"]:
-            print(f"hethub validate: {verdict(report)}", file=sys.stderr)
+            logger("validate").warning(verdict(report))
     else:
         print(describe(report, job.plan))
     return 0 if report["within_tolerance"] else 1

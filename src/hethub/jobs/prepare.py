@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,6 +32,7 @@ from hethub.jobs.inputs import (
     make_run_dir,
     run_state,
 )
+from hethub.messages import logger
 from hethub.predictor import Prediction, predict
 from hethub.predictor.traffic import predicted_traffic
 from hethub.profiles.files import load_profiles
@@ -212,7 +212,7 @@ def _prepare_resume(
 
 
 def _say_train(message: str) -> None:
-    print(f"hethub train: {message}", file=sys.stderr, flush=True)
+    logger("train").info(message)
 
 
 def _check_continues(args: argparse.Namespace, settings: RunSettings, done: int) -> None:
@@ -370,7 +370,7 @@ def _check_launch(
 
 
 def _warn(message: str) -> None:
-    print(f"hethub: {message}", file=sys.stderr, flush=True)
+    logger().warning(message)
 
 
 def plan_devices(plan: Plan) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from hethub.messages import logger
+
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun's main on ``argv`` (default: this process's arguments); the exit status."""
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"hethub agent: {message}", file=sys.stderr, flush=True)
+    logger("agent").info(message)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
+
+from hethub.messages import logger
 
 WARM_UP_STEPS = 1
 """Steps after a (re)start left out: the first step warms up."""
@@ -31,7 +32,7 @@ machine, as far as a CPU's times go."""
 
 
 def _warn(message: str) -> None:
-    print(f"hethub: warning: {message}", file=sys.stderr, flush=True)
+    logger().warning(f"warning: {message}")
 
 
 class PredictionCheck:

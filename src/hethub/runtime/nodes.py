@@ -20,12 +20,12 @@ import datetime
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hethub.errors import HethubError
+from hethub.messages import logger
 from hethub.report.text import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import suggestion
@@ -193,12 +193,10 @@ def take_place(
     ranks = plan_ranks(claims, topology, cluster)
     if claim.local_rank == 0:  # one line per node: where torchrun's order met the plan's
         here = [r for r, c in enumerate(claims) if (c.group, c.node) == (claim.group, claim.node)]
-        print(
-            f"{command}: node {_claimed(claim)} on {host}: torchrun "
+        logger(command.removeprefix("hethub ")).info(
+            f"node {_claimed(claim)} on {host}: torchrun "
             f"{_ranks(here)} {'is' if len(here) == 1 else 'are'} plan "
-            f"{_ranks([ranks[r] for r in here])}",
-            file=sys.stderr,
-            flush=True,
+            f"{_ranks([ranks[r] for r in here])}"
         )
     plan_rank = ranks[int(os.environ["RANK"])]
     return plan_rank

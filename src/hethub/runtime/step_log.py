@@ -5,12 +5,12 @@ is installed, and the one-line messages of a worker (say)."""
 from __future__ import annotations
 
 import json
-import sys
 from typing import NamedTuple
 
 import torch
 
 from hethub.comm import BRIDGE, NATIVE
+from hethub.messages import logger
 from hethub.report.plot import loss_plot
 from hethub.report.prediction_check import PredictionCheck
 from hethub.report.terminal import progress_bar
@@ -167,7 +167,7 @@ class StepLog:
         if self.bar:
             self.bar.update("step", step, steps, detail)
         elif not self.as_json:  # a log: one line per step, for people and for grep
-            print(f"step {step}/{steps}: {detail}", file=sys.stderr, flush=True)
+            logger("train").info(f"step {step}/{steps}: {detail}")
 
     def close(self) -> None:
         if self.bar:
@@ -263,4 +263,4 @@ def _tensorboard(run: RunDir):
 
 
 def say(message: str) -> None:
-    print(f"hethub train: {message}", file=sys.stderr, flush=True)
+    logger("train").info(message)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hethub.corpus import Corpus, open_corpus
 from hethub.errors import HethubError
+from hethub.messages import logger
 from hethub.report.text import plural
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.rundir import RunDir, RunSettings
@@ -179,7 +180,7 @@ def _stop_for_good(run: RunDir, error: HethubError) -> int:
         with contextlib.suppress(OSError):
             run.write_json(run.path / STOPPED, {"reason": "error", "error": str(error)})
             return 0
-    print(f"hethub train: error: {error}", file=sys.stderr, flush=True)
+    logger("train").error(f"error: {error}")
     return 2
 
 
