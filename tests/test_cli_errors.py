@@ -770,7 +770,7 @@ def test_one_device_is_not_one_devices(tmp_path, capsys) -> None:
 
 
 def test_plural_says_one_thing_and_many_things() -> None:
-    from hethub.report.text import plural
+    from hethub.report.terminal import plural
 
     assert [plural(n, "rank") for n in (0, 1, 2, 1440)] == [
         "0 ranks",

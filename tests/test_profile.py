@@ -606,7 +606,7 @@ def test_measure_layers_times_the_runtimes_modules():
 
 
 def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
-    from hethub.profiler.layers import WARMUP, _Alone, _time_passes
+    from hethub.profiler.layers import WARMUP, _OneRankTiming, _time_passes
 
     calls = itertools.count()
 
@@ -614,7 +614,7 @@ def test_a_stall_counts_in_a_measured_time_as_a_run_meets_it():
         time.sleep(0.050 if next(calls) == WARMUP + 3 else 0.001)
         return None, lambda out: None
 
-    forward, *_ = _time_passes(one_pass, _Alone(), 10)
+    forward, *_ = _time_passes(one_pass, _OneRankTiming(), 10)
     assert (
         forward >= (0.050 + 9 * 0.001) / 10
     )  # the plain mean: without the stall it would be ~1 ms
@@ -629,7 +629,7 @@ def _passes_after_the_timed_ones(rank: int, world: int, log: str) -> int:
     import torch.distributed as dist
 
     from hethub.profiler.conditions import block_group
-    from hethub.profiler.layers import WARMUP, _time_passes, _Together
+    from hethub.profiler.layers import WARMUP, _ConcurrentTiming, _time_passes
     from hethub.runtime.process_groups import Role
 
     pair = block_group(world, 2, Role.TENSOR)
@@ -646,7 +646,7 @@ def _passes_after_the_timed_ones(rank: int, world: int, log: str) -> int:
         return None, lambda out: None
 
     try:
-        _time_passes(one_pass, _Together(pair), 10)
+        _time_passes(one_pass, _ConcurrentTiming(pair), 10)
     finally:
         os.close(descriptor)
     return next(started) - WARMUP - 10
@@ -913,7 +913,7 @@ def test_a_bf16_profile_is_keyed_bf16_and_keeps_the_layer_inventorys_bytes(name,
 def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     import torch
 
-    from hethub.profiler.layers import _Alone, _optimizer_seconds_per_param
+    from hethub.profiler.layers import _OneRankTiming, _optimizer_seconds_per_param
     from hethub.runtime.model import Stage
     from hethub.runtime.precision import MasterWeights
 
@@ -921,7 +921,7 @@ def test_the_bf16_optimizer_steps_fp32_masters_and_copies_them_back():
     weights = MasterWeights(stage, "bf16")
     before = {name: p.detach().clone() for name, p in stage.full_parameters()}
     clock = LoggingClock()
-    assert _optimizer_seconds_per_param(weights, _Alone(), 3, clock) > 0
+    assert _optimizer_seconds_per_param(weights, _OneRankTiming(), 3, clock) > 0
     for (name, param), (_, master) in zip(stage.full_parameters(), weights.named, strict=True):
         assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(param, master.to(torch.bfloat16)), name  # copied back
@@ -973,7 +973,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
     """On a GPU a synchronize between a forward and its backward keeps the host from queueing
     kernels ahead, as it does in a step (it priced an H200 step 17% slow): the clock's marks are
     read only after every pass. A clock that logs what it is asked (no GPU runs here)."""
-    from hethub.profiler.layers import WARMUP, _Alone, _time_passes
+    from hethub.profiler.layers import WARMUP, _OneRankTiming, _time_passes
 
     clock = LoggingClock()
     log = clock.log
@@ -982,7 +982,7 @@ def test_timed_passes_wait_for_the_device_once_after_the_last_pass_not_between_t
         log.append("forward")
         return None, lambda out: log.append("backward")
 
-    forward, backward, *_ = _time_passes(one_pass, _Alone(), 3, clock)
+    forward, backward, *_ = _time_passes(one_pass, _OneRankTiming(), 3, clock)
     assert log == ["mark", "forward", "mark", "backward", "mark"] * (WARMUP + 3) + ["wait"]
     assert (forward, backward) == (2, 2)  # the marks' distance, as the clock reads it
 

@@ -15,7 +15,7 @@ from test_layer_ops import SavedBytes, Trace
 from test_memory_vs_runtime import REST_TOLERANCE, TOLERANCE
 from test_pricing import CAL, GROUP, SHAPE, _layer, _profiles
 
-from hethub.cli.pricing import describe
+from hethub.cli.summary import describe
 from hethub.predictor import predict
 from hethub.predictor.compute import layer_cost, selective_rerun_share
 from hethub.predictor.pricing import pricing_for

@@ -19,7 +19,7 @@ from pathlib import Path
 from hethub.cli.args import non_negative_int
 from hethub.errors import HethubError
 from hethub.messages import logger
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.runtime.checkpoint_folders import (
     latest_intact_checkpoint,
     read_meta,

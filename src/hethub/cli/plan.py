@@ -10,12 +10,11 @@ from pathlib import Path
 import yaml
 
 from hethub.cli.args import positive_int
-from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
+from hethub.cli.summary import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.planner import PricedPlan, SearchResult, UpperBound, search, upper_bound
 from hethub.planner.above_bound import why_above
-from hethub.report.terminal import progress_bar
-from hethub.report.text import plural
+from hethub.report.terminal import plural, progress_bar
 from hethub.spec import ClusterSpec, ModelSpec, load_cluster, load_model
 from hethub.spec.model import model_file_fields, preset_names
 from hethub.spec.plan import DEFAULT_PRECISION, PRECISIONS

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from hethub.cli.args import positive_int
-from hethub.cli.pricing import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
+from hethub.cli.summary import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
 from hethub.predictor import predict
 from hethub.predictor.traffic import predicted_traffic
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.report.trace import write_trace
 from hethub.spec import (
     ClusterSpec,

@@ -23,8 +23,7 @@ from hethub.profiles.files import load_profiles, profile_path, to_json
 from hethub.profiles.machine import PROFILES_ENV, default_profiles_dir
 from hethub.profiles.selection import Profiles
 from hethub.profiles.types import LayerProfile, LinkProfile
-from hethub.report.terminal import render_table
-from hethub.report.text import plural
+from hethub.report.terminal import plural, render_table
 from hethub.spec import load_cluster, load_model
 from hethub.spec.plan import DEFAULT_PRECISION, PRECISIONS
 
@@ -313,9 +312,9 @@ def _run_cluster(args: argparse.Namespace) -> int:
         if args.dtype not in PRECISIONS:
             raise HethubError(f"--dtype = {args.dtype!r}: must be one of {', '.join(PRECISIONS)}")
     except HethubError as error:  # the other nodes' processes would wait for this one's claim
-        from hethub.runtime.nodes import tell_the_others
+        from hethub.runtime.nodes import post_refusal_to_peers
 
-        tell_the_others(error, args.this_node, timeout)
+        post_refusal_to_peers(error, args.this_node, timeout)
         raise
     from hethub.profiler.cluster import Request, profile_cluster, summary  # torch: to measure
 

@@ -14,7 +14,7 @@ from hethub.cli.args import add_job_arguments, node, non_negative_int
 from hethub.errors import HethubError
 from hethub.jobs import Job, plan_devices, prepare
 from hethub.messages import logger
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.runtime.rundir import DEFAULT_SETTINGS
 from hethub.spec.parameters import parameter_count
 
@@ -86,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
                 args, measure=False, write=os.environ.get("RANK", "0") == "0", local_launch=False
             )
         except HethubError as error:  # the other nodes' processes would wait for this one
-            from hethub.runtime.nodes import tell_the_others
+            from hethub.runtime.nodes import post_refusal_to_peers
 
-            tell_the_others(error, args.this_node, args.timeout or DEFAULT_SETTINGS.timeout_s)
+            post_refusal_to_peers(error, args.this_node, args.timeout or DEFAULT_SETTINGS.timeout_s)
             raise
-        rank = _take_place(args.this_node, job)
+        rank = _claim_plan_rank(args.this_node, job)
         from hethub.runtime.worker import run_job  # torch
 
         return run_job(
@@ -214,11 +214,11 @@ def _closing(job: Job, args: argparse.Namespace) -> None:
     )
 
 
-def _take_place(node, job: Job) -> int:
+def _claim_plan_rank(node, job: Job) -> int:
     """Under the user's torchrun: this process's plan rank, from its node."""
-    from hethub.runtime.nodes import take_place
+    from hethub.runtime.nodes import claim_plan_rank
     from hethub.spec.topology import build_topology
 
-    return take_place(
+    return claim_plan_rank(
         node, job.cluster, build_topology(job.plan, job.cluster), job.settings.timeout_s
     )

@@ -17,8 +17,7 @@ from hethub.errors import HethubError
 from hethub.jobs import Job, prepare
 from hethub.messages import logger
 from hethub.profiles.machine import default_profiles_dir
-from hethub.report.terminal import render_table
-from hethub.report.text import plural
+from hethub.report.terminal import plural, render_table
 from hethub.spec import Plan, load_cluster
 
 DEFAULT_TOLERANCE_PERCENT = 25.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hethub.errors import HethubError
 from hethub.profiles.selection import all_cpu
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.runtime.checkpoint_folders import latest_checkpoint, latest_intact_checkpoint, read_meta
 from hethub.runtime.rundir import RunDir, RunSettings
 from hethub.spec import (

@@ -24,7 +24,7 @@ from pathlib import Path
 from hethub.errors import HethubError
 from hethub.predictor import Prediction
 from hethub.predictor.memory import GB, fits, state_bytes
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.spec import ClusterSpec, ModelSpec, Plan
 from hethub.spec.parameters import parameter_count
 from hethub.spec.plan import Precision

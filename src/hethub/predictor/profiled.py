@@ -30,7 +30,7 @@ from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
 from hethub.profiles.selection import Profiles
 from hethub.profiles.types import METHOD, LayerKey, LayerProfile, LinkProfile
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.collectives import (
     BRIDGE,

@@ -55,7 +55,7 @@ from hethub.profiler.links import (
 from hethub.profiles.files import load_profiles, save_profile
 from hethub.profiles.machine import load_average
 from hethub.profiles.types import LayerProfile, LinkProfile, node_pair
-from hethub.runtime.nodes import Node, node_name, node_ranks, take_place
+from hethub.runtime.nodes import Node, claim_plan_rank, node_name, node_ranks
 from hethub.runtime.supervision import init_process_group
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
@@ -142,7 +142,7 @@ def profile_cluster(
     share, and on rank 0 write every profile into ``out``. Returns what was written (rank 0),
     None elsewhere; HethubError, the same on every process, where anything was refused."""
     topology = build_topology(profile_layout(cluster, model), cluster)
-    rank = take_place(node, cluster, topology, request.timeout_s, command=COMMAND)
+    rank = claim_plan_rank(node, cluster, topology, request.timeout_s, command=COMMAND)
     timeout = datetime.timedelta(seconds=request.timeout_s)
     init_process_group("gloo", timeout, rank)  # the runtime's: the same store, the same care
     try:

@@ -17,7 +17,7 @@ from hethub.profiler.links import LINK_REPEATS, measure_links
 from hethub.profiles.files import load_profiles, save_profile
 from hethub.profiles.selection import Profiles, empty_profiles
 from hethub.profiles.types import METHOD, LayerKey
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.spec.model import ModelSpec
 
 

@@ -223,7 +223,7 @@ def _measure_rank(
     stage's weights and activations in ``dtype`` on device ``where``."""
     device, floating = torch.device(where), DTYPES[dtype]
     group = block_group(world, tp, Role.TENSOR) if world > 1 else None
-    together = _Together(group) if world > 1 else _Alone()
+    together = _ConcurrentTiming(group) if world > 1 else _OneRankTiming()
     clock = step_clock(device)
     timed = min(model.layers, LAYERS_TIMED)
     spec = dataclasses.replace(model, layers=timed)
@@ -282,7 +282,7 @@ def _measure_rank(
     return out
 
 
-class _Alone:
+class _OneRankTiming:
     """One process measuring: nobody to start with or to wait for."""
 
     def start(self) -> None:
@@ -292,7 +292,7 @@ class _Alone:
         return None
 
 
-class _Together:
+class _ConcurrentTiming:
     """Ranks measuring at once: they start each measurement together, and each keeps running
     untimed passes of it after its timed ones until every rank has finished its own.
 
@@ -339,7 +339,7 @@ class Passes(NamedTuple):
 
 def _time_passes(
     run: Callable,
-    together: _Together | _Alone,
+    together: _ConcurrentTiming | _OneRankTiming,
     repeats: int,
     clock: HostClock | DeviceClock | None = None,
 ) -> Passes:
@@ -405,7 +405,7 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 def _optimizer_seconds_per_param(
     weights: MasterWeights,
-    together: _Together | _Alone,
+    together: _ConcurrentTiming | _OneRankTiming,
     repeats: int,
     clock: HostClock | DeviceClock | None = None,
 ) -> float:

@@ -15,7 +15,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.spec.model import ModelSpec, arch_defaults
 from hethub.spec.plan import Precision
 

@@ -1,5 +1,6 @@
 """Output on a terminal or in a log: rich's bars and tables for a person watching, plain text for
-a pipe, a file or CI, where a bar's redraws would be noise and a boxed table is hard to grep."""
+a pipe, a file or CI, where a bar's redraws would be noise and a boxed table is hard to grep;
+and the words for counts in what hethub prints."""
 
 from __future__ import annotations
 
@@ -119,3 +120,9 @@ def _plain_table(header: list[str], rows: list[list[str]], numeric: list[bool]) 
         ).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and its noun, singular for one: "1 rank", "2 ranks", "3 processes" (``nouns``:
+    the plural where adding an s is wrong)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

@@ -10,7 +10,7 @@ every one of them computes the same answer: the plan rank of (group, node, LOCAL
 LOCAL_RANK-th rank of that node of the plan, in device order. A launch that does not fit the plan
 is refused on every node, with the same line, before training.
 
-``plan_ranks`` is the pure mapping (no processes); ``take_place`` the exchange, under torchrun.
+``plan_ranks`` is the pure mapping (no processes); ``claim_plan_rank`` the exchange, under torchrun.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from hethub.errors import HethubError
 from hethub.messages import logger
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.fields import suggestion
 from hethub.spec.topology import Topology
@@ -153,7 +153,7 @@ def node_of_host(cluster: ClusterSpec, names: Sequence[str]) -> Node | None:
     return found[0] if found else None
 
 
-def take_place(
+def claim_plan_rank(
     node: Node | None,
     cluster: ClusterSpec,
     topology: Topology,
@@ -172,7 +172,7 @@ def take_place(
     try:
         claim = _claim(node, cluster, topology, host)
     except HethubError as error:
-        tell_the_others(error, node, timeout_s)
+        post_refusal_to_peers(error, node, timeout_s)
         raise
     posted = _exchange(asdict(claim), timeout_s)
     for rank, value in enumerate(posted):
@@ -202,12 +202,12 @@ def take_place(
     return plan_rank
 
 
-def tell_the_others(error: HethubError, node: Node | None, timeout_s: float) -> None:
+def post_refusal_to_peers(error: HethubError, node: Node | None, timeout_s: float) -> None:
     """A process that refuses the job before it could claim its node (its node's files, its
     flags) posts why in its place, so that every node stops at once and says why, where the
     others would wait for its claim until --timeout. It returns once every process has posted
     (at most ``timeout_s``): the store lives in torchrun's first node's agent, which stops as soon
-    as its processes do. Nothing to do where take_place would not exchange."""
+    as its processes do. Nothing to do where claim_plan_rank would not exchange."""
     if node is None and int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
         return
     with contextlib.suppress(HethubError):  # this process's own reason is what it says

@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hethub.errors import HethubError
@@ -39,18 +40,23 @@ def rendezvous_store(timeout_s: float):
     )
 
 
-def _entry(
-    rank: int,
-    world: int,
-    store_port: int,
-    threads: int,
-    timeout_s: float,
-    fn: Callable,
-    args: tuple,
-    results,
-    purpose: str,
-    caller: int,
-) -> None:
+@dataclass(frozen=True)
+class _Job:
+    """What every rank of a run_ranks call is given (pickled to each process)."""
+
+    world: int
+    store_port: int
+    threads: int
+    timeout_s: float
+    fn: Callable
+    args: tuple
+    purpose: str
+    caller: int
+    """The process that called run_ranks, which each rank dies with."""
+
+
+def _entry(rank: int, job: _Job, results) -> None:
+    world, threads, purpose, fn, args = job.world, job.threads, job.purpose, job.fn, job.args
     # First: a measuring process dies with the process that started it (hethub train, profile
     # or validate), even one killed by SIGKILL, which runs no code of its own to stop it (the
     # daemon flag only acts at a clean exit, and setsid below puts the process out of reach of
@@ -59,7 +65,7 @@ def _entry(
     # torch.distributed, which this process has imported already (the server's preload).
     from hethub.runtime.supervision import bind_group_defaults_before_init, die_with
 
-    die_with(caller)
+    die_with(job.caller)
     import torch
     import torch.distributed as dist
 
@@ -74,8 +80,8 @@ def _entry(
     try:
         # At run_ranks' store, named outright: not at MASTER_ADDR and MASTER_PORT, which under
         # the user's torchrun (hethub profile --cluster) name the agent's store.
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        timeout = datetime.timedelta(seconds=job.timeout_s)
+        store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False, timeout=timeout)
         bind_group_defaults_before_init()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Pickled here, by value: torch's queue would pass a tensor as a handle to this
@@ -105,8 +111,8 @@ def run_ranks(
     ctx = _context()
     results = ctx.Queue()
     store = rendezvous_store(timeout_s)  # held until every rank is gone (the finally below)
-    shared = (world, store.port, threads, timeout_s, fn, args, results, purpose, os.getpid())
-    procs = [ctx.Process(target=_entry, args=(r, *shared), daemon=True) for r in range(world)]
+    job = _Job(world, store.port, threads, timeout_s, fn, args, purpose, os.getpid())
+    procs = [ctx.Process(target=_entry, args=(r, job, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s + STARTUP_TIMEOUT_S

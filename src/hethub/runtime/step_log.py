@@ -13,8 +13,7 @@ from hethub.comm import BRIDGE, NATIVE
 from hethub.messages import logger
 from hethub.report.plot import loss_plot
 from hethub.report.prediction_check import PredictionCheck
-from hethub.report.terminal import progress_bar
-from hethub.report.text import plural
+from hethub.report.terminal import plural, progress_bar
 from hethub.report.timeline import TimelineEvent
 from hethub.report.trace import write_trace
 from hethub.runtime.checkpoint_folders import (

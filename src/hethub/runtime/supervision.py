@@ -101,7 +101,7 @@ def bind_group_defaults_before_init() -> None:
 
 def init_process_group(backend: str, timeout: timedelta, rank: int | None = None) -> None:
     """torch.distributed.init_process_group, in a store of this restart attempt's own, as
-    ``rank`` (None: torchrun's RANK; hethub.runtime.nodes.take_place gives the plan's).
+    ``rank`` (None: torchrun's RANK; hethub.runtime.nodes.claim_plan_rank gives the plan's).
 
     Under torchrun with the agent's store (TORCHELASTIC_USE_AGENT_STORE), torch 2.13's env://
     rendezvous reuses the agent's TCPStore unprefixed ("we create a new TCPStore for every

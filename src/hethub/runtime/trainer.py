@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hethub.comm import BRIDGE, NATIVE, local_device, peak_memory_bytes
 from hethub.corpus import Corpus
 from hethub.errors import HethubError
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.runtime.checkpoint import load_checkpoint, save_checkpoint
 from hethub.runtime.checkpoint_folders import (
     latest_checkpoint,

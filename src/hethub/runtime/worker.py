@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hethub.corpus import Corpus, open_corpus
 from hethub.errors import HethubError
 from hethub.messages import logger
-from hethub.report.text import plural
+from hethub.report.terminal import plural
 from hethub.runtime.affinity import bind_rank
 from hethub.runtime.rundir import RunDir, RunSettings
 from hethub.runtime.step_log import say

@@ -11,8 +11,7 @@ from hethub.predictor.profiled import missing_profiles
 from hethub.profiles.files import load_profiles
 from hethub.profiles.machine import default_profiles_dir
 from hethub.profiles.selection import Profiles, all_cpu, select_for_run
-from hethub.report.terminal import render_table
-from hethub.report.text import plural
+from hethub.report.terminal import plural, render_table
 from hethub.spec import ClusterSpec, ModelSpec, Plan
 from hethub.spec.parameters import parameter_count
 from hethub.spec.schedules import Schedule
