@@ -341,7 +341,7 @@ def pytest_counts(out: str) -> str:
     return last_line(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="fewer steps and profile repeats (a test's run)"
@@ -359,7 +359,41 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only phase (d), on --work's files (the check runs it so, in a process of its own)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One check's setting: its flags, the device, the files it wrote and its step count."""
+
+    args: argparse.Namespace
+    setup: Setup
+    gpu: bool
+    device_name: str
+    work: Path
+    model_file: Path
+    cluster: Path
+    plan: Path
+    steps: int
+    started: float
+
+
+@dataclass
+class Results:
+    """What the check's phases gave: each read where its phase ran (None: it did not)."""
+
+    tests: Phase
+    catalog_prediction: dict | None = None
+    profile_prediction: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    reference: dict = field(default_factory=dict)
+    compiled_records: list[dict] = field(default_factory=list)
+    splits: dict = field(default_factory=dict)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     if args.kernel_split:
         return profile_split(Path(args.work), args.cpu)
     started = time.monotonic()
@@ -377,12 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             f"no GPU ({why}): the CPU half, the same flow with a tiny Llama on this machine's CPU",
             flush=True,
         )
-        setup = CPU
+        name, setup = "", CPU
     steps = max(SKIPPED_STEPS + 3, setup.steps // 2) if args.quick else setup.steps
-    dtype = DTYPE
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hethub-gpu-check-"))
     model_file, cluster, plan = write_files(work, setup)
-    profiles, run_dir = work / "profiles", work / "run"
+    run = Run(args, setup, gpu, name, work, model_file, cluster, plan, steps, started)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -391,114 +424,168 @@ def main(argv: list[str] | None = None) -> int:
     }
     (work / "logs").mkdir(exist_ok=True)
     check = Check(deadline=started + args.budget, env=env, logs=work / "logs")
-    hethub = [sys.executable, "-m", "hethub"]
-    limits = setup.limits
+    results = _run_phases(run, check)
+    print("\n".join(_summary(run, check, results)), flush=True)
+    if not args.keep and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(p.status == "ok" for p in check.phases) else 1
 
+
+def _run_phases(run: Run, check: Check) -> Results:
+    """The check's phases, in order, each bounded by its limit: (a) the GPU tests, (b) the
+    predictions, the profile and the training run, (c) the plain reference, (e) the compiled
+    run, (d) where the time goes."""
+    setup, limits, hethub = run.setup, run.setup.limits, [sys.executable, "-m", "hethub"]
+    profiles = run.work / "profiles"
     # (a) the GPU tests (on a CPU they skip: the line still says so)
-    tests, out, err = check.run(
+    tests, out, _ = check.run(
         "gpu tests",
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
         limits["tests"],
     )
     tests.detail = pytest_counts(out) or tests.detail
-
+    results = Results(tests)
     # (b) predicted from the catalog alone, profiled here, predicted from the profile, trained
-    base = ["--cluster", str(cluster), "--plan", str(plan), "--json"]
-    phase, out, err = check.run("predict (catalog)", [*hethub, "predict", *base], limits["predict"])
-    catalog_prediction = parse_json(out) if phase.status == "ok" else None
-    phase, out, err = check.run(
-        "profile",
-        [
-            *hethub,
-            "profile",
-            "--model",
-            str(model_file),
-            "--device",
-            setup.accelerator,
-            "--dtype",
-            dtype,
-            "--tp",
-            "1",
-            "--micro-batch",
-            str(setup.micro_batch),
-            "--out",
-            str(profiles),
-            "--json",
-            # --quick: a test's run, which checks the flow, not the figures' precision
-            *(["--repeats", str(QUICK_REPEATS)] if args.quick else []),
-        ],
-        limits["profile"],
-    )
-    profile_prediction, notes = None, []
+    base = ["--cluster", str(run.cluster), "--plan", str(run.plan), "--json"]
+    phase, out, _ = check.run("predict (catalog)", [*hethub, "predict", *base], limits["predict"])
+    results.catalog_prediction = parse_json(out) if phase.status == "ok" else None
+    phase, out, _ = check.run("profile", _profile_command(run, profiles), limits["profile"])
     if phase.status == "ok":
         phase, out, err = check.run(
             "predict (profile)",
             [*hethub, "predict", *base, "--profiles", str(profiles)],
             limits["predict"],
         )
-        profile_prediction = parse_json(out) if phase.status == "ok" else None
-        notes = [line for line in err.splitlines() if ": note: " in line]
-    phase, out, err = check.run(
-        "train", train_command(cluster, plan, steps, run_dir, profiles), limits["train"]
+        results.profile_prediction = parse_json(out) if phase.status == "ok" else None
+        results.notes = [line for line in err.splitlines() if ": note: " in line]
+    run_dir = run.work / "run"
+    phase, out, _ = check.run(
+        "train", train_command(run.cluster, run.plan, run.steps, run_dir, profiles), limits["train"]
     )
-    records = read_metrics(run_dir, out)
-
+    results.records = read_metrics(run_dir, out)
     # (c) the plain reference on the same device; (e) compiled; (d) where the time goes
-    phase, out, err = check.run(
+    steps = REFERENCE_STEPS["quick" if run.args.quick else "full"]
+    _, out, _ = check.run(
         "reference",
-        reference_command(
-            model_file, setup, REFERENCE_STEPS["quick" if args.quick else "full"], not gpu
-        ),
+        reference_command(run.model_file, setup, steps, not run.gpu),
         limits["reference"],
     )
-    reference = parse_reference(out)
-    compiled_dir = work / "run-compiled"
-    phase, out, err = check.run(
+    results.reference = parse_reference(out)
+    compiled_dir = run.work / "run-compiled"
+    compiled_plan = run.work / COMPILED_PLAN
+    _, out, _ = check.run(
         "train (compiled)",
-        train_command(cluster, work / COMPILED_PLAN, steps, compiled_dir, profiles),
+        train_command(run.cluster, compiled_plan, run.steps, compiled_dir, profiles),
         limits["train (compiled)"],
     )
-    compiled_records = read_metrics(compiled_dir, out)
+    results.compiled_records = read_metrics(compiled_dir, out)
     # After the compiled run: its compilation is in inductor's cache, which this one's reads.
-    phase, out, err = check.run(
+    _, out, _ = check.run(
         "kernel split",
-        [sys.executable, str(Path(__file__).resolve()), "--kernel-split", "--work", str(work)]
-        + ([] if gpu else ["--cpu"]),
+        [sys.executable, str(Path(__file__).resolve()), "--kernel-split", "--work", str(run.work)]
+        + ([] if run.gpu else ["--cpu"]),
         limits["split"],
     )
-    splits = {bool(s["compile"]): s for s in map(parse_json, out.splitlines()) if s}
+    results.splits = {bool(s["compile"]): s for s in map(parse_json, out.splitlines()) if s}
+    return results
 
-    # --- the figures -------------------------------------------------------------------------
-    measured, timed = median_step(records)
-    measured_memory = peak_memory(records)
-    precisions = sorted({str(r["precision"]) for r in records if r.get("precision")})
+
+def _profile_command(run: Run, profiles: Path) -> list[str]:
+    """hethub profile of the check's model on its device, in its dtype, at TP 1."""
+    return [
+        sys.executable,
+        "-m",
+        "hethub",
+        "profile",
+        "--model",
+        str(run.model_file),
+        "--device",
+        run.setup.accelerator,
+        "--dtype",
+        DTYPE,
+        "--tp",
+        "1",
+        "--micro-batch",
+        str(run.setup.micro_batch),
+        "--out",
+        str(profiles),
+        "--json",
+        # --quick: a test's run, which checks the flow, not the figures' precision
+        *(["--repeats", str(QUICK_REPEATS)] if run.args.quick else []),
+    ]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The check's figures, read from its phases' results."""
+
+    measured: float | None
+    timed: list[float]
+    measured_memory: float | None
+    precisions: list[str]
+    by_catalog: float | None
+    by_profile: float | None
+    predicted_memory: float | None
+    errors: dict[str, float | None]
+    peak: float
+    flops: float | None
+    mfu: float | None
+    compiled: float | None
+    compiled_timed: list[float]
+    compiled_memory: float | None
+    first_compiled: float | None
+    speedup: float | None
+
+
+def _figures(run: Run, results: Results) -> Figures:
+    measured, timed = median_step(results.records)
+    measured_memory = peak_memory(results.records)
+    catalog_prediction, profile_prediction = results.catalog_prediction, results.profile_prediction
     by_catalog = catalog_prediction and catalog_prediction.get("iteration_time_s")
     by_profile = profile_prediction and profile_prediction.get("iteration_time_s")
     predicted_memory = catalog_prediction and catalog_prediction.get("peak_memory_gb")
-    errors = {
-        "catalog": error(by_catalog, measured),
-        "profile": error(by_profile, measured),
-        "memory": error(predicted_memory, measured_memory),
-    }
-    peak = catalog()[setup.accelerator].bf16_tflops
+    peak = catalog()[run.setup.accelerator].bf16_tflops
     devices = 1
     per_device = catalog_prediction and catalog_prediction.get("model_tflops_per_device")
     flops = per_device * 1e12 * devices * by_catalog if per_device and by_catalog else None
-    mfu = flops / measured / (devices * peak * 1e12) if flops and measured else None
-    params = sum_params(setup)
-    compiled, compiled_timed = median_step(compiled_records)
-    compiled_memory = peak_memory(compiled_records)
-    first_compiled = compiled_records[0]["iteration_time_s"] if compiled_records else None
-    speedup = measured / compiled if measured and compiled else None
-    reference_model = (
-        "this check's model" if reference_takes_a_model() else "its own model (no --model)"
+    compiled, compiled_timed = median_step(results.compiled_records)
+    return Figures(
+        measured=measured,
+        timed=timed,
+        measured_memory=measured_memory,
+        precisions=sorted({str(r["precision"]) for r in results.records if r.get("precision")}),
+        by_catalog=by_catalog,
+        by_profile=by_profile,
+        predicted_memory=predicted_memory,
+        errors={
+            "catalog": error(by_catalog, measured),
+            "profile": error(by_profile, measured),
+            "memory": error(predicted_memory, measured_memory),
+        },
+        peak=peak,
+        flops=flops,
+        mfu=flops / measured / (devices * peak * 1e12) if flops and measured else None,
+        compiled=compiled,
+        compiled_timed=compiled_timed,
+        compiled_memory=peak_memory(results.compiled_records),
+        first_compiled=(
+            results.compiled_records[0]["iteration_time_s"] if results.compiled_records else None
+        ),
+        speedup=measured / compiled if measured and compiled else None,
     )
 
-    lines = [
+
+def _summary(run: Run, check: Check, results: Results) -> list[str]:
+    """The summary the check prints: what ran, then each figure against its target."""
+    f = _figures(run, results)
+    setup, tests, notes = run.setup, results.tests, results.notes
+    params = sum_params(setup)
+    errors = f.errors
+    return [
         "",
         "summary",
         (
-            f"  device               {name if gpu else 'no GPU: the CPU half'} "
+            f"  device               {run.device_name if run.gpu else 'no GPU: the CPU half'} "
             f"(cluster accelerator {setup.accelerator}, 1 device)"
         ),
         f"  gpu tests            {tests.status}: {tests.detail or 'no output'}",
@@ -508,38 +595,50 @@ def main(argv: list[str] | None = None) -> int:
             f"{setup.model['seq_len']} tokens"
         ),
         (
-            f"  precision            plan {dtype}; "
-            f"profiled {dtype}; run recorded {', '.join(precisions) or 'not recorded'}"
+            f"  precision            plan {DTYPE}; "
+            f"profiled {DTYPE}; run recorded {', '.join(f.precisions) or 'not recorded'}"
         ),
-        f"  measured step        {fmt(measured, 's', 4)}"
+        f"  measured step        {fmt(f.measured, 's', 4)}"
         + (
-            f" (median of {len(timed)} steps after the first {SKIPPED_STEPS}; "
-            f"{len(records)} of {steps} steps recorded)"
-            if measured
+            f" (median of {len(f.timed)} steps after the first {SKIPPED_STEPS}; "
+            f"{len(results.records)} of {run.steps} steps recorded)"
+            if f.measured
             else " (no step recorded)"
         ),
         (
-            f"  predicted (catalog)  {fmt(by_catalog, 's', 4)}{pct(errors['catalog'])}: "
+            f"  predicted (catalog)  {fmt(f.by_catalog, 's', 4)}{pct(errors['catalog'])}: "
             f"{verdict(errors['catalog'], TARGETS['catalog'])} (target within "
             f"{100 * TARGETS['catalog']:.0f}%)"
         ),
-        f"  predicted (profile)  {fmt(by_profile, 's', 4)}{pct(errors['profile'])}: "
+        f"  predicted (profile)  {fmt(f.by_profile, 's', 4)}{pct(errors['profile'])}: "
         f"{verdict(errors['profile'], TARGETS['profile'])} (target within "
         f"{100 * TARGETS['profile']:.0f}%)"
         + (f"; {len(notes)} note(s): {notes[0].split(': note: ', 1)[1][:120]}" if notes else ""),
+        *_summary_measures(run, results, f),
+        *_summary_end(run, check, results, f),
+    ]
+
+
+def _summary_measures(run: Run, results: Results, f: Figures) -> list[str]:
+    """The summary's MFU, memory, reference, kernel and compile lines."""
+    reference, splits, errors = results.reference, results.splits, f.errors
+    reference_model = (
+        "this check's model" if reference_takes_a_model() else "its own model (no --model)"
+    )
+    return [
         "  MFU                  "
         + (
-            f"{100 * mfu:.1f}% = {flops / 1e12:.3g} TFLOP a step (the predictor's model FLOPs: "
-            f"predict --json model_tflops_per_device x devices x iteration_time_s) / "
-            f"{measured:.4f} s / ({devices} x {peak:g} TFLOP/s, the catalog's bf16 peak)"
-            if mfu
+            f"{100 * f.mfu:.1f}% = {f.flops / 1e12:.3g} TFLOP a step (the predictor's model "
+            f"FLOPs: predict --json model_tflops_per_device x devices x iteration_time_s) / "
+            f"{f.measured:.4f} s / (1 x {f.peak:g} TFLOP/s, the catalog's bf16 peak)"
+            if f.mfu
             else "n/a"
         ),
-        f"  peak memory          predicted {fmt(predicted_memory, 'GB', 2)} (catalog), measured "
+        f"  peak memory          predicted {fmt(f.predicted_memory, 'GB', 2)} (catalog), measured "
         + (
-            f"{measured_memory:.2f} GB{pct(errors['memory'])}: "
+            f"{f.measured_memory:.2f} GB{pct(errors['memory'])}: "
             f"{verdict(errors['memory'], TARGETS['memory'])}"
-            if measured_memory is not None
+            if f.measured_memory is not None
             else "not recorded: not checked"
         )
         + f" (target within {100 * TARGETS['memory']:.0f}%)",
@@ -548,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             f"hethub {reference['hethub_ms']:.1f} ms, plain torch {reference['reference_ms']:.1f} "
             f"ms a step: hethub/reference {reference['ratio']:.3f}x: "
             f"{ratio_verdict(reference['ratio'])} (target >= {REFERENCE_RATIO}); "
-            f"benchmarks/single_device.py, {dtype}, {reference_model}"
+            f"benchmarks/single_device.py, {DTYPE}, {reference_model}"
             if reference["ratio"] is not None
             else "not measured"
         ),
@@ -556,17 +655,25 @@ def main(argv: list[str] | None = None) -> int:
         f"  kernels (compiled)   {split_text(splits.get(True))}",
         "  compile              "
         + (
-            f"median step {compiled:.4f} s compiled, {measured:.4f} s eager: compiled/eager "
-            f"throughput {speedup:.3f}x (median of {len(compiled_timed)} steps after the first "
-            f"{SKIPPED_STEPS}); first step (compiling) {first_compiled:.1f} s; peak memory "
+            f"median step {f.compiled:.4f} s compiled, {f.measured:.4f} s eager: compiled/eager "
+            f"throughput {f.speedup:.3f}x (median of {len(f.compiled_timed)} steps after the "
+            f"first {SKIPPED_STEPS}); first step (compiling) {f.first_compiled:.1f} s; peak "
+            "memory "
             + (
-                f"{compiled_memory:.2f} GB (eager {fmt(measured_memory, 'GB', 2)})"
-                if compiled_memory is not None
+                f"{f.compiled_memory:.2f} GB (eager {fmt(f.measured_memory, 'GB', 2)})"
+                if f.compiled_memory is not None
                 else "not recorded"
             )
-            if speedup
+            if f.speedup
             else "not measured"
         ),
+    ]
+
+
+def _summary_end(run: Run, check: Check, results: Results, f: Figures) -> list[str]:
+    """The summary's phases, targets and finishing lines."""
+    errors, args = f.errors, run.args
+    return [
         "  phases               "
         + "; ".join(
             f"{p.name} {p.status} {p.seconds:.0f} s"
@@ -582,16 +689,12 @@ def main(argv: list[str] | None = None) -> int:
                 ("peak memory", "memory"),
             )
         )
-        + f", hethub/reference {ratio_verdict(reference['ratio'])}",
+        + f", hethub/reference {ratio_verdict(results.reference['ratio'])}",
         (
-            f"  finished in {time.monotonic() - started:.0f} s (budget {args.budget:.0f} s); "
-            f"work folder {work if args.keep or args.work else 'removed'}"
+            f"  finished in {time.monotonic() - run.started:.0f} s (budget {args.budget:.0f} s); "
+            f"work folder {run.work if args.keep or args.work else 'removed'}"
         ),
     ]
-    print("\n".join(lines), flush=True)
-    if not args.keep and not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if all(p.status == "ok" for p in check.phases) else 1
 
 
 def sum_params(setup: Setup) -> int:
