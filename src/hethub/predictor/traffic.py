@@ -3,8 +3,8 @@
 transfers that the runtime's Communicator counts against (spec.collectives), in the units of
 metrics.jsonl's ``comm_bytes`` and ``comm_bytes_busiest_rank``.
 
-Listed rank by rank (0.9 s for the paper's 768-rank plan), so `hethub predict` and a run's
-prediction.json report it, and the planner, which prices thousands of plans, does not.
+Listed rank by rank, a cost that grows with the rank count: `hethub predict` and a run's
+prediction.json report it once, and the planner, which prices thousands of plans, does not.
 """
 
 from __future__ import annotations

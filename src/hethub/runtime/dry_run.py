@@ -70,11 +70,11 @@ from hethub.runtime.torch_support import fake_store
 from hethub.spec.agreement import check_agreement, walk_messages
 from hethub.spec.buckets import rank_buckets
 from hethub.spec.cluster import ClusterSpec
-from hethub.spec.collectives import rank_transfers, stage_posts
+from hethub.spec.collectives import layout_posts, rank_transfers
 from hethub.spec.model import ModelSpec
 from hethub.spec.ops import Kernels
 from hethub.spec.plan import Plan
-from hethub.spec.schedules import chunk_sequence, in_flight_micro_batches, stage_model_chunks
+from hethub.spec.schedules import in_flight_micro_batches
 from hethub.spec.topology import Topology
 
 GB = 1e9
@@ -186,11 +186,7 @@ def check_schedules(plan: Plan, topology: Topology) -> int:
         stages, chunks = len(layout.stages), layout.virtual_stages
         if stages == 1:
             continue
-        orders = [
-            chunk_sequence(layout.schedule, s, stages, chunks, layout.micro_batches)
-            for s in range(stages)
-        ]
-        posts = stage_posts(orders, stage_model_chunks(layout.schedule, stages, chunks))
+        posts = layout_posts(layout.schedule, stages, chunks, layout.micro_batches)
         replica = next(r.replica for r in topology.ranks if r.pipeline == index)
 
         def name(stage: int, replica: int = replica, index: int = index) -> str:

@@ -159,28 +159,6 @@ def _weights_finite(engine: Engine) -> bool:
     return bool(finite.item())
 
 
-def _stopped_non_finite(run, topology, step, loss, agreed: Agreed | None, saved, log) -> int:
-    """A loss (or, at a checkpoint, a weight) went non-finite: training on would write NaN
-    checkpoints. Every rank stops here; the run keeps its last finite checkpoint. ``agreed``:
-    the step's figures, where a loss went non-finite on some ranks (None: the weights)."""
-    if log:
-        log.close()
-        where = "its weights"
-        if agreed is not None and agreed.non_finite:
-            where = topology.ranks[agreed.first_non_finite].describe()
-            if agreed.non_finite > 1:
-                where += f" and {plural(agreed.non_finite - 1, 'other rank')}"
-        kept = f"its last checkpoint, step {saved}, is finite" if saved else "no checkpoint"
-        say(
-            f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
-            f"stopped before writing a checkpoint of it ({kept}); train again with a lower --lr"
-        )
-        run.write_json(run.path / STOPPED, {"reason": "non-finite loss", "step": step})
-    # Under hethub train every rank exits 0, or torchrun would restart them into the same NaN;
-    # hethub train finds stopped.json and exits 1. Under the user's torchrun: a failure.
-    return 0 if LAUNCHED_BY_HETHUB in os.environ else 1
-
-
 @dataclass(frozen=True, slots=True)
 class TrainingJob:
     """What a worker trains: the run folder and its settings, the cluster, the plan, the model,
@@ -320,9 +298,28 @@ class Trainer:
         return 128 + stop_signal
 
     def _stopped_non_finite(self, step: int, loss: float, agreed: Agreed | None) -> int:
-        return _stopped_non_finite(
-            self.job.run, self.job.topology, step, loss, agreed, self.saved, self.log
-        )
+        """A loss (or, at a checkpoint, a weight) went non-finite: training on would write NaN
+        checkpoints. Every rank stops here; the run keeps its last finite checkpoint.
+        ``agreed``: the step's figures, where a loss went non-finite on some ranks (None: the
+        weights)."""
+        run, saved = self.job.run, self.saved
+        if self.log:
+            self.log.close()
+            where = "its weights"
+            if agreed is not None and agreed.non_finite:
+                where = self.job.topology.ranks[agreed.first_non_finite].describe()
+                if agreed.non_finite > 1:
+                    where += f" and {plural(agreed.non_finite - 1, 'other rank')}"
+            kept = f"its last checkpoint, step {saved}, is finite" if saved else "no checkpoint"
+            say(
+                f"error: the loss is {loss} at step {step} (non-finite on {where}): the run "
+                f"stopped before writing a checkpoint of it ({kept}); train again with a lower "
+                f"--lr"
+            )
+            run.write_json(run.path / STOPPED, {"reason": "non-finite loss", "step": step})
+        # Under hethub train every rank exits 0, or torchrun would restart them into the same
+        # NaN; hethub train finds stopped.json and exits 1. Under the user's torchrun: a failure.
+        return 0 if LAUNCHED_BY_HETHUB in os.environ else 1
 
     def _finish(self) -> int:
         """Collective, after the last step: the trace's timelines and each rank's optimizer
