@@ -110,7 +110,7 @@ def test_a_bad_measured_on_field_is_named(tmp_path):
     data["measured_on"]["load_after"] = -1
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(Exception, match=r"measured_on.load_after = -1: must be a finite"):
+    with pytest.raises(Exception, match=r"measured_on.load_after = -1: must be a number >= 0"):
         read_profile(path)
 
 

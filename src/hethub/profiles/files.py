@@ -12,18 +12,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hethub.errors import HethubError, SpecError
+from hethub.errors import HethubError
 from hethub.files import write_atomic
 from hethub.profiles.selection import Profiles
 from hethub.profiles.types import (
     COLLECTIVES,
     COMMUNICATIONS,
-    DTYPE_BYTES,
     FORMAT,
     LAYER,
     LINK,
-    OPTIONAL_TIMES,
-    REQUIRED_TIMES,
     Fit,
     LayerKey,
     LayerProfile,
@@ -31,8 +28,7 @@ from hethub.profiles.types import (
     MeasuredOn,
     Points,
 )
-from hethub.spec.fields import Fields
-from hethub.spec.model import ARCHS
+from hethub.spec.fields import Fields, field_names
 
 
 def profile_path(directory: str | Path, profile: LayerProfile | LinkProfile) -> Path:
@@ -160,91 +156,27 @@ def read_profile(path: str | Path) -> LayerProfile | LinkProfile:
     return _parse_link(data, source)
 
 
+PREDATES_METHOD = 1
+"""The method of a file written before profiles recorded theirs."""
+
+
 def _parse_layer(data: dict, source: str) -> LayerProfile:
-    fields = Fields(
-        data,
-        source,
-        allowed=(
-            "format",
-            "kind",
-            "key",
-            *REQUIRED_TIMES,
-            *OPTIONAL_TIMES,
-            "layer_activation_bytes",
-            "layer_param_bytes",
-            "measured_at",
-            "cores",
-            "method",
-            "layer_time_spread",
-            "layer_time_cv",
-            "measured_on",
-        ),
-    )
-    k = Fields(
-        fields.raw("key"), source, "key", allowed=[f.name for f in dataclasses.fields(LayerKey)]
-    )
-    key = LayerKey(
-        device=k.string("device"),
-        arch=k.choice("arch", ARCHS),
-        hidden=k.positive_int("hidden"),
-        heads=k.positive_int("heads"),
-        kv_heads=k.positive_int("kv_heads"),
-        ffn_hidden=k.positive_int("ffn_hidden"),
-        seq_len=k.positive_int("seq_len"),
-        vocab=k.positive_int("vocab"),
-        dtype=k.choice("dtype", DTYPE_BYTES),
-        threads=k.positive_int("threads"),
-        concurrent_ranks=k.positive_int("concurrent_ranks"),
-        tp=k.positive_int("tp"),
-        micro_batch=k.positive_int("micro_batch"),
-        variant=k.string("variant") if k.has("variant") else "",
-    )
+    fields = Fields(data, source, allowed=("format", "kind", *field_names(LayerProfile)))
+    k = Fields(fields.raw("key"), source, "key", allowed=field_names(LayerKey))
+    key = LayerKey(**k.declared(LayerKey))
     if key.concurrent_ranks < key.tp:
         raise k.error("concurrent_ranks", key.concurrent_ranks, f"must be at least tp ({key.tp})")
-    times = {name: _finite_positive(fields, name) for name in REQUIRED_TIMES}
     return LayerProfile(
         key=key,
-        **times,
-        layer_activation_bytes=fields.positive_int("layer_activation_bytes"),
-        layer_param_bytes=fields.positive_int("layer_param_bytes"),
-        measured_at=fields.string("measured_at"),
-        cores=fields.positive_int("cores") if fields.has("cores") else None,
-        method=_method(fields),
-        **{name: _finite_positive(fields, name) for name in OPTIONAL_TIMES if fields.has(name)},
-        layer_time_spread=(
-            _finite_non_negative(fields, "layer_time_spread")
-            if fields.has("layer_time_spread")
-            else 0.0
-        ),
-        layer_time_cv=(
-            _finite_non_negative(fields, "layer_time_cv") if fields.has("layer_time_cv") else None
-        ),
         measured_on=_measured_on(fields),
+        **fields.declared(
+            LayerProfile, skip=("key", "measured_on"), defaults={"method": PREDATES_METHOD}
+        ),
     )
 
 
 def _parse_link(data: dict, source: str) -> LinkProfile:
-    fields = Fields(
-        data,
-        source,
-        allowed=(
-            "format",
-            "kind",
-            "device",
-            "concurrent_ranks",
-            "p2p_latency_s",
-            "p2p_bytes_per_s",
-            "allreduce",
-            "broadcast",
-            "allgather",
-            "reducescatter",
-            "measured_at",
-            "points",
-            "method",
-            "peer",
-            "measured_on",
-        ),
-    )
+    fields = Fields(data, source, allowed=("format", "kind", *field_names(LinkProfile)))
     # A file measured before the reduce-scatter was (method 2) has none: measured anew where
     # profiles are ensured; meanwhile a sharded stage's sync is priced by the analytic model.
     collectives = {
@@ -253,15 +185,13 @@ def _parse_link(data: dict, source: str) -> LinkProfile:
         if name != "reducescatter" or fields.has(name)
     }
     return LinkProfile(
-        device=fields.string("device"),
-        concurrent_ranks=fields.positive_int("concurrent_ranks"),
-        p2p_latency_s=_finite_non_negative(fields, "p2p_latency_s"),
-        p2p_bytes_per_s=_finite_positive(fields, "p2p_bytes_per_s"),
+        **fields.declared(
+            LinkProfile,
+            skip=(*COLLECTIVES, "points", "measured_on"),
+            defaults={"method": PREDATES_METHOD},
+        ),
         **collectives,
-        measured_at=fields.string("measured_at"),
         points=_points(fields),
-        method=_method(fields),
-        peer=fields.string("peer") if fields.has("peer") else None,
         measured_on=_measured_on(fields),
     )
 
@@ -270,29 +200,10 @@ def _measured_on(fields: Fields) -> MeasuredOn | None:
     """Where the file says it was measured: None in a file written before it was recorded."""
     if not fields.has("measured_on"):
         return None
-    names = [f.name for f in dataclasses.fields(MeasuredOn)]
-    where = Fields(fields.raw("measured_on"), fields.source, "measured_on", allowed=names)
-
-    def text(name: str) -> str | None:
-        return where.string(name) if where.has(name) else None
-
-    def load(name: str) -> float | None:
-        return _finite_non_negative(where, name) if where.has(name) else None
-
-    return MeasuredOn(
-        host=where.string("host"),
-        cpu=where.string("cpu"),
-        gpu=text("gpu"),
-        torch=text("torch"),
-        torch_build=text("torch_build"),
-        load_before=load("load_before"),
-        load_after=load("load_after"),
+    where = Fields(
+        fields.raw("measured_on"), fields.source, "measured_on", allowed=field_names(MeasuredOn)
     )
-
-
-def _method(fields: Fields) -> int:
-    """The file's measuring method: 1 where it predates the field."""
-    return fields.positive_int("method") if fields.has("method") else 1
+    return MeasuredOn(**where.declared(MeasuredOn))
 
 
 def _points(fields: Fields) -> dict[tuple[str, int], Points]:
@@ -352,21 +263,7 @@ def _fits(fields: Fields, name: str) -> dict[int, Fit]:
             allowed=("latency_s", "bytes_per_s"),
         )
         out[int(ranks)] = (
-            _finite_non_negative(fit, "latency_s"),
-            _finite_positive(fit, "bytes_per_s"),
+            fit.non_negative_number("latency_s"),
+            fit.positive_number("bytes_per_s"),
         )
     return out
-
-
-def _finite_positive(fields: Fields, name: str) -> float:
-    value = fields.positive_number(name)
-    if not math.isfinite(value):
-        raise SpecError(fields.source, fields.path(name), value, "must be a finite positive number")
-    return value
-
-
-def _finite_non_negative(fields: Fields, name: str) -> float:
-    value = fields.raw(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise fields.error(name, value, "must be a finite non-negative number")
-    return float(value)

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 
 from hethub.report.terminal import plural
-from hethub.spec.model import ModelSpec, arch_defaults
+from hethub.spec.fields import rules
+from hethub.spec.model import ARCHS, ModelSpec, arch_defaults
 from hethub.spec.plan import Precision
 
 FORMAT = 1
@@ -63,9 +64,9 @@ class MeasuredOn:
     """torch.__version__."""
     torch_build: str | None = None
     """What torch was built for: "cuda 12.4", "hip 6.2" or "cpu"."""
-    load_before: float | None = None
+    load_before: float | None = field(default=None, metadata=rules(at_least_zero=True))
     """The 1-minute load average as the measurement started (os.getloadavg; None: none)."""
-    load_after: float | None = None
+    load_after: float | None = field(default=None, metadata=rules(at_least_zero=True))
     """And as it ended (the measuring processes' own work included)."""
 
 
@@ -90,7 +91,7 @@ class LayerKey:
 
     device: str
     """Accelerator name of the cluster group that runs it (e.g. "cpu")."""
-    arch: str
+    arch: str = field(metadata=rules(choices=ARCHS))
     hidden: int
     heads: int
     kv_heads: int
@@ -98,7 +99,7 @@ class LayerKey:
     seq_len: int
     vocab: int
     """The embedding's and the head's cost depend on it."""
-    dtype: str
+    dtype: str = field(metadata=rules(choices=DTYPE_BYTES))
     """fp32 | bf16 | fp16: the dtype the layer computed in."""
     threads: int
     """Torch threads per rank."""
@@ -198,11 +199,11 @@ class LayerProfile:
     takes forward + backward)."""
     method: int = METHOD
     """How it was measured (METHOD)."""
-    layer_time_spread: float = 0.0
+    layer_time_spread: float = field(default=0.0, metadata=rules(at_least_zero=True))
     """The variance of a chain of layers' pass time (forward and backward) over its mean, in
     seconds (profiler.layers.Passes): how much the scheduler makes an operation's time vary
     where ranks share the cores. 0: not measured (before method 5)."""
-    layer_time_cv: float | None = None
+    layer_time_cv: float | None = field(default=None, metadata=rules(at_least_zero=True))
     """The passes' coefficient of variation (standard deviation over mean): how far one repeat
     strayed from another, whatever the layer's size (None: not recorded)."""
     measured_on: MeasuredOn | None = None
@@ -214,15 +215,6 @@ MEASURED_TIMES = tuple(
 )
 """The seconds a layer profile holds, read off its fields: what the profiler measures and a
 profile file must hold."""
-OPTIONAL_TIMES = tuple(
-    f.name
-    for f in dataclasses.fields(LayerProfile)
-    if f.name in MEASURED_TIMES and f.default is not dataclasses.MISSING
-)
-"""The times a file written before they were measured lacks (the recomputed layer's)."""
-REQUIRED_TIMES = tuple(name for name in MEASURED_TIMES if name not in OPTIONAL_TIMES)
-
-
 Fit = tuple[float, float]
 """(latency_s, bytes_per_s) of a collective or a message: time = latency + bytes / bandwidth."""
 Points = tuple[tuple[int, float], ...]
@@ -245,7 +237,7 @@ class LinkProfile:
 
     device: str
     concurrent_ranks: int
-    p2p_latency_s: float
+    p2p_latency_s: float = field(metadata=rules(at_least_zero=True))
     p2p_bytes_per_s: float
     allreduce: dict[int, Fit]
     broadcast: dict[int, Fit]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hethub.spec.accelerator import AcceleratorSpec, parse_accelerator
-from hethub.spec.fields import Fields, load_yaml
+from hethub.spec.fields import Fields, field_names, load_yaml
 from hethub.spec.hashing import hashed_once
 
 
@@ -65,7 +65,7 @@ class DeviceGroup:
     name: str
     """The name a plan's stages refer to."""
     accelerator: AcceleratorSpec
-    nodes: int
+    nodes: int = 1
     devices_per_node: int
     network_gbps: float
     """Scale-out network per node, Gbit/s."""
@@ -142,22 +142,10 @@ class ClusterSpec:
         return min(a.network_gbps, b.network_gbps)
 
 
-_GROUP_FIELDS = (
-    "name",
-    "accelerator",
-    "nodes",
-    "devices_per_node",
-    "network_gbps",
-    "speed",
-    "intra_node_gb_s",
-    "hosts",
-    "slurm",
-    "kubernetes",
-    "launch",
-)
-_KUBERNETES_FIELDS = ("image", "node_selector", "device_resource")
-_SLURM_FIELDS = ("partition", "constraint", "account", "time", "cpus_per_node")
-_LAUNCH_FIELDS = ("python", "env")
+LABELS = ("name", "description")
+"""A cluster file's keys for its readers, which hethub accepts and keeps nowhere."""
+SECTIONS = ("accelerator", "speed", "hosts", "slurm", "kubernetes", "launch")
+"""A group's fields of more than a scalar and its type: each has its own reader below."""
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """A name the shell can export (POSIX: letters, digits, '_', not a digit first)."""
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -166,27 +154,24 @@ SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
     """Validate a parsed cluster file."""
-    top = Fields(data, source, allowed=("groups", "cross_group_gbps", "name", "description"))
+    keys = [name for name in field_names(ClusterSpec) if name != "source"]
+    top = Fields(data, source, allowed=(*keys, *LABELS))
     groups: list[DeviceGroup] = []
     for i, raw in enumerate(top.mapping_list("groups")):
-        f = Fields(raw, source, f"groups[{i}]", allowed=_GROUP_FIELDS)
+        f = Fields(raw, source, f"groups[{i}]", allowed=field_names(DeviceGroup))
         name = f.string("name")
         if any(g.name == name for g in groups):
             raise f.error("name", name, "group names must be unique")
         accelerator = parse_accelerator(f.raw("accelerator"), source, f.path("accelerator"))
-        nodes = f.positive_int("nodes", 1)
+        scalars = f.declared(
+            DeviceGroup, skip=SECTIONS, defaults={"network_gbps": accelerator.network_gbps}
+        )
         groups.append(
             DeviceGroup(
-                name=name,
+                **scalars,
                 accelerator=accelerator,
-                nodes=nodes,
-                devices_per_node=f.positive_int("devices_per_node"),
-                network_gbps=f.positive_number("network_gbps", accelerator.network_gbps),
                 speed=_speed(f, accelerator) if f.has("speed") else None,
-                intra_node_gb_s=(
-                    f.positive_number("intra_node_gb_s") if f.has("intra_node_gb_s") else None
-                ),
-                hosts=_hosts(f, nodes) if f.has("hosts") else None,
+                hosts=_hosts(f, scalars["nodes"]) if f.has("hosts") else None,
                 slurm=_slurm(f.raw("slurm"), source, f.path("slurm")) if f.has("slurm") else None,
                 kubernetes=(
                     _kubernetes(f.raw("kubernetes"), source, f.path("kubernetes"))
@@ -198,8 +183,9 @@ def parse_cluster(data: Any, source: str = "") -> ClusterSpec:
                 ),
             )
         )
-    cross = top.positive_number("cross_group_gbps") if top.has("cross_group_gbps") else None
-    return ClusterSpec(groups=tuple(groups), cross_group_gbps=cross, source=source)
+    return ClusterSpec(
+        groups=tuple(groups), **top.declared(ClusterSpec, skip=("groups", "source")), source=source
+    )
 
 
 def _speed(f: Fields, accelerator: AcceleratorSpec) -> float:
@@ -238,32 +224,32 @@ def _hosts(f: Fields, nodes: int) -> tuple[str, ...]:
     return tuple(hosts)
 
 
-def _words(f: Fields, keys: tuple[str, ...], taker: str) -> dict[str, str]:
-    """The section's fields among ``keys`` that it gives, each a non-empty string that ``taker``
-    (a scheduler) takes as one word, as it is."""
-    texts = {key: f.string(key) for key in keys if f.has(key)}
-    for key, text in texts.items():
-        if any(c.isspace() for c in text):
+def _one_word(f: Fields, settings: dict[str, Any], keys: tuple[str, ...], taker: str) -> None:
+    """Each of the section's ``keys`` that it gives is one word, as ``taker`` (a scheduler)
+    takes it."""
+    for key in keys:
+        text = settings[key]
+        if text is not None and any(c.isspace() for c in text):
             raise f.error(key, text, f"must be one word, as {taker} takes it (no spaces)")
-    return texts
 
 
 def _slurm(raw: Any, source: str, prefix: str) -> SlurmSettings:
     """A group's ``slurm:`` section: strings Slurm takes as they are, a time limit in its form."""
-    f = Fields(raw, source, prefix, allowed=_SLURM_FIELDS)
-    texts = _words(f, ("partition", "constraint", "account"), "Slurm")
+    f = Fields(raw, source, prefix, allowed=field_names(SlurmSettings))
+    settings = f.declared(SlurmSettings, skip=("time",))
+    _one_word(f, settings, ("partition", "constraint", "account"), "Slurm")
     time = None
     if f.has("time"):
-        time = str(f.raw("time"))
+        time = str(f.raw("time"))  # a YAML int (minutes) or text
         slurm_time_seconds(time, f.error("time", time, SLURM_TIME_RULE))
-    cpus = f.positive_int("cpus_per_node") if f.has("cpus_per_node") else None
-    return SlurmSettings(**texts, time=time, cpus_per_node=cpus)
+    return SlurmSettings(**settings, time=time)
 
 
 def _kubernetes(raw: Any, source: str, prefix: str) -> KubernetesSettings:
     """A group's ``kubernetes:`` section: an image, node labels, a resource name, each one word."""
-    f = Fields(raw, source, prefix, allowed=_KUBERNETES_FIELDS)
-    texts = _words(f, ("image", "device_resource"), "Kubernetes")
+    f = Fields(raw, source, prefix, allowed=field_names(KubernetesSettings))
+    settings = f.declared(KubernetesSettings, skip=("node_selector",))
+    _one_word(f, settings, ("image", "device_resource"), "Kubernetes")
     selector: tuple[tuple[str, str], ...] = ()
     if f.has("node_selector"):
         labels = f.raw("node_selector")
@@ -280,14 +266,14 @@ def _kubernetes(raw: Any, source: str, prefix: str) -> KubernetesSettings:
                 'true: "true")',
             )
         selector = tuple(labels.items())
-    return KubernetesSettings(**texts, node_selector=selector)
+    return KubernetesSettings(**settings, node_selector=selector)
 
 
 def _launch(raw: Any, source: str, prefix: str) -> LaunchSettings:
     """A group's ``launch:`` section: an interpreter, and variables the shell can export, each a
     string or a whole number (quoted by hethub, as written), or null to drop a vendor default."""
-    f = Fields(raw, source, prefix, allowed=_LAUNCH_FIELDS)
-    python = f.string("python") if f.has("python") else None  # non-empty
+    f = Fields(raw, source, prefix, allowed=field_names(LaunchSettings))
+    settings = f.declared(LaunchSettings, skip=("env",))
     env: list[tuple[str, str | None]] = []
     if f.has("env"):
         variables = f.raw("env")
@@ -308,7 +294,7 @@ def _launch(raw: Any, source: str, prefix: str) -> LaunchSettings:
                     "drop the vendor's default",
                 )
             env.append((name, None if value is None else str(value)))
-    return LaunchSettings(python=python, env=tuple(env))
+    return LaunchSettings(**settings, env=tuple(env))
 
 
 SLURM_TIME_RULE = (

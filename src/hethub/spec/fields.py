@@ -6,8 +6,9 @@ import dataclasses
 import difflib
 import enum
 import math
+import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -216,39 +217,102 @@ class Fields:
             raise self.error(key, _short(value), "must be a non-empty list of non-empty strings")
         return value
 
-    def declared(self, cls: type, skip: Iterable[str] = ()) -> dict[str, Any]:
+    def declared(
+        self, cls: type, skip: Iterable[str] = (), defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The fields of dataclass ``cls`` (but ``skip``) read from this mapping by their
-        declared types and defaults: the one declaration of a file's scalar fields. A str is a
-        non-empty string, an int a positive integer, a bool true or false, a StrEnum one of its
-        values (read into a member); a field without a default is required."""
+        declared types, rules (``rules``, in a field's metadata) and defaults: the one
+        declaration of a file's fields. A str is a non-empty string (or one of its ``choices``),
+        an int a positive integer, a float a positive number (``at_least_zero``: either >= 0),
+        a bool true or false, a StrEnum one of its values (read into a member), ``X | None`` an
+        X where given. A field left out takes ``defaults``' value where it has one (a default
+        that depends on another field), else its declared default; without either it is
+        required."""
         hints = typing.get_type_hints(cls)
+        defaults = defaults or {}
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            if field.name in skip:
+            if field.name in skip or not field.init:
                 continue
-            kind = hints[field.name]
-            has_default = field.default is not dataclasses.MISSING
-            default = field.default if has_default else _MISSING
-            if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
-                given = self.choice(
-                    field.name, [m.value for m in kind], default.value if has_default else default
-                )
-                values[field.name] = kind(given)
-            elif kind is bool:
-                values[field.name] = self.boolean(field.name, default)
-            elif kind is int:
-                values[field.name] = self.positive_int(field.name, default)
-            elif kind is str:
-                values[field.name] = self.string(field.name, default)
-            else:
-                raise TypeError(f"{cls.__name__}.{field.name}: no reader for {kind!r}")
+            if not self.has(field.name):
+                if field.name in defaults:
+                    values[field.name] = defaults[field.name]
+                elif field.default is not dataclasses.MISSING:
+                    values[field.name] = field.default
+                else:
+                    raise self.error(field.name, None, "is required")
+                continue
+            values[field.name] = self._typed(field, _given_type(hints[field.name], cls, field))
         return values
+
+    def _typed(self, field: dataclasses.Field, kind: type) -> Any:
+        """The given value of ``field``, read as ``kind`` by its rules."""
+        key, rules = field.name, field.metadata
+        if issubclass(kind, enum.StrEnum):
+            return kind(self.choice(key, [m.value for m in kind]))
+        if kind is bool:
+            return self.boolean(key)
+        if kind is int:
+            return (
+                self.non_negative_int(key) if rules.get("at_least_zero") else self.positive_int(key)
+            )
+        if kind is float:
+            at_least_zero = rules.get("at_least_zero", False)
+            value = self.raw(key)
+            if isinstance(value, str) and _reads_as_number(value):
+                rule = "must be a number >= 0" if at_least_zero else "must be a positive number"
+                raise self.error(
+                    key, value, f"{rule} (YAML reads 1e-6 as text: write 1.0e-6; and unquoted)"
+                )
+            return self.non_negative_number(key) if at_least_zero else self.positive_number(key)
+        if "choices" in rules:
+            return self.choice(key, rules["choices"])
+        return self.string(key)
 
     def mapping_list(self, key: str) -> list[Any]:
         value = self.raw(key)
         if not isinstance(value, list) or not value:
             raise self.error(key, _short(value), "must be a non-empty list")
         return value
+
+
+def rules(*, choices: Iterable[str] = (), at_least_zero: bool = False) -> dict[str, Any]:
+    """A declared field's rules beyond its type, for its ``dataclasses.field(metadata=...)``:
+    the words a str field takes (``choices``), or that a number may be 0 (``at_least_zero``)."""
+    found: dict[str, Any] = {}
+    if choices:
+        found["choices"] = tuple(choices)
+    if at_least_zero:
+        found["at_least_zero"] = True
+    return found
+
+
+_READABLE = (bool, int, float, str)
+
+
+def _reads_as_number(text: str) -> bool:
+    """Whether ``text`` is a number YAML left as text (``1e-6``, ``"100"``)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _given_type(hint: Any, cls: type, field: dataclasses.Field) -> type:
+    """The type a field's given value is read as: ``hint``, or X of ``X | None``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        given = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = given[0] if len(given) == 1 else hint
+    if hint in _READABLE or (isinstance(hint, type) and issubclass(hint, enum.StrEnum)):
+        return hint
+    raise TypeError(f"{cls.__name__}.{field.name}: no reader for {hint!r}")
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The fields dataclass ``cls`` declares (those its constructor takes), in order: a file
+    format's allowed keys."""
+    return tuple(field.name for field in dataclasses.fields(cls) if field.init)
 
 
 def _short(value: Any) -> Any:

@@ -10,13 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from hethub.errors import SpecError
-from hethub.spec.fields import Fields, load_yaml, parse_yaml, suggestion
+from hethub.spec.fields import Fields, field_names, load_yaml, parse_yaml, suggestion
 from hethub.spec.hf_config import load_hf_config
 from hethub.spec.model_spec import (
     ACTIVATIONS,
     ARCHS,
-    DEFAULT_NORM_EPS,
-    DEFAULT_ROPE_THETA,
     HF_ARCHITECTURES,
     ModelSpec,
     RopeScaling,
@@ -37,32 +35,8 @@ def preset_names() -> list[str]:
     )
 
 
-MODEL_FILE_FIELDS = (
-    "arch",
-    "hidden",
-    "layers",
-    "heads",
-    "kv_heads",
-    "ffn_hidden",
-    "vocab",
-    "seq_len",
-    "rope_theta",
-    "rope_scaling",
-    "norm_eps",
-    "tie_word_embeddings",
-    "qkv_bias",
-    "o_bias",
-    "activation",
-    "max_position_embeddings",
-    "hf_architecture",
-)
-ROPE_SCALING_FIELDS = (
-    "type",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
+MODEL_FILE_FIELDS = tuple(name for name in field_names(ModelSpec) if name != "name")
+"""What a model file gives, in ModelSpec's order (its ``name`` is the file's, unless it says)."""
 
 
 def model_file_fields(model: ModelSpec) -> dict[str, Any]:
@@ -80,42 +54,36 @@ def model_file_fields(model: ModelSpec) -> dict[str, Any]:
     return fields
 
 
-def _positive_float(f: Fields, key: str, *default: float) -> float:
-    """A positive number (required unless a ``default`` is given), with the fix for what YAML
-    1.1 reads as text: ``1e-6`` (no dot)."""
-    value = f.raw(key, *default)
-    if isinstance(value, str):
-        raise f.error(
-            key, value, "must be a positive number (YAML reads 1e-6 as text: write 1.0e-6)"
-        )
-    return f.positive_number(key, *default)
-
-
 def _parse_rope_scaling(f: Fields) -> RopeScaling | None:
     if not f.has("rope_scaling"):
         return None
-    rope = Fields(f.raw("rope_scaling"), f.source, f.path("rope_scaling"), ROPE_SCALING_FIELDS)
-    rope.choice("type", (RopeScaling.TYPE,))
-    low, high = _positive_float(rope, "low_freq_factor"), _positive_float(rope, "high_freq_factor")
-    if high <= low:
-        raise rope.error("high_freq_factor", high, f"must be above low_freq_factor ({low})")
-    return RopeScaling(
-        factor=_positive_float(rope, "factor"),
-        low_freq_factor=low,
-        high_freq_factor=high,
-        original_max_position_embeddings=rope.positive_int("original_max_position_embeddings"),
+    rope = Fields(
+        f.raw("rope_scaling"),
+        f.source,
+        f.path("rope_scaling"),
+        allowed=("type", *field_names(RopeScaling)),
     )
+    rope.choice("type", (RopeScaling.TYPE,))
+    scaling = RopeScaling(**rope.declared(RopeScaling))
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise rope.error(
+            "high_freq_factor",
+            scaling.high_freq_factor,
+            f"must be above low_freq_factor ({scaling.low_freq_factor})",
+        )
+    return scaling
 
 
-def _parse_attention_options(f: Fields, arch: str) -> dict[str, Any]:
-    """The fields beyond the dimensions, each checked against the arch."""
-    gpt = arch == "gpt"
-    for llama_only in ("rope_theta", "rope_scaling"):
-        if gpt and f.has(llama_only):
-            raise f.error(
-                llama_only, f.raw(llama_only), "gpt has learned positions, not rotary: leave it out"
-            )
-    hf_architecture = None
+def _check_arch_options(f: Fields, arch: str) -> None:
+    """The fields beyond the dimensions that ``arch`` refuses or constrains."""
+    if arch == "gpt":
+        for llama_only in ("rope_theta", "rope_scaling"):
+            if f.has(llama_only):
+                raise f.error(
+                    llama_only,
+                    f.raw(llama_only),
+                    "gpt has learned positions, not rotary: leave it out",
+                )
     if f.has("hf_architecture"):
         hf_architecture = f.string("hf_architecture")
         if HF_ARCHITECTURES.get(hf_architecture) != arch:
@@ -126,23 +94,12 @@ def _parse_attention_options(f: Fields, arch: str) -> dict[str, Any]:
                 hf_architecture,
                 f"arch {arch} is one of {', '.join(known)}{hint}",
             )
-    return {
-        "rope_theta": _positive_float(f, "rope_theta", DEFAULT_ROPE_THETA),
-        "rope_scaling": _parse_rope_scaling(f),
-        "norm_eps": _positive_float(f, "norm_eps", DEFAULT_NORM_EPS),
-        "tie_word_embeddings": f.boolean("tie_word_embeddings", gpt),
-        "qkv_bias": f.boolean("qkv_bias", gpt),
-        "o_bias": f.boolean("o_bias", gpt),
-        "activation": f.choice("activation", ACTIVATIONS[arch], ACTIVATIONS[arch][0]),
-        "hf_architecture": hf_architecture,
-    }
 
 
-def parse_model(data: Any, source: str, name: str) -> ModelSpec:
-    """Validate a parsed model file."""
-    f = Fields(data, source, allowed=(*MODEL_FILE_FIELDS, "name"))
-    arch = f.choice("arch", ARCHS)
-    hidden, heads = f.positive_int("hidden"), f.positive_int("heads")
+def _parse_dimensions(f: Fields, read: dict[str, Any]) -> dict[str, Any]:
+    """``kv_heads`` and ``ffn_hidden``, whose defaults are other fields' (``read``), with the
+    rules between the dimensions."""
+    arch, hidden, heads = read["arch"], read["hidden"], read["heads"]
     if hidden % heads:
         raise f.error("heads", heads, f"must divide hidden ({hidden})")
     kv_heads = f.positive_int("kv_heads", heads)
@@ -154,27 +111,29 @@ def parse_model(data: Any, source: str, name: str) -> ModelSpec:
         )
     if heads % kv_heads:
         raise f.error("kv_heads", kv_heads, f"must divide heads ({heads})")
-    default_ffn = 4 * hidden if arch == "gpt" else llama_ffn_hidden(hidden)
-    seq_len = f.positive_int("seq_len")
-    max_positions = None
-    if f.has("max_position_embeddings"):
-        max_positions = f.positive_int("max_position_embeddings")
-    if max_positions is not None and seq_len > max_positions:
+    longest = read["max_position_embeddings"]
+    if longest is not None and read["seq_len"] > longest:
         raise f.error(
-            "seq_len", seq_len, f"must be at most max_position_embeddings ({max_positions})"
+            "seq_len", read["seq_len"], f"must be at most max_position_embeddings ({longest})"
         )
+    default_ffn = 4 * hidden if arch == "gpt" else llama_ffn_hidden(hidden)
+    return {"kv_heads": kv_heads, "ffn_hidden": f.positive_int("ffn_hidden", default_ffn)}
+
+
+def parse_model(data: Any, source: str, name: str) -> ModelSpec:
+    """Validate a parsed model file (``name``: the model's name unless the file gives one)."""
+    f = Fields(data, source, allowed=field_names(ModelSpec))
+    read = f.declared(
+        ModelSpec, skip=("name", "kv_heads", "ffn_hidden", "rope_scaling", "activation")
+    )
+    arch = read["arch"]
+    _check_arch_options(f, arch)
     return ModelSpec(
-        name=str(f.raw("name", name)),
-        arch=arch,
-        hidden=hidden,
-        layers=f.positive_int("layers"),
-        heads=heads,
-        kv_heads=kv_heads,
-        ffn_hidden=f.positive_int("ffn_hidden", default_ffn),
-        vocab=f.positive_int("vocab"),
-        seq_len=seq_len,
-        max_position_embeddings=max_positions,
-        **_parse_attention_options(f, arch),
+        **read,
+        name=str(f.raw("name", name)),  # a label: any scalar, shown as text
+        **_parse_dimensions(f, read),
+        rope_scaling=_parse_rope_scaling(f),
+        activation=f.choice("activation", ACTIVATIONS[arch], ACTIVATIONS[arch][0]),
     )
 
 

@@ -5,10 +5,11 @@ make one; most code imports it from spec.model."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hethub.errors import SpecError
+from hethub.spec.fields import rules
 from hethub.spec.hashing import hashed_once
 
 ARCHS = ("gpt", "llama")
@@ -69,7 +70,7 @@ class ModelSpec:
     """
 
     name: str
-    arch: str
+    arch: str = field(metadata=rules(choices=ARCHS))
     hidden: int
     layers: int
     heads: int
@@ -99,9 +100,9 @@ class ModelSpec:
     """The HuggingFace class the model came from and is exported as (HF_ARCHITECTURES)."""
 
     def _fill_arch_defaults(self) -> None:
-        for field, default in arch_defaults(self.arch).items():
-            if getattr(self, field) is None:
-                object.__setattr__(self, field, default)
+        for name, default in arch_defaults(self.arch).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
 
     @property
     def tied_head(self) -> bool:
