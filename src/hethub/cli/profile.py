@@ -203,9 +203,9 @@ def run(args: argparse.Namespace) -> int:
             device,
             [p for p in layers if p],
             [p for p in links if p],
-            measured,
-            out,
-            elapsed,
+            measured=measured,
+            out=out,
+            elapsed=elapsed,
             where=describe_device(where),
         )
     )
@@ -379,10 +379,10 @@ def describe(
     device: str,
     layers: list[LayerProfile],
     links: list[LinkProfile],
+    *,
     measured: list,
     out: Path,
     elapsed: float,
-    *,
     where: str = "CPU",
 ) -> str:
     """The profiles as two tables: layers (per TP rank, one micro-batch), and links (``where``

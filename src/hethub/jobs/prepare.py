@@ -116,20 +116,38 @@ def prepare(
         check_plan(plan, cluster, model, args.plan)
         check_data(settings, model, plan.global_batch)  # bad data stops before anything is measured
         check_eval_data(settings, model, plan.global_batch)
-        _check_before_measuring(args, cluster, model, plan, measure, local_launch)
-        profiles, basis = _profiles(args, cluster, model, plan, measure, say)
+        _check_before_measuring(
+            args, cluster, model, plan, measure=measure, local_launch=local_launch
+        )
+        profiles, basis = _profiles(args, cluster, model, plan, measure=measure, say=say)
     else:
         model = load_model(args.model or DEFAULT_MODEL, source="--model", seq_len=settings.seq_len)
         global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
         check_data(settings, model, global_batch)
         check_eval_data(settings, model, global_batch)
         precision = planned_precision(cluster)
-        _check_before_measuring(args, cluster, model, None, measure, local_launch, precision)
+        _check_before_measuring(
+            args,
+            cluster,
+            model,
+            None,
+            measure=measure,
+            local_launch=local_launch,
+            precision=precision,
+        )
         if say and precision is not DEFAULT_PRECISION:
             say(f"precision {precision}, not {DEFAULT_PRECISION}: {NO_BF16_KERNELS}")
-        profiles, basis = _profiles(args, cluster, model, None, measure, say, precision)
+        profiles, basis = _profiles(
+            args, cluster, model, None, measure=measure, say=say, precision=precision
+        )
         plan = _plan(
-            cluster, model, global_batch, args.model or DEFAULT_MODEL, profiles, say, precision
+            cluster,
+            model,
+            global_batch,
+            model_ref=args.model or DEFAULT_MODEL,
+            profiles=profiles,
+            say=say,
+            precision=precision,
         )
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     _check_launch(args, plan, cluster, prediction, local_launch, say)
@@ -138,7 +156,7 @@ def prepare(
         run.write_text(run.cluster, cluster_path.read_text())
         write_plan(run, plan, model)
         run.write_settings(settings)
-        _write_prediction(run, prediction, basis, plan, cluster, model, profiles)
+        _write_prediction(run, prediction, basis, plan, cluster, model, profiles=profiles)
     else:
         run = RunDir(args.run_dir or Path("runs") / name)
     return Job(
@@ -183,8 +201,8 @@ def _prepare_resume(
     check_data(settings, model, plan.global_batch)
     check_eval_data(settings, model, plan.global_batch)
     check_profiles_folder(args, cluster, measure)
-    _check_before_measuring(args, cluster, model, plan, measure, local_launch)
-    profiles, basis = _profiles(args, cluster, model, plan, measure, say)
+    _check_before_measuring(args, cluster, model, plan, measure=measure, local_launch=local_launch)
+    profiles, basis = _profiles(args, cluster, model, plan, measure=measure, say=say)
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
     _check_launch(args, plan, cluster, prediction, local_launch, say)
     if write:
@@ -198,7 +216,7 @@ def _prepare_resume(
         if cluster_path != run.cluster:
             run.write_text(run.cluster, cluster_path.read_text())
         run.write_settings(settings)
-        _write_prediction(run, prediction, basis, plan, cluster, model, profiles)
+        _write_prediction(run, prediction, basis, plan, cluster, model, profiles=profiles)
     return Job(
         run=run,
         settings=settings,
@@ -334,6 +352,7 @@ def _check_before_measuring(
     cluster: ClusterSpec,
     model: ModelSpec,
     plan: Plan | None,
+    *,
     measure: bool,
     local_launch: bool,
     precision: Precision = DEFAULT_PRECISION,
@@ -418,6 +437,7 @@ def _profiles(
     cluster: ClusterSpec,
     model: ModelSpec,
     plan: Plan | None,
+    *,
     measure: bool,
     say,
     precision: Precision = DEFAULT_PRECISION,
@@ -462,6 +482,7 @@ def _plan(
     cluster: ClusterSpec,
     model: ModelSpec,
     global_batch: int,
+    *,
     model_ref: str,
     profiles: Profiles | None,
     say,
@@ -514,6 +535,7 @@ def _write_prediction(
     plan: Plan,
     cluster: ClusterSpec,
     model: ModelSpec,
+    *,
     profiles: Profiles | None,
 ) -> None:
     """prediction.json: the prediction of ``plan``, a step's bytes on each path

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -148,7 +149,7 @@ def measure_layers(
     measured: list[tuple[LayerKey, dict[str, float]]] = []
     for tp in dict.fromkeys(tps):
         world = max(concurrent_ranks, tp)
-        args = (model, tp, tuple(micro_batches), repeats, dtype, str(where))
+        args = (_RankRequest(model, tp, tuple(micro_batches), repeats, dtype, str(where)),)
         if world == 1:
             try:
                 per_rank = [_in_this_process(_measure_rank, threads, *args)]
@@ -209,18 +210,24 @@ def _in_this_process(fn: Callable, threads: int, *args):
         torch.set_num_threads(previous)
 
 
-def _measure_rank(
-    rank: int,
-    world: int,
-    model: ModelSpec,
-    tp: int,
-    micro_batches: tuple[int, ...],
-    repeats: int,
-    dtype: str = DTYPE,
-    where: str = "cpu",
-) -> dict[int, dict[str, float]]:
+@dataclass(frozen=True)
+class _RankRequest:
+    """What each measuring rank measures: ``model``'s layers at TP ``tp``, for each of
+    ``micro_batches``, ``repeats`` times, in ``dtype`` on device ``where``."""
+
+    model: ModelSpec
+    tp: int
+    micro_batches: tuple[int, ...]
+    repeats: int
+    dtype: str = DTYPE
+    where: str = "cpu"
+
+
+def _measure_rank(rank: int, world: int, request: _RankRequest) -> dict[int, dict[str, float]]:
     """On one rank: the mean costs of each micro-batch size (all ranks measure at once), with the
-    stage's weights and activations in ``dtype`` on device ``where``."""
+    stage's weights and activations in the request's dtype on its device."""
+    model, tp, micro_batches = request.model, request.tp, request.micro_batches
+    repeats, dtype, where = request.repeats, request.dtype, request.where
     device, floating = torch.device(where), DTYPES[dtype]
     group = block_group(world, tp, Role.TENSOR) if world > 1 else None
     together = _ConcurrentTiming(group) if world > 1 else _OneRankTiming()

@@ -184,7 +184,7 @@ class Engine:
             self.rank,
             self.stage,
             links,
-            self._timeline,
+            timeline=self._timeline,
             device=self.device,
             speed=speed,
         )

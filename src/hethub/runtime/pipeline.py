@@ -76,8 +76,8 @@ class Pipeline:
         rank: int,
         stage: StageChunks,
         links: StageLinks,
-        timeline: StepTimeline,
         *,
+        timeline: StepTimeline,
         device: torch.device,
         speed: float | None = None,
     ) -> None:

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hethub.corpus import Corpus, open_corpus
+from hethub.corpus import open_corpus
 from hethub.errors import HethubError
 from hethub.messages import logger
 from hethub.report.terminal import plural
@@ -41,22 +41,11 @@ from hethub.spec.plan import Plan
 from hethub.spec.topology import Topology, build_topology
 
 
-def train(
-    run: RunDir,
-    settings: RunSettings,
-    cluster: ClusterSpec,
-    plan: Plan,
-    model: ModelSpec,
-    topology: Topology,
-    corpus: Corpus,
-    *,
-    resume: bool,
-    as_json: bool,
-    rank: int | None = None,
-) -> int:
-    """Train the run's plan from its start (or its latest checkpoint) to settings.steps, as
+def train(job: TrainingJob, *, resume: bool, as_json: bool, rank: int | None = None) -> int:
+    """Train the job's plan from its start (or its latest checkpoint) to its settings' steps, as
     ``rank`` of the plan (None: torchrun's RANK); the exit status: 0, 1 when the loss went
     non-finite, 128 + N when signal N stopped it."""
+    run, settings, topology = job.run, job.settings, job.topology
     world = int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise HethubError(
@@ -74,7 +63,6 @@ def train(
     rank = dist.get_rank()
     heartbeat = Heartbeat(rank, world, HEARTBEAT_S, settings.timeout_s)
     try:
-        job = TrainingJob(run, settings, cluster, plan, model, topology, corpus)
         return Trainer(job, stop, as_json=as_json).train(resume=resume, restarted=restarted)
     except RuntimeError:  # dist.DistError is one: a collective that failed or timed out
         if _lost_peers(heartbeat, topology, stop, settings.timeout_s):
@@ -120,20 +108,16 @@ def run_job(
 ) -> int:
     """This process's part of the job, as ``rank`` of the plan (None: torchrun's RANK): its
     corpus and topology, then train()."""
-    corpus = open_corpus(settings.data)
-    topology = build_topology(plan, cluster)
-    return train(
+    job = TrainingJob(
         run,
         settings,
         cluster,
         plan,
         model,
-        topology,
-        corpus,
-        resume=resume,
-        as_json=as_json,
-        rank=rank,
+        topology=build_topology(plan, cluster),
+        corpus=open_corpus(settings.data),
     )
+    return train(job, resume=resume, as_json=as_json, rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:
