@@ -182,46 +182,92 @@ def test_the_wrappers_work_on_the_installed_torch():
     assert torch_support.fake_store() is not None
 
 
-def test_the_agent_log_templates_are_the_installed_torchs():
+def test_the_launchers_steps_are_the_installed_torchs():
+    """torch_support.launch makes what torch's launch_agent makes, from the same LaunchConfig,
+    and the agent asks _monitor_workers for each result before it restarts the workers."""
     import inspect
 
     import torch.distributed.elastic.agent.server.api as agent_api
-    import torch.distributed.elastic.multiprocessing.api as processes_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher.api import launch_agent
 
-    processes, agent = inspect.getsource(processes_api), inspect.getsource(agent_api)
-    # the source splits a template over string literals: compare without the joins
-    joined = agent.replace('"\n                        "', "")
-    assert f'"{torch_support.WORKER_FAILED} (pid: %s) of binary: %s"' in processes
+    launcher = inspect.getsource(launch_agent)
+    for step in (
+        "RendezvousParameters(",
+        "WorkerSpec(",
+        "LocalElasticAgent(",
+        "agent.run()",
+        "ChildFailedError(",
+        "except SignalException:",
+        "spec.rdzv_handler.shutdown()",
+        'os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle',
+    ):
+        assert step in launcher, step
+    run = inspect.getsource(agent_api.SimpleElasticAgent._invoke_run)
+    assert run.index("self._monitor_workers(") < run.index("self._restart_workers(")
+    assert inspect.signature(LocalElasticAgent._monitor_workers).parameters.keys() == {
+        "self",
+        "worker_group",
+    }
+    agent = inspect.getsource(agent_api)
     assert f'"{torch_support.DEATH_SIGNAL}, shutting down workers"' in agent
-    assert all(part in joined for part in torch_support.RESTARTING)
 
 
-def _record(msg: str, *args) -> logging.LogRecord:
-    return logging.LogRecord(
-        "torch.distributed.elastic", logging.INFO, __file__, 1, msg, args, None
+LAUNCH = """
+import json, sys
+from torch.distributed.run import config_from_args, parse_args
+from hethub.runtime import torch_support
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+config, entrypoint, args = config_from_args(parse_args([
+    "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--rdzv-id=t",
+    "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
+    "--log-dir=" + sys.argv[1], sys.argv[2],
+]))
+told = []
+try:
+    torch_support.launch(config, entrypoint, args, lambda *failure: told.append(failure[:2]))
+except ChildFailedError as error:
+    rank, failure = error.get_first_failure()
+    print(json.dumps({"told": told, "end": [rank, failure.exitcode]}))
+"""
+WORKER = """
+import os, signal, sys, time
+if os.environ["LOCAL_RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)  # rank 0 waits: the agent stops it when rank 1 dies
+"""
+
+
+@pytest.mark.slow
+def test_launch_tells_each_failure_from_torchelastics_record(tmp_path):
+    """A worker killed in each of two attempts (one restart): launch tells both failures, with
+    the rank and the signal from torchelastic's ProcessFailure, before the restart and at the
+    end, and the run ends in ChildFailedError naming it."""
+    import json
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCH, str(tmp_path / "logs"), str(worker)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"told": [[1, -9], [1, -9]], "end": [1, -9]}
 
 
-def test_the_agent_log_records_are_told_apart():
-    failed = _record(torch_support.WORKER_FAILED + " (pid: %s) of binary: %s", -9, 3, 1234, "x")
-    restart = _record(
-        "[%s] Worker group %s. %s/%s attempts left; will restart worker group", "default", "F", 2, 3
-    )
-    joined = _record("[%s] Detected %s new nodes from group_rank=%s; will restart worker group")
-    signal = _record("Received %s death signal, shutting down workers", 2)
-    assert torch_support.worker_failure(failed) == (3, -9)
-    assert [torch_support.worker_failure(r) for r in (restart, joined, signal)] == [None] * 3
-    assert [torch_support.is_restart(r) for r in (failed, restart, joined, signal)] == [
-        False,
-        True,
-        False,
-        False,
-    ]
-    assert [torch_support.is_death_signal(r) for r in (failed, restart, signal)] == [
-        False,
-        False,
-        True,
-    ]
+def test_first_failure_is_the_earliest():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    late = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file="/nonexistent")
+    early = ProcessFailure(local_rank=3, pid=11, exitcode=-9, error_file="/nonexistent")
+    late.timestamp, early.timestamp = 200, 100
+    assert torch_support.first_failure({0: late, 3: early}) == (3, -9, early.error_file)
+    assert torch_support.first_failure({}) == (None, None, None)
 
 
 def test_the_agent_gives_torchs_loggers_their_levels_back(tmp_path):

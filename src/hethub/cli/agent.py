@@ -1,11 +1,12 @@
 """Starting a prepared job's workers on this machine through torchrun, and watching them.
 
 `hethub train` is itself the torchrun agent of its workers: it parses torchrun's own flags and
-runs torchrun's launcher (torch.distributed.run's config_from_args and elastic_launch) in this
-process, rather than a `torchrun` child whose only record of a failure is a traceback on
-stderr. So it keeps the agent's log in RUN_DIR/logs/agent.log, reads a failure from torchrun's
-structured record (rank, exit code, signal) and says it in one line, and when it is killed its
-workers die with it (each worker asks the kernel for that: hethub.runtime.supervision).
+runs torchrun's launcher (torch.distributed.run's config_from_args, then the rendezvous and the
+elastic agent: hethub.runtime.torch_support.launch) in this process, rather than a `torchrun`
+child whose only record of a failure is a traceback on stderr. So it keeps the agent's log in
+RUN_DIR/logs/agent.log, reads each failure from torchelastic's own record of it (rank, exit code,
+error file) as the agent does and says it in one line, and when it is killed its workers die
+with it (each worker asks the kernel for that: hethub.runtime.supervision).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Self
 from hethub.jobs import Job, plan_devices
 from hethub.messages import logger
 from hethub.runtime.checkpoint_folders import latest_checkpoint, read_meta
-from hethub.runtime.torch_support import is_death_signal, is_restart, worker_failure
+from hethub.runtime.torch_support import is_death_signal
 
 DEFAULT_MAX_RESTARTS = 3
 """Restarts of the workers after a failure (`hethub train --max-restarts`). A worker lost to
@@ -37,9 +38,9 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
     """Start the job's workers on this machine through torchrun's launcher; the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
+    from hethub.runtime import torch_support
     from hethub.runtime.supervision import LAUNCHED_BY_HETHUB, STOPPED
 
     run = job.run.path
@@ -71,7 +72,7 @@ def launch(job: Job, *, as_json: bool, max_restarts: int = DEFAULT_MAX_RESTARTS)
     watcher = AgentLog(logs / "agent.log", job, max_restarts)
     try:
         with watcher:
-            elastic_launch(config, entrypoint)(*arguments)
+            torch_support.launch(config, entrypoint, arguments, watcher.failed)
     except ChildFailedError as failed:
         stopped = _stopped_for_good(run / STOPPED)
         if stopped and "error" in stopped:  # the others failed waiting for the rank that met it
@@ -119,12 +120,12 @@ def _say(message: str) -> None:
 
 class AgentLog(logging.Handler):
     """Takes torchrun's agent log for the length of a launch: every record into ``path``, none
-    on the console, and from two of them hethub's own lines: a worker's failure (its rank,
-    group, stage and signal) when the agent restarts the workers, and a first Ctrl-C's notice.
-
-    The records are told apart by torch's message templates, kept with the torch they were
-    checked on in hethub.runtime.torch_support. For the launch's length every torch.distributed
-    logger says INFO (the restart record is an INFO one); each gets its own level back after."""
+    on the console, and from one of them hethub's own line: a first Ctrl-C's notice (told apart
+    by torch's message template, kept with the torch it was checked on in
+    hethub.runtime.torch_support). It is told of each failure of the workers (``failed``), and
+    says it (the rank's group and stage, its signal or status) where the agent restarts them.
+    For the launch's length every torch.distributed logger says INFO (the agent's restart
+    records, kept in the log, are INFO ones); each gets its own level back after."""
 
     LOGGER = "torch.distributed"
 
@@ -132,8 +133,7 @@ class AgentLog(logging.Handler):
         super().__init__(level=logging.INFO)
         self.path, self.job, self.max_restarts = path, job, max_restarts
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s] %(message)s"))
-        self.last_failure: tuple[int, int] | None = None  # (local rank, exit code)
-        self.restarts = 0
+        self.failures = 0
 
     def __enter__(self) -> Self:
         self.file = self.path.open("a", encoding="utf-8")
@@ -161,24 +161,7 @@ class AgentLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.file.write(self.format(record) + "\n")
         self.file.flush()
-        failure = worker_failure(record)
-        if failure is not None:
-            self.last_failure = failure
-        elif is_restart(record):
-            self.restarts += 1
-            step = _latest_step(self.job)
-            since = "step 0 (no checkpoint yet)" if step is None else f"step {step}"
-            what = (
-                f"{self._rank(self.last_failure[0])} {self._ended(self.last_failure[1])}"
-                if self.last_failure
-                else "a worker failed"
-            )
-            _say(
-                f"{what}; restarting the workers from {since} "
-                f"(restart {self.restarts} of {self.max_restarts})"
-            )
-            self.last_failure = None
-        elif is_death_signal(record):
+        if is_death_signal(record):
             _say(
                 "stopping after the current step and a checkpoint "
                 "(Ctrl-C again stops at once, losing the step)"
@@ -188,11 +171,33 @@ class AgentLog(logging.Handler):
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, _stop_at_once)
 
+    def failed(self, rank: int | None, exitcode: int | None, error_file: str | None) -> None:
+        """The workers failed, ``rank`` first (None: the agent found the group unhealthy with no
+        rank's exit): said where the agent restarts them; a failure past the restarts is said
+        once the launch ends (failure_line)."""
+        self.failures += 1
+        if self.failures > self.max_restarts:
+            return
+        step = _latest_step(self.job)
+        since = "step 0 (no checkpoint yet)" if step is None else f"step {step}"
+        what = "a worker failed" if rank is None else self._failure(rank, exitcode, error_file)
+        _say(
+            f"{what}; restarting the workers from {since} "
+            f"(restart {self.failures} of {self.max_restarts})"
+        )
+
     def _rank(self, rank: int) -> str:
         # hethub train starts every rank on this machine: the local rank is the plan's rank.
         from hethub.spec.topology import build_topology
 
         return build_topology(self.job.plan, self.job.cluster).ranks[rank].describe()
+
+    def _failure(self, rank: int, exitcode: int, error_file: str | None) -> str:
+        """'RANK died of SIGNAL' or 'RANK exited with status N (its error: FILE)'."""
+        line = f"{self._rank(rank)} {self._ended(exitcode)}"
+        if exitcode > 0 and error_file and Path(error_file).is_file():
+            line += f" (its error: {error_file})"
+        return line
 
     @staticmethod
     def _ended(exitcode: int) -> str:
@@ -201,9 +206,6 @@ class AgentLog(logging.Handler):
         return f"exited with status {exitcode}"
 
     def failure_line(self, failed) -> str:
-        """One line for torchrun's ChildFailedError: the first rank to fail, and how."""
+        """One line for torchelastic's ChildFailedError: the first rank to fail, and how."""
         rank, failure = failed.get_first_failure()
-        line = f"{self._rank(rank)} {self._ended(failure.exitcode)}"
-        if failure.exitcode > 0 and failure.error_file and Path(failure.error_file).is_file():
-            line += f" (its error: {failure.error_file})"
-        return line
+        return self._failure(rank, failure.exitcode, failure.error_file)

@@ -1,7 +1,7 @@
 """The torch hethub runs on: the range it supports, checked where a command needs torch, the
 installed build, which `hethub --version` names, and every corner of torch outside its public
-API that hethub reaches (private names, torchrun's log templates and agent store), each with the
-torch it was checked on: the one room to look in when a torch release breaks one.
+API that hethub reaches (private names, torchrun's launcher, log template and agent store), each
+with the torch it was checked on: the one room to look in when a torch release breaks one.
 
 hethub keeps the torch that is installed (a vendor's CUDA, ROCm, torch_npu or XPU build), so it
 checks the version instead of pinning it. Nothing here imports torch at import time, so that
@@ -285,38 +285,101 @@ def private_aten_op(name: str):
     return getattr(torch.ops.aten, name)
 
 
+# torchrun's launcher ---------------------------------------------------------------------------
+# `hethub train` runs torchrun's launch in its own process and learns of a worker's failure as the
+# agent reads it: from torchelastic's own record of it (the RunResult's ProcessFailure: the rank,
+# its exit code and its error file), through a LocalElasticAgent whose _monitor_workers (one of
+# the methods torchelastic's docs name for an agent's implementors) hands each failed result on
+# before the agent restarts the workers. elastic_launch makes its agent itself, so launch() makes
+# the rendezvous handler, the WorkerSpec and the agent as torch.distributed.launcher.api's
+# launch_agent does, from the same LaunchConfig. Checked on torch 2.13
+# (tests/test_torch_support.py holds launch_agent's steps to these).
+
+
+def launch(config, entrypoint: str, args: list[str], on_failure) -> None:
+    """Run ``entrypoint`` with ``args`` on this node's workers as torchrun would with ``config``
+    (torch.distributed.run.config_from_args'); ``on_failure(rank, exitcode, error_file)`` is told
+    each time the workers fail, with the first failure (error_file: the worker's torchelastic
+    error file, None where it wrote none), before the agent restarts them or gives up. Raises
+    torchelastic's ChildFailedError when they failed past their restarts, and its
+    SignalException when the agent took a death signal."""
+    import os
+
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    class ReportingAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                on_failure(*first_failure(result.failures))
+            return result
+
+    # The signals the workers' process context turns into a SignalException (launch_agent too).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    rendezvous = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=get_rendezvous_handler(rendezvous),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    agent = ReportingAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+    )
+    closing = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=entrypoint, failures=result.failures)
+    except SignalException:
+        # a death signal leaves the rendezvous open, as launch_agent does: closing it would
+        # close this run id's rendezvous for good
+        closing = False
+        raise
+    finally:
+        if closing:
+            spec.rdzv_handler.shutdown()
+
+
+def first_failure(failures: dict) -> tuple[int | None, int | None, str | None]:
+    """(rank, exit code, error file) of the first of torchelastic's ProcessFailures (by its
+    timestamp); Nones for a failure without one (an unhealthy group)."""
+    if not failures:
+        return None, None, None
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    return rank, failure.exitcode, failure.error_file
+
+
 # torchrun's agent log --------------------------------------------------------------------------
-# `hethub train` learns from the agent's log records when a worker failed and the agent restarts
-# the workers, and when the agent took a first Ctrl-C: the elastic agent tells these only in its
-# log (its RunResult stays inside elastic_launch until the end). The records are told apart by
-# their message templates, which torch may reword in any release: should one change, the agent's
-# log still holds everything and only hethub's own line goes unsaid. Checked on torch 2.13
-# (tests/test_torch_support.py finds each in the installed torch's source).
-
-WORKER_FAILED = "failed (exitcode: %s) local_rank: %s"
-"""torch.distributed.elastic.multiprocessing.api: a worker ended badly; args (exitcode,
-local_rank, pid, binary)."""
-
-RESTARTING = ("attempts left;", "will restart worker group")
-"""torch.distributed.elastic.agent.server.api: the agent restarts a failed worker group (the
-membership restart, which spends no attempt, lacks the first part)."""
+# `hethub train` learns from the agent's log when the agent took a first Ctrl-C: the elastic
+# agent tells it in its log alone. The record is told apart by its message template, which torch
+# may reword in any release: should it change, the agent's log still holds everything and only
+# hethub's own line goes unsaid. Checked on torch 2.13 (tests/test_torch_support.py finds it in
+# the installed torch's source).
 
 DEATH_SIGNAL = "Received %s death signal"
 """torch.distributed.elastic.agent.server.api: the agent took a SIGINT or SIGTERM and shuts
 its workers down."""
-
-
-def worker_failure(record) -> tuple[int, int] | None:
-    """(local rank, exit code) of a WORKER_FAILED record of the agent's log; None for another."""
-    if not str(record.msg).startswith(WORKER_FAILED):
-        return None
-    exitcode, local_rank = int(record.args[0]), int(record.args[1])
-    return local_rank, exitcode
-
-
-def is_restart(record) -> bool:
-    """Whether an agent's log record says it restarts the failed workers (RESTARTING)."""
-    return all(part in str(record.msg) for part in RESTARTING)
 
 
 def is_death_signal(record) -> bool:
