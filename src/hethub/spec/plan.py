@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from hethub.errors import SpecError
-from hethub.spec.fields import Fields, load_yaml
+from hethub.spec.fields import Fields, field_names, load_yaml
 from hethub.spec.schedules import Schedule, chunks_per_stage, stage_model_chunks
 
 
@@ -122,7 +122,7 @@ class StageSpec:
     model's chunks s, s + p, ..., in that order)."""
 
     group: str
-    tp: int
+    tp: int = 1
     layers: int
     """All the stage's layers, over its chunks."""
     chunks: tuple[int, ...] = ()
@@ -160,7 +160,7 @@ class StageSpec:
 class PipelineLayout:
     """``count`` identical data-parallel replicas, each a pipeline of ``stages``."""
 
-    count: int
+    count: int = 1
     micro_batches: int
     """Micro-batches each replica runs per optimizer step (replicas may differ: an uneven split)."""
     stages: tuple[StageSpec, ...]
@@ -344,8 +344,11 @@ def _layers_text(stage: StageSpec) -> str:
 
 PLAN_KEYS = tuple(field.name for field in dataclasses.fields(Plan))
 """A plan file's top-level keys: Plan's fields, in the order a plan file writes them."""
-LAYOUT_KEYS = ("count", "micro_batches", "schedule", "virtual_stages", "stages")
-STAGE_KEYS = ("group", "tp", "layers", "recompute")
+LAYOUT_KEYS = (*field_names(PipelineLayout), "virtual_stages")
+"""A layout's keys: its declared fields, and its chunks per stage (which its stages' chunks
+hold, once read)."""
+STAGE_KEYS = tuple(name for name in field_names(StageSpec) if name != "chunks")
+"""A stage's keys: its declared fields but its chunks (given as its ``layers``' list)."""
 
 
 def parse_plan(data: Any, source: str = "") -> Plan:
@@ -354,17 +357,21 @@ def parse_plan(data: Any, source: str = "") -> Plan:
     (Fields.declared); its pipelines are read layout by layout."""
     top = Fields(data, source, allowed=PLAN_KEYS)
     settings = top.declared(Plan, skip=("pipelines",))
-    raw_pipelines = top.mapping_list("pipelines")
-    counts = [
-        Fields(raw, source, f"pipelines[{i}]").positive_int("count", 1)
-        for i, raw in enumerate(raw_pipelines)
-    ]
     layouts = [
         Fields(raw, source, f"pipelines[{i}]", allowed=LAYOUT_KEYS)
-        for i, raw in enumerate(raw_pipelines)
+        for i, raw in enumerate(top.mapping_list("pipelines"))
     ]
+    scalars = [
+        f.declared(
+            PipelineLayout,
+            skip=("micro_batches", "stages"),
+            defaults={"schedule": settings["schedule"]},
+        )
+        for f in layouts
+    ]
+    replicas = sum(layout["count"] for layout in scalars)
     pipelines = tuple(
-        _parse_layout(f, count, settings, sum(counts), top) for f, count in zip(layouts, counts)
+        _parse_layout(f, layout, settings, replicas, top) for f, layout in zip(layouts, scalars)
     )
     plan = Plan(**settings, pipelines=pipelines)
     if plan.overlap_param_gather and not plan.shard_optimizer:
@@ -386,11 +393,12 @@ def parse_plan(data: Any, source: str = "") -> Plan:
 
 
 def _parse_layout(
-    f: Fields, count: int, settings: dict[str, Any], replicas: int, top: Fields
+    f: Fields, scalars: dict[str, Any], settings: dict[str, Any], replicas: int, top: Fields
 ) -> PipelineLayout:
-    """One pipeline layout of a plan file (``settings``: the plan's scalar fields, its
-    defaults; ``replicas``: every layout's count, which an even split divides among)."""
-    schedule = Schedule(f.choice("schedule", SCHEDULES, settings["schedule"].value))
+    """One pipeline layout of a plan file (``scalars``: its count and schedule, read;
+    ``settings``: the plan's scalar fields, its defaults; ``replicas``: every layout's count,
+    which an even split divides among)."""
+    schedule = scalars["schedule"]
     if f.has("micro_batches"):
         micro_batches = f.positive_int("micro_batches")
     else:
@@ -422,12 +430,12 @@ def _parse_layout(
     stages = []
     for j, raw_stage in enumerate(raw_stages):
         s = Fields(raw_stage, f.source, f.path(f"stages[{j}]"), allowed=STAGE_KEYS)
-        group, tp, chunks = s.string("group"), s.positive_int("tp", 1), _chunks(s, virtual_stages)
-        recompute = Recompute(s.choice("recompute", RECOMPUTE, settings["recompute"].value))
-        stages.append(StageSpec.of_chunks(group, tp, chunks, recompute))
-    return PipelineLayout(
-        count=count, micro_batches=micro_batches, stages=tuple(stages), schedule=schedule
-    )
+        stage = s.declared(
+            StageSpec, skip=("layers", "chunks"), defaults={"recompute": settings["recompute"]}
+        )
+        chunks = tuple(_chunks(s, virtual_stages))
+        stages.append(StageSpec(**stage, layers=sum(chunks), chunks=chunks))
+    return PipelineLayout(**scalars, micro_batches=micro_batches, stages=tuple(stages))
 
 
 def _chunks(stage: Fields, virtual_stages: int) -> list[int]:
