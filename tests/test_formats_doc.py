@@ -14,6 +14,12 @@ import yaml
 
 from hethub.profiles.types import LayerKey, LayerProfile, LinkProfile, MeasuredOn
 from hethub.spec import check_plan, load_cluster, load_model, load_plan
+from hethub.spec.accelerator import (
+    MEMORY_KEYS,
+    OWN_READERS,
+    AcceleratorSpec,
+    DeviceEfficiency,
+)
 from hethub.spec.cluster import (
     LABELS,
     ClusterSpec,
@@ -23,7 +29,7 @@ from hethub.spec.cluster import (
     SlurmSettings,
 )
 from hethub.spec.model_spec import ModelSpec
-from hethub.spec.plan import PLAN_KEYS, Plan
+from hethub.spec.plan import PLAN_KEYS, PipelineLayout, Plan, StageSpec
 
 FORMATS = Path(__file__).resolve().parents[1] / "docs" / "formats.md"
 
@@ -67,7 +73,7 @@ def _type_words(hint: object, rules: dict) -> str | None:
     if hint is int:
         return f"int {bound}"
     if hint is float:
-        return f"number {bound}"
+        return "number in (0, 1]" if rules.get("fraction") else f"number {bound}"
     if hint is str:
         choices = rules.get("choices")
         return "choice: " + ", ".join(f"`{c}`" for c in choices) if choices else "string"
@@ -82,14 +88,17 @@ def _check_table(
     extra: tuple[str, ...] = (),
     not_in_file: tuple[str, ...] = (),
 ) -> None:
-    """The docs' table after ``heading`` lists ``cls``'s declared fields (then ``extra``, keys a
-    reader takes beside them; but ``not_in_file``) in order, each's type as the declaration
-    reads it (but those of ``own_readers``, read by hand-written rules), "required" only where
-    it has no default (a field without one may take another field's: ``kv_heads``), and a
-    literal default that is the declared one."""
+    """The docs' table after ``heading`` lists ``cls``'s declared fields (but ``not_in_file``)
+    in order, and ``extra``, keys a reader takes beside them, anywhere among them; each's type
+    as the declaration reads it (but those of ``own_readers``, read by rules of their own),
+    "required" only where it has no default (a field without one may take another field's:
+    ``kv_heads``), and a literal default that is the declared one."""
     rows = _table_after(FORMATS.read_text(), heading)
     declared = [f for f in dataclasses.fields(cls) if f.init and f.name not in not_in_file]
-    assert [row[0].strip("`") for row in rows] == [f.name for f in declared] + list(extra)
+    names = [row[0].strip("`") for row in rows]
+    assert [name for name in names if name not in extra] == [f.name for f in declared]
+    assert sorted(set(names) - {f.name for f in declared}) == sorted(extra)
+    rows = [row for row in rows if row[0].strip("`") not in extra]
     hints = typing.get_type_hints(cls)
     for field, (_, kind, default, *_) in zip(declared, rows):
         if field.name in own_readers:
@@ -114,6 +123,24 @@ def test_the_plan_table_is_the_plans_declaration() -> None:
     _check_table("## The plan file", Plan)
 
 
+def test_the_layout_and_stage_tables_are_their_declarations() -> None:
+    """A layout's and a stage's fields as spec.plan's PipelineLayout and StageSpec declare them:
+    a layout's chunks per stage are a key of the file alone, a stage's chunks the list its
+    ``layers`` gives."""
+    _check_table(
+        "A layout (`pipelines[i]`):",
+        PipelineLayout,
+        own_readers=("schedule",),
+        extra=("virtual_stages",),
+    )
+    _check_table(
+        "A stage (`pipelines[i].stages[j]`):",
+        StageSpec,
+        own_readers=("layers",),
+        not_in_file=("chunks",),
+    )
+
+
 def test_the_cluster_tables_are_the_clusters_declaration() -> None:
     """The cluster file's tables as spec.cluster's dataclasses declare them; a group's sections
     and its accelerator have readers of their own."""
@@ -129,6 +156,24 @@ def test_the_cluster_tables_are_the_clusters_declaration() -> None:
     _check_table("A group's `slurm:` section", SlurmSettings, own_readers=("time",))
     _check_table("A group's `kubernetes:` section", KubernetesSettings)
     _check_table("A group's `launch:` section", LaunchSettings)
+
+
+def test_the_inline_accelerator_tables_are_its_declaration() -> None:
+    """An inline accelerator's table as spec.accelerator.AcceleratorSpec declares it (its memory
+    in a file's units), and its efficiency's as DeviceEfficiency does."""
+    _check_table(
+        "An inline accelerator (`groups[i].accelerator`",
+        AcceleratorSpec,
+        own_readers=OWN_READERS,
+        extra=MEMORY_KEYS,
+        not_in_file=("memory_bytes", "memory_reserve_bytes"),
+    )
+    _check_table(
+        "`efficiency:` (the catalog",
+        DeviceEfficiency,
+        own_readers=("source",),
+        not_in_file=("inherited",),
+    )
 
 
 def test_the_model_table_is_the_models_declaration() -> None:

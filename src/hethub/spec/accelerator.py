@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 from hethub.errors import SpecError
-from hethub.spec.fields import Fields, parse_yaml, suggestion
+from hethub.spec.fields import Fields, field_names, parse_yaml, rules, suggestion
 from hethub.spec.hashing import hashed_once
 
 VENDORS = ("nvidia", "amd", "huawei", "intel", "cpu", "other")
@@ -18,9 +18,6 @@ GB = 10**9
 GIB = 2**30
 """A gibibyte: the unit device memory is built in (HBM and GDDR capacities are binary), whatever
 a datasheet's "80 GB" says."""
-
-EFFICIENCY_FIELDS = ("gemm", "sustained", "attention", "memory", "launch_us")
-"""The figures of a device's `efficiency:` in the catalog, each measured by a microbenchmark."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,18 +31,18 @@ class DeviceEfficiency:
     far below ``gemm``; the narrow dimension where it reaches half of it follows from the
     device's FLOPs per byte, not from a fit)."""
 
-    gemm: float
+    gemm: float = field(metadata=rules(fraction=True))
     """Fraction of the dense peak a large GEMM reaches in a burst: a GEMM benchmark's best shape
     (MAMF, the maximum achievable matmul FLOP/s, a mean of 100 runs at boost clock) over the
     datasheet figure."""
-    sustained: float
+    sustained: float = field(metadata=rules(fraction=True))
     """Fraction of that burst rate a GEMM keeps once the device runs at its power limit, as a
     training step holds it (MSMF over MAMF: the maximum sustainable matmul FLOP/s, measured at
     the saturated clock)."""
-    attention: float
+    attention: float = field(metadata=rules(fraction=True))
     """Fraction of the dense peak the fused attention kernel (flash attention) reaches, forward
     and backward together, by its FLOPs."""
-    memory: float
+    memory: float = field(metadata=rules(fraction=True))
     """Fraction of the memory bandwidth a streaming kernel (copy, triad) reaches."""
     launch_us: float
     """The device runtime's cost to launch one kernel (an empty kernel's time back to back);
@@ -66,6 +63,13 @@ class DeviceEfficiency:
         return self.attention * self.sustained
 
 
+EFFICIENCY_FIELDS = tuple(
+    name for name in field_names(DeviceEfficiency) if name not in ("source", "inherited")
+)
+"""The figures of a device's `efficiency:` in the catalog, each measured by a microbenchmark
+(DeviceEfficiency's fields but its source and what it inherited)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 @hashed_once()
 class AcceleratorSpec:
@@ -73,11 +77,14 @@ class AcceleratorSpec:
 
     name: str
     """Catalog name (lower case) or the name an inline accelerator gives itself."""
-    vendor: str
+    vendor: str = field(metadata=rules(choices=VENDORS))
     """nvidia | amd | huawei | intel | cpu | other; groups of different vendors talk over the
     bridge."""
     bf16_tflops: float
     """Dense bf16 tensor TFLOP/s (fp16 where the device has no bf16)."""
+    fp32_tflops: float | None = None
+    """Dense FP32 TFLOP/s, what an fp32 plan's GEMMs run at (None: no public figure; an fp32
+    plan on this device is refused)."""
     memory_bytes: int
     """Device memory, bytes: the catalog's ``memory_gib`` or ``memory_gb``, whichever unit the
     figure is in."""
@@ -93,9 +100,6 @@ class AcceleratorSpec:
     """Device-to-host link, GB/s per direction (the host-staged bridge crosses it)."""
     network_gbps: float
     """The usual node's scale-out network, Gbit/s per node."""
-    fp32_tflops: float | None = None
-    """Dense FP32 TFLOP/s, what an fp32 plan's GEMMs run at (None: no public figure; an fp32
-    plan on this device is refused)."""
     source: str = ""
     """The public document the figures come from."""
     efficiency: DeviceEfficiency
@@ -153,21 +157,17 @@ def lookup(name: str, source: str = "", field: str = "accelerator") -> Accelerat
     return known[key]
 
 
-_INLINE_FIELDS = (
-    "name",
-    "vendor",
-    "bf16_tflops",
-    "memory_gb",
-    "memory_gib",
-    "memory_reserve_gib",
-    "memory_bw_gb_s",
-    "intra_node_gb_s",
-    "host_link_gb_s",
-    "network_gbps",
-    "fp32_tflops",
-    "source",
-    "efficiency",
+MEMORY_KEYS = ("memory_gb", "memory_gib", "memory_reserve_gib")
+"""An inline accelerator's memory, in the unit of its figure: AcceleratorSpec's memory_bytes and
+memory_reserve_bytes."""
+INLINE_KEYS = (
+    *(name for name in field_names(AcceleratorSpec) if not name.endswith("_bytes")),
+    *MEMORY_KEYS,
 )
+"""An inline accelerator's keys: AcceleratorSpec's fields, its memory in a file's units."""
+OWN_READERS = ("memory_bytes", "memory_reserve_bytes", "source", "efficiency")
+"""AcceleratorSpec's fields read by a reader of their own: the memory in its unit, the source
+(any text), the efficiency (a section with its vendor's defaults)."""
 
 
 def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
@@ -175,22 +175,15 @@ def parse_accelerator(value: Any, source: str, field: str) -> AcceleratorSpec:
     defaults."""
     if isinstance(value, str):
         return lookup(value, source, field)
-    f = Fields(value, source, field, allowed=_INLINE_FIELDS)
+    f = Fields(value, source, field, allowed=INLINE_KEYS)
     vendor = f.choice("vendor", VENDORS)
     defaults = _catalog_data()["vendor_defaults"][vendor]
     return AcceleratorSpec(
-        name=f.string("name"),
-        vendor=vendor,
-        bf16_tflops=f.positive_number("bf16_tflops"),
+        **f.declared(AcceleratorSpec, skip=OWN_READERS, defaults=defaults),
         memory_bytes=_memory_bytes(f),
         memory_reserve_bytes=round(
             GIB * f.non_negative_number("memory_reserve_gib", defaults["memory_reserve_gib"])
         ),
-        memory_bw_gb_s=f.positive_number("memory_bw_gb_s", defaults["memory_bw_gb_s"]),
-        intra_node_gb_s=f.positive_number("intra_node_gb_s", defaults["intra_node_gb_s"]),
-        host_link_gb_s=f.positive_number("host_link_gb_s", defaults["host_link_gb_s"]),
-        network_gbps=f.positive_number("network_gbps", defaults["network_gbps"]),
-        fp32_tflops=f.positive_number("fp32_tflops") if f.has("fp32_tflops") else None,
         source=str(f.raw("source", "inline in the cluster file")),
         efficiency=parse_efficiency(f.raw("efficiency", {}), vendor, source, f.path("efficiency")),
     )
@@ -224,14 +217,7 @@ def parse_efficiency(value: Any, vendor: str, source: str, field: str) -> Device
     f = Fields(value, source, field, allowed=(*EFFICIENCY_FIELDS, "source"))
     default = _catalog_data()["vendor_defaults"][vendor]["efficiency"]
     inherited = tuple(name for name in EFFICIENCY_FIELDS if not f.has(name))
-    figures = {
-        name: (
-            f.positive_number(name, default[name])
-            if name == "launch_us"
-            else f.fraction(name, default[name])
-        )
-        for name in EFFICIENCY_FIELDS
-    }
+    figures = f.declared(DeviceEfficiency, skip=("source", "inherited"), defaults=default)
     own = str(f.raw("source", "")) if len(inherited) < len(EFFICIENCY_FIELDS) else ""
     if inherited:
         said = f"{', '.join(inherited)}: {vendor}'s default ({default['source']})"

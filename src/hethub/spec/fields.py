@@ -223,7 +223,8 @@ class Fields:
         """The fields of dataclass ``cls`` (but ``skip``) read from this mapping by their
         declared types, rules (``rules``, in a field's metadata) and defaults: the one
         declaration of a file's fields. A str is a non-empty string (or one of its ``choices``),
-        an int a positive integer, a float a positive number (``at_least_zero``: either >= 0),
+        an int a positive integer, a float a positive number (``at_least_zero``: either >= 0;
+        ``fraction``: in (0, 1]),
         a bool true or false, a StrEnum one of its values (read into a member), ``X | None`` an
         X where given. A field left out takes ``defaults``' value where it has one (a default
         that depends on another field), else its declared default; without either it is
@@ -264,6 +265,8 @@ class Fields:
                 raise self.error(
                     key, value, f"{rule} (YAML reads 1e-6 as text: write 1.0e-6; and unquoted)"
                 )
+            if rules.get("fraction"):
+                return self.fraction(key)
             return self.non_negative_number(key) if at_least_zero else self.positive_number(key)
         if "choices" in rules:
             return self.choice(key, rules["choices"])
@@ -276,14 +279,19 @@ class Fields:
         return value
 
 
-def rules(*, choices: Iterable[str] = (), at_least_zero: bool = False) -> dict[str, Any]:
+def rules(
+    *, choices: Iterable[str] = (), at_least_zero: bool = False, fraction: bool = False
+) -> dict[str, Any]:
     """A declared field's rules beyond its type, for its ``dataclasses.field(metadata=...)``:
-    the words a str field takes (``choices``), or that a number may be 0 (``at_least_zero``)."""
+    the words a str field takes (``choices``), that a number may be 0 (``at_least_zero``) or is
+    a share of a whole, in (0, 1] (``fraction``)."""
     found: dict[str, Any] = {}
     if choices:
         found["choices"] = tuple(choices)
     if at_least_zero:
         found["at_least_zero"] = True
+    if fraction:
+        found["fraction"] = True
     return found
 
 
