@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+from hethub.memo import memo_scope
 from hethub.planner.candidates import Layout, combinations, homogeneous, mixed, tp_degrees
 from hethub.planner.drafts import VIRTUAL_STAGES, chunks_allowed
 from hethub.planner.search import MAX_STAGES, MICRO_BATCH_SIZES
@@ -37,6 +38,7 @@ def _settings(global_batch: int):
     return [(b, r) for b in MICRO_BATCH_SIZES if global_batch % b == 0 for r in ("none", "full")]
 
 
+@memo_scope()  # one Memo for all the plans it predicts
 def megatron_uniform(cluster: ClusterSpec, model: ModelSpec, global_batch: int, model_ref: str):
     """The fastest fitting Megatron-style uniform plan over all devices: (plan, prediction)."""
     common = set.intersection(*(set(tp_degrees(g, model)) for g in cluster.groups))
@@ -93,6 +95,7 @@ def _compositions(total: int, parts: int, low: list[int] | None = None):
             yield (first, *rest)
 
 
+@memo_scope()  # one Memo for all the plans it predicts
 def exhaustive_best(cluster: ClusterSpec, model: ModelSpec, global_batch: int, model_ref: str):
     """The fastest fitting plan of the whole space: every structure, layer split and batch split.
 

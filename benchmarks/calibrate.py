@@ -27,16 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measured_rows import FITTED_ON, load_rows, predict_row
 
+from hethub.memo import memo_scope
 from hethub.predictor import Calibration, default_calibration
 from hethub.predictor.calibration import Bound, fitted_bounds
-from hethub.predictor.compute import embedding_cost, head_cost, layer_cost
 
 
-def clear_caches() -> None:
-    for cached in (layer_cost, embedding_cost, head_cost):
-        cached.cache_clear()
-
-
+@memo_scope()  # one evaluation's caches: dropped with it, so a fit's memory stays one evaluation's
 def per_file_mape(cal: Calibration, rows) -> dict[str, float]:
     errors = defaultdict(list)
     for row in rows:
@@ -68,7 +64,6 @@ def fit(rows, start: Calibration, held: dict[str, float], iterations: int, say=N
         return dataclasses.replace(start, **values)
 
     def objective(x) -> float:
-        clear_caches()
         mapes = per_file_mape(to_cal(x), rows)
         return sum(mapes.values()) / len(mapes)
 
@@ -92,7 +87,6 @@ def fit(rows, start: Calibration, held: dict[str, float], iterations: int, say=N
         },
     )
     fitted = to_cal(result.x)
-    clear_caches()
     if say:
         say(f"fitted: {per_file_mape(fitted, rows)} in {result.nfev} evaluations")
     return fitted

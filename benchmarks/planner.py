@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import exhaustive_best, megatron_uniform
 
+from hethub.memo import memo_scope
 from hethub.planner import search, upper_bound
 from hethub.spec import load_cluster, load_model, parse_cluster, parse_model
 
@@ -168,10 +169,11 @@ def quality() -> bool:
             },
             name,
         )
-        started = time.perf_counter()
-        _, best, count = exhaustive_best(cluster, model, global_batch, "small")
-        enumerate_s = time.perf_counter() - started
-        found = search(cluster, model, global_batch, model_ref="small")
+        with memo_scope():  # one case: its enumeration and its search share one Memo
+            started = time.perf_counter()
+            _, best, count = exhaustive_best(cluster, model, global_batch, "small")
+            enumerate_s = time.perf_counter() - started
+            found = search(cluster, model, global_batch, model_ref="small")
         ratio = found.best.prediction.tokens_per_s / best.tokens_per_s
         ok &= ratio >= 0.99
         print(
@@ -196,14 +198,15 @@ def examples() -> bool:
     rows = {}
     for name, (model_name, global_batch) in EXAMPLES.items():
         cluster, model = load_cluster(CLUSTERS / f"{name}.yaml"), load_model(model_name)
-        found = search(cluster, model, global_batch, model_ref=model_name)
-        started = time.perf_counter()
-        upper = upper_bound(found)
-        bound_s = time.perf_counter() - started
-        bound, whole = upper.tokens_per_s, upper.whole_batch_tokens_per_s
-        best = found.best.prediction.tokens_per_s
-        fastest = max(r.prediction.tokens_per_s for r in found.group_best.values() if r)
-        _, uniform = megatron_uniform(cluster, model, global_batch, model_name)
+        with memo_scope():  # one example's search, bound and baseline share one Memo
+            found = search(cluster, model, global_batch, model_ref=model_name)
+            started = time.perf_counter()
+            upper = upper_bound(found)
+            bound_s = time.perf_counter() - started
+            bound, whole = upper.tokens_per_s, upper.whole_batch_tokens_per_s
+            best = found.best.prediction.tokens_per_s
+            fastest = max(r.prediction.tokens_per_s for r in found.group_best.values() if r)
+            _, uniform = megatron_uniform(cluster, model, global_batch, model_name)
         vs_uniform = best / uniform.tokens_per_s if uniform else float("inf")
         ok &= vs_uniform >= 1.0 and best >= fastest
         rows[name] = (bound, best, found.search_time_s)

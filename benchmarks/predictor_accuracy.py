@@ -35,9 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import clear_caches, fit
+from calibrate import fit
 from measured_rows import ALL, FITTED_ON, HELD_OUT, Row, load_rows, predict_row
 
+from hethub.memo import memo_scope
 from hethub.predictor import Calibration, default_calibration
 from hethub.spec.parameters import parameter_count
 
@@ -91,8 +92,8 @@ def main() -> int:
     return 0 if ok else 1
 
 
+@memo_scope()  # one calibration's caches, dropped once its rows are priced
 def priced(rows: list[Row], cal: Calibration) -> dict[Row, float]:
-    clear_caches()
     return {row: predict_row(row, cal).iteration_time_s for row in rows}
 
 

@@ -12,6 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
+from hethub.memo import memo_scope
 from hethub.predictor import predict
 from hethub.spec import check_plan, load_cluster, load_model, parse_plan
 
@@ -47,6 +48,7 @@ def plan_768(shift: int) -> dict:
     }
 
 
+@memo_scope()  # the predictions share one Memo, as a search's do
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to measure")

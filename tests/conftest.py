@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from hethub.memo import memo_scope
+
 # The single-process references run in the pytest process. torch's default of a thread per core
 # makes its thread pool spin against the ranks' processes (and anything else) on a 2-core
 # machine: one reference took 12 to 17 s with 2 threads under load, about 1 s with 1. The ranks
@@ -19,4 +21,13 @@ def profiles_outside_the_home(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         patch.delenv("HETHUB_PROFILES", raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def memo_of_the_test():
+    """Each test's memoized answers (hethub.memo) in a Memo of its own, as a search's or a
+    run's are: a test that drives the planner's or the runtime's parts directly shares them
+    within itself, and no test reads another's."""
+    with memo_scope():
         yield

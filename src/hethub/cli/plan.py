@@ -12,6 +12,7 @@ import yaml
 from hethub.cli.args import positive_int
 from hethub.cli.summary import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.planner import PricedPlan, SearchResult, UpperBound, search, upper_bound
 from hethub.planner.above_bound import why_above
 from hethub.report.terminal import plural, progress_bar
@@ -69,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+@memo_scope()
 def run(args: argparse.Namespace) -> int:
     if args.time_limit is not None and args.time_limit <= 0:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")

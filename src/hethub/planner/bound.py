@@ -39,6 +39,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hethub.memo import memo_scope
 from hethub.planner.candidates import Layout
 from hethub.planner.costs import Setting, StageSlot
 from hethub.planner.drafts import make_draft
@@ -85,6 +86,7 @@ class UpperBound:
         }
 
 
+@memo_scope()
 def upper_bound(result: SearchResult) -> UpperBound:
     """The bound for the cluster and batch that ``result`` searched (see the module's notes)."""
     query = result.query

@@ -3,9 +3,9 @@ and the head's extra time, and how many layers fit in memory, all from the predi
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
+from hethub.memo import memoized
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.memory import headroom_gb
 from hethub.predictor.memory import stage_position as _stage_position
@@ -64,7 +64,7 @@ class Setting:
         )
 
 
-stage_position = functools.lru_cache(maxsize=4096)(_stage_position)
+stage_position = memoized(_stage_position)
 """predictor.memory.stage_position, cached: the planner asks it for every stage of every
 structure it weighs (a few hundred distinct answers)."""
 
@@ -74,7 +74,7 @@ there are this many times the stages: its peak is in the warm-up, which 2p micro
 (tests/test_planner_shortcuts.py holds it against the walk of the order)."""
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
     """Forward plus backward of one layer, one micro-batch, on a stage of ``tp`` devices of
     ``group``."""
@@ -82,7 +82,7 @@ def layer_time(setting: Setting, group: DeviceGroup, tp: int) -> float:
     return forward + backward
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def end_time(setting: Setting, group: DeviceGroup, tp: int, position: StagePosition) -> float:
     """Forward plus backward of the embedding (first stage) and the head (last stage)."""
     forward, backward = _work(setting, group, tp, 0, position)
@@ -125,7 +125,7 @@ def stage_caps(
     return _stage_caps(setting, cluster, slots, in_flight, shards)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _stage_caps(
     setting: Setting,
     cluster: ClusterSpec,
@@ -147,7 +147,7 @@ def _stage_caps(
     )
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _layer_cap(
     setting: Setting,
     group: DeviceGroup,

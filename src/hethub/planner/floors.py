@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 
+from hethub.memo import memoized
 from hethub.planner.candidates import (
     Layout,
     Structure,
@@ -101,7 +101,7 @@ def structure_floor(
     return total / rate * (1 - FLOOR_MARGIN)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _stage_costs(
     setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -123,7 +123,7 @@ def _stage_costs(
     return tuple(per_layer), tuple(extra)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _relaxed_bottleneck(
     setting: Setting, cluster: ClusterSpec, slots: tuple[StageSlot, ...]
 ) -> float:
@@ -131,7 +131,7 @@ def _relaxed_bottleneck(
     return relaxed_bottleneck(setting.model.layers, per_layer, extra)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _least_bottleneck(
     setting: Setting, cluster: ClusterSpec, layout: Layout, micro_batches: int | None
 ) -> float | None:
@@ -165,7 +165,7 @@ def compute_floor(state: SearchState, plan: Plan) -> float:
     )
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _stage_floors(
     setting: Setting, cluster: ClusterSpec, stages: tuple[StageSpec, ...], schedule: Schedule
 ) -> tuple[tuple[float, float], ...]:

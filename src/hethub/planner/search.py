@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from hethub.memo import memo_scope
 from hethub.planner.candidates import (
     Layout,
     combinations,
@@ -95,6 +96,7 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+@memo_scope()
 def search(
     cluster: ClusterSpec,
     model: ModelSpec,

@@ -4,11 +4,11 @@ remembered for the error when none fits."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hethub.memo import memoized
 from hethub.planner.candidates import (
     Structure,
 )
@@ -133,7 +133,7 @@ def plan_fits(state: SearchState, plan: Plan) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _stage_fits(
     setting: Setting,
     group: DeviceGroup,

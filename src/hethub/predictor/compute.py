@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hethub.errors import HethubError
+from hethub.memo import memoized
 from hethub.predictor import comm
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.stage import LayerShape
@@ -96,7 +97,7 @@ def launch_time(operators: int, accelerator: AcceleratorSpec, cal: Calibration) 
     return operators * (cal.dispatch_us + accelerator.efficiency.launch_us) * 1e-6
 
 
-@functools.cache  # read for every stage of every prediction
+@memoized  # read for every stage of every prediction
 def kernels_of(accelerator: AcceleratorSpec) -> Kernels:
     """The kernels torch runs a layer's norms and attention with on ``accelerator``."""
     return Kernels.of_vendor(accelerator.vendor)
@@ -137,7 +138,7 @@ def pass_time(
     return max(launch_time(len(ops), accelerator, cal), device)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def layer_cost(
     layer: LayerShape,
     accelerator: AcceleratorSpec,
@@ -215,7 +216,7 @@ def tp_collective_time(op: Op, *, tp: int, group: DeviceGroup, cal: Calibration)
     return comm.group_all_gather_time(nbytes, tp, group, cal)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def embedding_cost(
     model: ModelSpec,
     accelerator: AcceleratorSpec,
@@ -233,7 +234,7 @@ def embedding_cost(
     return WorkCost(max(host, device), max(2 * host, 2 * device), 0.0)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def head_cost(
     model: ModelSpec,
     accelerator: AcceleratorSpec,

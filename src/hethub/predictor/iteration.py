@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.predictor import comm, profiled
 from hethub.predictor.calibration import Calibration, default_calibration
 from hethub.predictor.compute import layer_gemms, missing_fp32, peak_tflops
@@ -39,6 +40,7 @@ from hethub.spec.schedules import in_flight_micro_batches, model_chunk
 from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 
+@memo_scope()
 def predict(
     plan: Plan,
     cluster: ClusterSpec,

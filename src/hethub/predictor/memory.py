@@ -17,10 +17,10 @@ final norm (loss_bytes), a layer's MLP. The optimizer step adds nothing (StageMe
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
+from hethub.memo import memoized
 from hethub.predictor.stage import StagePosition, StageShape
 from hethub.spec.accelerator import AcceleratorSpec
 from hethub.spec.layer_ops import layer_ops
@@ -93,7 +93,7 @@ def fits(memory: StageMemory | float, device: AcceleratorSpec) -> bool:
     return device.holds(memory.total_gb if isinstance(memory, StageMemory) else memory)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def stage_params(model: ModelSpec, layers: int, position: StagePosition) -> int:
     """Parameters of a stage (all TP ranks together), as spec.parameters lays them out."""
     return stage_parameter_count(model, layers, is_first=position.first, is_last=position.last)
@@ -369,7 +369,7 @@ def late_backward_bytes(
     return others + boundary + max(first_layer, end)
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized
 def _attention_parameters(model: ModelSpec, tp: int) -> int:
     """One rank's parameters of a layer's attention half: its first norm, QKV and output
     projection (spec.parameters' layer table)."""
@@ -406,7 +406,7 @@ def buffer_bytes(shape: StageShape, in_flight: float, *, rebuilt: float, kernels
     return boundary + _layer_backward_bytes(model, tp, micro_batch, precision)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def stage_memory_at(
     shape: StageShape,
     in_flight: float,

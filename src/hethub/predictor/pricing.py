@@ -8,12 +8,12 @@ ask the interface, never which kind they hold.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hethub.errors import HethubError
+from hethub.memo import memoized
 from hethub.predictor import comm, compute, profiled
 from hethub.predictor.calibration import Calibration
 from hethub.predictor.compute import (
@@ -133,7 +133,7 @@ class Pricing(ABC):
         """How the plan's ranks share one machine's cores, or None where they do not."""
 
 
-@functools.lru_cache(maxsize=64)
+@memoized
 def pricing_for(
     calibration: Calibration, profiles: Profiles | None, kernels: Kernels | None = None
 ) -> Pricing:
@@ -342,7 +342,7 @@ def _at_speed(group: DeviceGroup, times: StageTimes) -> StageTimes:
     return StageTimes(times.forward_s / group.speed, times.backward_s / group.speed)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _analytic_work(
     group: DeviceGroup, cal: Calibration, shape: StageShape, kernels: Kernels | None
 ) -> StageTimes:
@@ -401,7 +401,7 @@ def _sequence_parallel_edges(group: DeviceGroup, cal: Calibration, shape: StageS
     return StageTimes(forward, backward)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _analytic_sync_s(
     group: DeviceGroup, cal: Calibration, params: float, tp: int, replicas: int, grad_bytes: int
 ) -> float:
@@ -412,7 +412,7 @@ def _analytic_sync_s(
     return comm.group_allreduce_time(params * grad_bytes, replicas, group, cal, replicas_per_node)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _analytic_optimizer_s(
     group: DeviceGroup, cal: Calibration, params: float, precision: Precision, kernels: Kernels
 ) -> float:

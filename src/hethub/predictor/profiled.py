@@ -20,11 +20,11 @@ moments in the profile's dtype, and the measured activations of the micro-batche
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from hethub.memo import memoized
 from hethub.predictor.memory import stage_params
 from hethub.predictor.sharing import CoreSharing
 from hethub.predictor.stage import SendTimes, StagePosition, StageTimes, SyncTimes
@@ -141,7 +141,7 @@ def _all_gather(link: LinkProfile | None, nbytes: float, ranks: int) -> float | 
     return None if link is None else link.allgather_time(nbytes, ranks)
 
 
-@functools.lru_cache(maxsize=64)
+@memoized
 def plan_topology(plan: Plan, cluster: ClusterSpec) -> Topology:
     """spec.topology's ranks of ``plan`` on ``cluster``, built once per plan: every stage's
     sync reads it."""
@@ -172,7 +172,7 @@ class Collective(NamedTuple):
     """NATIVE inside a vendor, BRIDGE across vendors (spec.collectives.path_of)."""
 
 
-@functools.lru_cache(maxsize=4096)
+@memoized
 def sync_collectives(
     plan: Plan, cluster: ClusterSpec, model: ModelSpec, pipeline: int, stage: int
 ) -> tuple[Collective, ...]:

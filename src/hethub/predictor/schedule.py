@@ -20,11 +20,11 @@ longer pays for every micro-batch. Interleaved and zero-bubble orders are simula
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import math
 from dataclasses import dataclass
 
+from hethub.memo import memoized
 from hethub.spec.schedules import (
     BACKWARD,
     FORWARD,
@@ -97,7 +97,7 @@ def collector_paused():
             gc.enable()
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized
 def schedule_order(
     schedule: Schedule, stages: int, micro_batches: int, chunks: int = 1
 ) -> ScheduleOrder:

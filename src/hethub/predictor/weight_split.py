@@ -18,8 +18,7 @@ as held whole from its forward until its W.
 
 from __future__ import annotations
 
-import functools
-
+from hethub.memo import memoized
 from hethub.spec.layer_ops import layer_ops
 from hethub.spec.model import ModelSpec
 from hethub.spec.ops import Kernels, Op, OpKind
@@ -33,7 +32,7 @@ def _linears(ops: tuple[Op, ...]) -> list[Op]:
     return [op for op in ops if op.kind is OpKind.GEMM and op.name in LINEAR_GEMMS]
 
 
-@functools.lru_cache(maxsize=4096)
+@memoized
 def weight_gradient_share(
     model: ModelSpec,
     tp: int,

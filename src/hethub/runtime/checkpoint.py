@@ -46,7 +46,6 @@ rank, never a traceback per rank.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -63,6 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hethub.errors import HethubError
+from hethub.memo import memoized
 from hethub.runtime.checkpoint_folders import (
     MANIFEST,
     META,
@@ -146,7 +146,7 @@ _FIELD = {"model": "value", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 """A checkpoint field's LocalState attribute."""
 
 
-@functools.lru_cache(maxsize=4)
+@memoized
 def _writers(topology: Topology, spec: ModelSpec) -> dict[str, int]:
     """For every parameter: the leader of the stage that writes it, one of its holders
     (topology.parameter_holders) taken in turn along the parameter table, so that every

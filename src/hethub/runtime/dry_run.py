@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from hethub.comm import Communicator
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.runtime.model import Stage, StageChunks
 from hethub.runtime.optimizer import PlainAdamW, ShardedAdamW
 from hethub.runtime.precision import MasterWeights
@@ -295,6 +296,7 @@ def rank_state(
     return state
 
 
+@memo_scope()
 def dry_run(
     plan: Plan,
     topology: Topology,

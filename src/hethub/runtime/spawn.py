@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.runtime.affinity import bind_rank
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -86,7 +87,9 @@ def _entry(rank: int, job: _Job, results) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         # Pickled here, by value: torch's queue would pass a tensor as a handle to this
         # process's shared memory, which is gone once the process has exited.
-        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+        with memo_scope():  # one Memo for the rank's work, gone with it
+            answer = fn(rank, world, *args)
+        results.put((rank, "ok", pickle.dumps(answer)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         text = traceback.format_exc()
         print(f"{purpose} rank {rank}:\n{text}", file=sys.stderr, flush=True)

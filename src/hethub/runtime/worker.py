@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hethub.corpus import open_corpus
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.messages import logger
 from hethub.report.terminal import plural
 from hethub.runtime.affinity import bind_rank
@@ -41,6 +42,7 @@ from hethub.spec.plan import Plan
 from hethub.spec.topology import Topology, build_topology
 
 
+@memo_scope()
 def train(job: TrainingJob, *, resume: bool, as_json: bool, rank: int | None = None) -> int:
     """Train the job's plan from its start (or its latest checkpoint) to its settings' steps, as
     ``rank`` of the plan (None: torchrun's RANK); the exit status: 0, 1 when the loss went

@@ -16,12 +16,12 @@ n - 1 times its piece.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hethub.memo import memoized
 from hethub.spec.buckets import BUCKET_BYTES, SyncBucket, rank_buckets
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
@@ -247,7 +247,7 @@ def message_cut(micro_batch: int, model: ModelSpec, sequence_parallel: bool) -> 
     return MessageCut(message_elements(micro_batch, model), 1, gathered=True)
 
 
-@functools.lru_cache(maxsize=256)
+@memoized
 def layout_posts(
     schedule: Schedule, stages: int, chunks: int, micro_batches: int
 ) -> tuple[tuple[Post, ...], ...]:
@@ -257,7 +257,7 @@ def layout_posts(
     return tuple(tuple(mine) for mine in posts)
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized
 def _stage_buckets(
     topology: Topology, model: ModelSpec, pipeline: int, stage: int, grouped: bool, cap: int
 ) -> tuple[SyncBucket, ...]:
@@ -386,7 +386,7 @@ def _class_share_elements(share: SyncClass, params) -> int:
     )
 
 
-@functools.lru_cache(maxsize=8)
+@memoized
 def _world(size: int) -> tuple[int, ...]:
     """Every rank, one tuple shared by every rank's transfers (a dry run holds them all)."""
     return tuple(range(size))

@@ -18,13 +18,13 @@ Pure Python (no torch): the names and shapes are data, the predictor may read th
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from hethub.memo import memoized
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
 
@@ -173,7 +173,7 @@ def _gpt2_layer(spec: ModelSpec, i: int) -> dict[str, HfSource]:
     return out
 
 
-@functools.lru_cache(maxsize=16)
+@memoized
 def hf_sources(spec: ModelSpec) -> Mapping[str, HfSource]:
     """Every hethub parameter of ``spec`` by full-model name, with the HF tensors it is made of.
     Read-only."""

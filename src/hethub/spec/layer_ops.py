@@ -32,9 +32,8 @@ which the measured A100 runs (measurements/a100) ran, so that they are priced as
 
 from __future__ import annotations
 
-import functools
-
 from hethub.errors import HethubError
+from hethub.memo import memoized
 from hethub.spec.megatron_layer import megatron_core_attention, megatron_gpt_layer
 from hethub.spec.model import ModelSpec
 from hethub.spec.ops import (
@@ -346,7 +345,7 @@ def _residual(x: LayerDims) -> PartOps:
     return PartOps((memory("add", 2 * act, act),), (memory("add", 2 * act, act),), 0)
 
 
-@functools.lru_cache(maxsize=4096)
+@memoized
 def layer_ops(
     model: ModelSpec,
     tp: int,

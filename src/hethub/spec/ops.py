@@ -9,9 +9,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import functools
 from dataclasses import dataclass
 
+from hethub.memo import memoized
 from hethub.spec.plan import Precision
 
 FP32_BYTES = 4
@@ -131,7 +131,7 @@ Adam reading the main gradient, the fp32 weight and both moments (16) and writin
 (12), and the fp32 weight copied back to the 16-bit one (4 + 2): 52."""
 
 
-@functools.cache  # read for every stage of every prediction, and two enums pick it
+@memoized  # read for every stage of every prediction, and two enums pick it
 def trainer_bytes(kernels: Kernels, precision: Precision) -> TrainerBytes:
     """Per parameter, what the trainer of ``kernels``' layer moves.
 

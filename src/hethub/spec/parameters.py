@@ -34,13 +34,13 @@ Pure Python: the predictor may read it too.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
+from hethub.memo import memoized
 from hethub.spec.model import ModelSpec
 
 INIT_STD = 0.02
@@ -189,7 +189,7 @@ class FusedParts:
     """Each part's extent along ``dim``."""
 
 
-@functools.lru_cache(maxsize=16)
+@memoized
 def fused_parts(spec: ModelSpec) -> Mapping[str, FusedParts]:
     """The fused parameters of a layer by their name in it (``qkv.weight``), with their parts:
     the table of renames from the layers before the fused GEMMs. Read-only."""
@@ -223,7 +223,7 @@ def _head(spec: ModelSpec) -> list[Parameter]:
     return head
 
 
-@functools.lru_cache(maxsize=16)
+@memoized
 def parameter_table(spec: ModelSpec) -> Mapping[str, Parameter]:
     """Every full-model parameter of ``spec`` by name, in the model's order (embedding, layers,
     head). Made once per model and read-only: every stage's list and every rank's sync read it."""
@@ -272,7 +272,7 @@ class ParameterCounts:
     """A stage's copy of the embedding as its tied output projection (holds_tied_copy)."""
 
 
-@functools.lru_cache(maxsize=16)
+@memoized
 def parameter_counts(spec: ModelSpec) -> ParameterCounts:
     """The model's parameter counts by part: one layer's entries stand for every layer's, so a
     model of many layers is counted without its whole table."""

@@ -4,8 +4,9 @@ shared by the predictor (which simulates it) and the runtime (which runs it)."""
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Sequence
+
+from hethub.memo import memoized
 
 FORWARD, BACKWARD, WEIGHT = 0, 1, 2
 """The kinds of operation a stage runs on one chunk and micro-batch. Under the zero-bubble
@@ -48,7 +49,7 @@ def model_chunk(schedule: Schedule, stage: int, stages: int, chunk: int) -> int:
     return chunk * stages + stage
 
 
-@functools.cache
+@memoized
 def stage_model_chunks(schedule: Schedule, stages: int, chunks: int) -> tuple[tuple[int, ...], ...]:
     """Each stage's model chunks, chunk by chunk (model_chunk over the whole pipeline): what
     every walk of a pipeline's chunks reads."""
@@ -80,7 +81,7 @@ def stage_sequence(
     return sequence
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def in_flight_micro_batches(
     schedule: Schedule,
     position: int,
@@ -116,7 +117,7 @@ def megatron_in_flight(position: int, stages: int, micro_batches: int, chunks: i
     return min(warmup + 1, micro_batches * chunks) / chunks
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def peak_in_flight(
     schedule: Schedule, position: int, stages: int, micro_batches: int, chunks: tuple[int, ...]
 ) -> float:
@@ -254,7 +255,7 @@ def interleaved_warmup(stage: int, stages: int, chunks: int, micro_batches: int)
     return min(2 * (p - stage - 1) + (v - 1) * group, m * v)
 
 
-@functools.cache
+@memoized
 def interleaved_orders(
     stages: int, chunks: int, micro_batches: int
 ) -> tuple[tuple[tuple[int, int, int], ...], ...]:

@@ -18,11 +18,12 @@ degrees the classes follow the tensors' layout, not the TP rank.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import NamedTuple
+
+from hethub.memo import memoized
 
 
 class BridgeSlice(NamedTuple):
@@ -47,7 +48,7 @@ def bridge_slices(parts: Sequence[Sequence[int]]) -> tuple[BridgeSlice, ...]:
     return _bridge_slices(tuple(tuple(part) for part in parts))
 
 
-@functools.lru_cache(maxsize=4096)
+@memoized
 def _bridge_slices(parts: tuple[tuple[int, ...], ...]) -> tuple[BridgeSlice, ...]:
     """bridge_slices, made once per holder set (every rank of a class asks)."""
     units = slice_units(parts)
@@ -96,7 +97,7 @@ def sync_classes(stages: Sequence[Sequence[int]]) -> tuple[SyncClass, ...]:
     return _sync_classes(tuple(tuple(stage) for stage in stages))
 
 
-@functools.lru_cache(maxsize=4096)
+@memoized
 def _sync_classes(stages: tuple[tuple[int, ...], ...]) -> tuple[SyncClass, ...]:
     """sync_classes, made once per holder set."""
     units = math.lcm(*(len(stage) for stage in stages))

@@ -8,11 +8,11 @@ uses; which device runs which stage is hethub.spec.placement's answer, the one t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from hethub.memo import memoized
 from hethub.spec.cluster import ClusterSpec
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import stage_parameters
@@ -157,7 +157,7 @@ class _RankIndex:
         )
 
 
-@functools.lru_cache(maxsize=4)
+@memoized
 def parameter_holders(topology: Topology, model: ModelSpec) -> Mapping[str, tuple[int, ...]]:
     """For every full-model parameter: the leaders (first TP rank) of the stages holding a copy,
     sorted. Their gradients are summed over exactly these (every replica, and the GPT head's
