@@ -13,10 +13,10 @@ from pathlib import Path
 import hethub
 
 PACKAGE = Path(hethub.__file__).parent
-# The house, lowest first: each room and the rooms it may import (errors, files, data and
-# messages are leaves any room may use). The floors the README's Layout draws; a room missing
+# The house, lowest first: each room and the rooms it may import (errors, files, data, messages
+# and memo are leaves any room may use). The floors the README's Layout draws; a room missing
 # here fails.
-LEAVES = {"errors", "files", "data", "messages"}
+LEAVES = {"errors", "files", "data", "messages", "memo"}
 MAY_IMPORT: dict[str, set[str]] = {
     **{leaf: set() for leaf in LEAVES},
     "spec": set(),

@@ -2,12 +2,12 @@
 
 A pure function that a search or a prediction asks again and again with the same arguments
 (a layer's cost, a stage's memory, a schedule's order) is ``@memoized``. Its answers are kept
-in the ``Memo`` of the work that is running, opened by ``memo_scope()`` where that work starts
-(``@memo_scope()`` on planner.search, predictor.predict, the runtime's run, the dry run, or a
-``with`` block): they are shared by
-everything the work calls, and they go when the work ends, so that nothing a search filled
-outlives it, grows with the searches a process runs, or is read by the next one. With no scope
-open, a memoized function simply runs: the answer is the same, only computed again.
+in the ``Memo`` of the work that is running, which ``memo_scope()`` opens where that work
+starts (``@memo_scope()`` on planner.search, predictor.predict, the runtime's train, the dry
+run; or a ``with`` block). Everything the work calls shares them, and they go when the work
+ends: nothing a search filled outlives it, grows with the searches a process runs, or is read
+by the next one. With no scope open, a memoized function simply runs: the same answer,
+computed again.
 
 An inner scope joins the outer one, so that a prediction made inside a search reads the
 search's caches. The active Memo is a context variable: a thread or task started outside a
