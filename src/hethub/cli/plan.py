@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-@memo_scope()
+@memo_scope()  # the search, its bound and the report share one Memo
 def run(args: argparse.Namespace) -> int:
     if args.time_limit is not None and args.time_limit <= 0:
         raise HethubError(f"--time-limit = {args.time_limit}: must be a positive number of seconds")

@@ -10,6 +10,7 @@ from pathlib import Path
 from hethub.cli.args import positive_int
 from hethub.cli.summary import PROFILES_HELP, describe, note_missing, priced_by, read_profiles
 from hethub.errors import HethubError
+from hethub.memo import memo_scope
 from hethub.predictor import predict
 from hethub.predictor.traffic import predicted_traffic
 from hethub.report.terminal import plural
@@ -91,6 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+@memo_scope()  # the prediction and its traffic share one Memo
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     plan, model, source = resolve_plan(args, cluster)

@@ -13,6 +13,7 @@ from hethub.cli.agent import DEFAULT_MAX_RESTARTS, launch
 from hethub.cli.args import add_job_arguments, node, non_negative_int
 from hethub.errors import HethubError
 from hethub.jobs import Job, plan_devices, prepare
+from hethub.memo import memo_scope
 from hethub.messages import logger
 from hethub.report.terminal import plural
 from hethub.runtime.rundir import DEFAULT_SETTINGS
@@ -70,6 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+@memo_scope()  # the run's preparation: its prediction, traffic and checks share one Memo
 def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(args)

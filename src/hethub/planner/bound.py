@@ -86,7 +86,7 @@ class UpperBound:
         }
 
 
-@memo_scope()
+@memo_scope()  # the searches of each group alone share one Memo
 def upper_bound(result: SearchResult) -> UpperBound:
     """The bound for the cluster and batch that ``result`` searched (see the module's notes)."""
     query = result.query

@@ -96,7 +96,7 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-@memo_scope()
+@memo_scope()  # shared by every plan the search prices, gone when it returns
 def search(
     cluster: ClusterSpec,
     model: ModelSpec,

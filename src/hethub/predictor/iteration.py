@@ -40,7 +40,7 @@ from hethub.spec.schedules import in_flight_micro_batches, model_chunk
 from hethub.spec.topology import data_parallel_degrees, layout_classes
 
 
-@memo_scope()
+@memo_scope()  # a search's Memo inside a search, else its own
 def predict(
     plan: Plan,
     cluster: ClusterSpec,

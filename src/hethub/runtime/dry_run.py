@@ -296,7 +296,7 @@ def rank_state(
     return state
 
 
-@memo_scope()
+@memo_scope()  # every rank's buckets, groups and posts: one Memo
 def dry_run(
     plan: Plan,
     topology: Topology,

@@ -42,7 +42,7 @@ from hethub.spec.plan import Plan
 from hethub.spec.topology import Topology, build_topology
 
 
-@memo_scope()
+@memo_scope()  # one Memo for the rank's whole run
 def train(job: TrainingJob, *, resume: bool, as_json: bool, rank: int | None = None) -> int:
     """Train the job's plan from its start (or its latest checkpoint) to its settings' steps, as
     ``rank`` of the plan (None: torchrun's RANK); the exit status: 0, 1 when the loss went

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hethub.memo import memoized
+from hethub.memo import memo_scope, memoized
 from hethub.spec.buckets import BUCKET_BYTES, SyncBucket, rank_buckets
 from hethub.spec.model import ModelSpec
 from hethub.spec.parameters import parameter_table
@@ -478,6 +478,7 @@ def comm_bytes(transfers: Sequence[Transfer]) -> dict[str, int]:
     return moved
 
 
+@memo_scope()  # every rank of a stage reads the stage's buckets and posts: one Memo
 def step_comm_bytes(
     plan: Plan, topology: Topology, model: ModelSpec, vendors: Sequence[str], *, grad_norm: bool
 ) -> tuple[dict[str, int], dict[str, int]]:
