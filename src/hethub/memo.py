@@ -88,6 +88,6 @@ def memoized(fn: Callable[P, R]) -> Callable[P, R]:
             table = memo._tables[fn]
         except KeyError:
             table = memo.cached(fn)
-        return table(*args, **kwargs)
+        return table(*args, **kwargs) if kwargs else table(*args)  # no empty dict to pass on
 
     return call
