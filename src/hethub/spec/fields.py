@@ -224,17 +224,17 @@ class Fields:
         declared types, rules (``rules``, in a field's metadata) and defaults: the one
         declaration of a file's fields. A str is a non-empty string (or one of its ``choices``),
         an int a positive integer, a float a positive number (``at_least_zero``: either >= 0;
-        ``fraction``: in (0, 1]),
-        a bool true or false, a StrEnum one of its values (read into a member), ``X | None`` an
-        X where given. A field left out takes ``defaults``' value where it has one (a default
-        that depends on another field), else its declared default; without either it is
-        required."""
-        hints = typing.get_type_hints(cls)
+        ``fraction``: in (0, 1]), a bool true or false, a StrEnum one of its values (read into
+        a member), ``X | None`` an X where given. A field left out takes ``defaults``' value
+        where it has one (a default that depends on another field), else its declared default;
+        without either it is required."""
         defaults = defaults or {}
         values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            if field.name in skip or not field.init:
+        for field, kind in _declaration(cls):
+            if field.name in skip:
                 continue
+            if kind is None:  # a section or a list: its reader of its own must skip it
+                raise TypeError(f"{cls.__name__}.{field.name}: no reader for its type")
             if not self.has(field.name):
                 if field.name in defaults:
                     values[field.name] = defaults[field.name]
@@ -243,7 +243,7 @@ class Fields:
                 else:
                     raise self.error(field.name, None, "is required")
                 continue
-            values[field.name] = self._typed(field, _given_type(hints[field.name], cls, field))
+            values[field.name] = self._typed(field, kind)
         return values
 
     def _typed(self, field: dataclasses.Field, kind: type) -> Any:
@@ -296,6 +296,24 @@ def rules(
 
 
 _READABLE = (bool, int, float, str)
+_DECLARATIONS: dict[type, tuple[tuple[dataclasses.Field, type | None], ...]] = {}
+"""Each declared dataclass's fields and the type each is read as, found once: resolving a
+class's string annotations (typing.get_type_hints) costs far more than reading a file's
+fields, and a class's declaration is a fact of the code, the same for the whole process."""
+
+
+def _declaration(cls: type) -> tuple[tuple[dataclasses.Field, type | None], ...]:
+    """``cls``'s constructor fields, each with the type its given value is read as (None: a
+    field of a type no reader takes, which a reader of its own must skip)."""
+    found = _DECLARATIONS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _DECLARATIONS[cls] = tuple(
+            (field, _given_type(hints[field.name]))
+            for field in dataclasses.fields(cls)
+            if field.init
+        )
+    return found
 
 
 def _reads_as_number(text: str) -> bool:
@@ -307,14 +325,15 @@ def _reads_as_number(text: str) -> bool:
     return True
 
 
-def _given_type(hint: Any, cls: type, field: dataclasses.Field) -> type:
-    """The type a field's given value is read as: ``hint``, or X of ``X | None``."""
+def _given_type(hint: Any) -> type | None:
+    """The type a field's given value is read as: ``hint``, or X of ``X | None``; None where no
+    reader takes it."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         given = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         hint = given[0] if len(given) == 1 else hint
     if hint in _READABLE or (isinstance(hint, type) and issubclass(hint, enum.StrEnum)):
         return hint
-    raise TypeError(f"{cls.__name__}.{field.name}: no reader for {hint!r}")
+    return None
 
 
 def field_names(cls: type) -> tuple[str, ...]:
