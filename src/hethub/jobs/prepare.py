@@ -105,8 +105,7 @@ def prepare(
     name = Path(args.plan).stem if args.plan else cluster_path.stem
     check_run_dir(args, Path("runs") / name, write)
     check_profiles_folder(args, cluster, measure)
-    read = _read_plan if args.plan else _make_plan
-    plan, model, profiles, basis = read(
+    plan, model, profiles, basis = _plan_and_profiles(
         args, cluster, settings, measure=measure, local_launch=local_launch, say=say
     )
     prediction = predict(plan, cluster, model, profiles=profiles, timeline=True)
@@ -131,7 +130,7 @@ def prepare(
     )
 
 
-def _read_plan(
+def _plan_and_profiles(
     args: argparse.Namespace,
     cluster: ClusterSpec,
     settings: RunSettings,
@@ -140,34 +139,25 @@ def _read_plan(
     local_launch: bool,
     say,
 ) -> tuple[Plan, ModelSpec, Profiles | None, str]:
-    """The plan file's plan and model, checked against the cluster and the data, and the
-    profiles to price it by (measured first where missing and ``measure``)."""
-    plan = load_plan(args.plan)
-    model = load_model(
-        plan.model,
-        relative_to=Path(args.plan).parent,
-        source=args.plan,
-        seq_len=settings.seq_len,
-    )
-    check_plan(plan, cluster, model, args.plan)
-    check_data(settings, model, plan.global_batch)  # bad data stops before anything is measured
-    check_eval_data(settings, model, plan.global_batch)
-    _check_before_measuring(args, cluster, model, plan, measure=measure, local_launch=local_launch)
-    profiles, basis = _profiles(args, cluster, model, plan, measure=measure, say=say)
-    return plan, model, profiles, basis
-
-
-def _make_plan(
-    args: argparse.Namespace,
-    cluster: ClusterSpec,
-    settings: RunSettings,
-    *,
-    measure: bool,
-    local_launch: bool,
-    say,
-) -> tuple[Plan, ModelSpec, Profiles | None, str]:
-    """No plan file: the model, checked against the data, the profiles, and the plan the
-    planner finds with them."""
+    """The plan (the plan file's, checked against the cluster, else the one the planner finds),
+    its model, checked against the data, and the profiles to price it by (measured first where
+    missing and ``measure``)."""
+    if args.plan:
+        plan = load_plan(args.plan)
+        model = load_model(
+            plan.model,
+            relative_to=Path(args.plan).parent,
+            source=args.plan,
+            seq_len=settings.seq_len,
+        )
+        check_plan(plan, cluster, model, args.plan)
+        check_data(settings, model, plan.global_batch)  # bad data stops before anything is measured
+        check_eval_data(settings, model, plan.global_batch)
+        _check_before_measuring(
+            args, cluster, model, plan, measure=measure, local_launch=local_launch
+        )
+        profiles, basis = _profiles(args, cluster, model, plan, measure=measure, say=say)
+        return plan, model, profiles, basis
     model = load_model(args.model or DEFAULT_MODEL, source="--model", seq_len=settings.seq_len)
     global_batch = args.global_batch or DEFAULT_GLOBAL_BATCH
     check_data(settings, model, global_batch)

@@ -324,27 +324,19 @@ def launch(config, entrypoint: str, args: list[str], on_failure) -> None:
     rendezvous = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
+        **_same_names(config, "run_id", "min_nodes", "max_nodes", "local_addr"),
         **config.rdzv_configs,
     )
     spec = WorkerSpec(
-        role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
         rdzv_handler=get_rendezvous_handler(rendezvous),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        local_addr=config.local_addr,
+        **_same_names(config, "role", "max_restarts", "monitor_interval", "local_addr"),
     )
     agent = ReportingAgent(
         spec=spec,
-        logs_specs=config.logs_specs,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
+        **_same_names(config, "logs_specs", "start_method", "log_line_prefix_template"),
     )
     closing = True
     try:
@@ -359,6 +351,11 @@ def launch(config, entrypoint: str, args: list[str], on_failure) -> None:
     finally:
         if closing:
             spec.rdzv_handler.shutdown()
+
+
+def _same_names(config, *names: str) -> dict:
+    """The LaunchConfig's fields that torchelastic's classes take under the same names."""
+    return {name: getattr(config, name) for name in names}
 
 
 def first_failure(failures: dict) -> tuple[int | None, int | None, str | None]:
