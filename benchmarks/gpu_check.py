@@ -507,6 +507,10 @@ def _profile_command(run: Run, profiles: Path) -> list[str]:
         "1",
         "--micro-batch",
         str(run.setup.micro_batch),
+        # the check's plan runs one rank (write_files: one device): a profile keyed for the
+        # machine's every core would not price it
+        "--concurrent-ranks",
+        "1",
         "--out",
         str(profiles),
         "--json",
