@@ -20,32 +20,17 @@ def validate(
     workdir: Path, name: str, cluster: dict, plan: dict, steps: int, profiles: Path
 ) -> dict:
     """`hethub validate --json` of ``plan`` on ``cluster``; its final object."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / f"{name}.cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
-    (workdir / f"{name}.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hethub",
-            "validate",
-            "--cluster",
-            f"{name}.cluster.yaml",
-            "--plan",
-            f"{name}.yaml",
-            "--steps",
-            str(steps),
-            "--profiles",
-            str(profiles.resolve()),
-            "--json",
-            "--run-dir",
-            f"runs/{name}",
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    write_inputs(workdir, name, cluster, plan)
+    done = run_hethub(
+        workdir,
+        name,
+        "validate",
+        steps,
+        "--profiles",
+        str(profiles.resolve()),
+        "--json",
+        "--run-dir",
+        f"runs/{name}",
     )
     # Exit 1 is validate's verdict (off by more than --tolerance) on a run that was measured: its
     # report is what is wanted here, however far off.
@@ -54,6 +39,32 @@ def validate(
             f"{name}: hethub validate failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
         )
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def write_inputs(workdir: Path, name: str, cluster: dict, plan: dict) -> None:
+    """``workdir``/NAME.cluster.yaml and NAME.yaml: the files run_hethub names."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / f"{name}.cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
+    (workdir / f"{name}.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+
+
+def run_hethub(
+    workdir: Path, name: str, command: str, steps: int, *arguments: str
+) -> subprocess.CompletedProcess:
+    """`hethub COMMAND` of the plan ``name`` (write_inputs) for ``steps`` steps, in ``workdir``,
+    its output captured."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "hethub", command),
+            *("--cluster", f"{name}.cluster.yaml", "--plan", f"{name}.yaml"),
+            *("--steps", str(steps), *arguments),
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
 
 
 def stage(group: str, tp: int, layers: int | list[int]) -> dict:
@@ -85,9 +96,7 @@ def validate_bridged(
     from hethub.runtime.rundir import RunDir
     from hethub.spec import load_model, parse_cluster, parse_plan
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / f"{name}.cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
-    (workdir / f"{name}.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    write_inputs(workdir, name, cluster, plan)
     bridged = parse_cluster(cluster, f"{name}.cluster.yaml")
     twin = parse_cluster(cpu_twin(cluster), f"{name}: its CPU twin")
     plan_spec = parse_plan(plan, f"{name}.yaml")
@@ -101,29 +110,16 @@ def validate_bridged(
     )
     predicted = predict(plan_spec, bridged, model, profiles=chosen).iteration_time_s
     run = RunDir(workdir / "runs" / name)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hethub",
-            "train",
-            "--cluster",
-            f"{name}.cluster.yaml",
-            "--plan",
-            f"{name}.yaml",
-            "--steps",
-            str(steps),
-            "--checkpoint-every",
-            str(steps),
-            "--json",
-            "--run-dir",
-            str(run.path.relative_to(workdir)),
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    done = run_hethub(
+        workdir,
+        name,
+        "train",
+        steps,
+        "--checkpoint-every",
+        str(steps),
+        "--json",
+        "--run-dir",
+        str(run.path.relative_to(workdir)),
     )
     if done.returncode != 0:
         raise SystemExit(
